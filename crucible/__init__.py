@@ -1,0 +1,1 @@
+"""crucible: the algorithms of the post-training pipeline (no orchestration imports)."""

@@ -1,0 +1,42 @@
+"""The two DVC calls the Prefect flow makes, so a flow run leaves DVC's state consistent.
+
+Before a stage: `dvc status <stage> --json` (skip it when up to date). After it: `dvc commit
+--force <stage>` records its deps, params and outs in dvc.lock exactly as `dvc repro` would, so a
+following `dvc repro` is a no-op. DVC takes a repository lock, so calls are made one at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+_LOCK = threading.Lock()
+
+
+def _dvc(root: Path, *args: str) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).with_name("dvc")
+    cmd = [str(exe) if exe.exists() else "dvc", *args]
+    env = {**os.environ, "DVC_NO_ANALYTICS": "1"}
+    with _LOCK:
+        proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd[1:])}` failed in {root} (exit {proc.returncode}):\n{proc.stderr.strip()}")
+    return proc
+
+
+def is_dvc_project(root: Path) -> bool:
+    return (Path(root) / ".dvc").is_dir() and (Path(root) / "dvc.yaml").is_file()
+
+
+def up_to_date(root: Path, stage: str) -> bool:
+    """True when DVC would skip `stage` (deps, params, cmd and outs match dvc.lock)."""
+    out = _dvc(root, "status", stage, "--json").stdout.strip()
+    return json.loads(out or "{}") == {}
+
+
+def commit(root: Path, stage: str) -> None:
+    _dvc(root, "commit", "--force", "--quiet", stage)

@@ -1,0 +1,28 @@
+"""Process defaults that keep every tool's state inside the project and every phone-home off.
+
+Applied (setdefault: a user's own setting wins) by the `crucible` command before prefect, mlflow
+or dvc are imported. The Makefile exports the same values.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def apply_defaults(root: Path) -> None:
+    root = Path(root).resolve()
+    defaults = {
+        "PREFECT_HOME": str(root / ".prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+        "DVC_NO_ANALYTICS": "1",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "GIT_PYTHON_REFRESH": "quiet",
+    }
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)

@@ -1,0 +1,176 @@
+"""Stage `ingest` (per task): the four tables of the data contract, from real corpora or your files.
+
+    crucible stage ingest --task bbc          # what dvc.yaml runs
+    python -m tasks.ingest --task bbc         # the same
+
+source: demo builds, from the task's packaged corpus (tasks/corpora.py), a labeled `reference`, a
+clean `test`, and a `pool` that mixes held-out target items with contaminants at rate eps (other
+corpora, boilerplate, near-duplicates, word-shuffled items; crucible.contamination). The `audit` is a
+Poisson draw with inclusion probability pi uniform or proportional to the proxy score's uncertainty
+s(1 - s) with a floor; a simulated annotator answers membership, and the label of members, from
+the held-back truth, which is written to its own file (`truth.parquet`, for evaluation only).
+source: files reads <files_dir>/<task>/{reference,pool,audit,test}.parquet (and truth.parquet if
+present), validates them and publishes them in the same place.
+
+Outputs, under data/<task>/: reference, pool, audit, test, truth (.parquet) and ingest.json.
+The same params give byte-identical files.
+"""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from crucible.contamination import build_pool, draw_poisson_sample, poisson_inclusion_probabilities
+from crucible.schema import DataValidationError, validate_audit_against_pool, validate_labels_against_reference, validate_table
+from tasks.corpora import load_corpus
+from tasks.io import AtomicOutputs, read_table
+from tasks.params import Params
+
+TABLES = ("reference", "pool", "audit", "test")
+
+
+def task_dir(root: Path, task: str) -> Path:
+    return Path(root) / "data" / task
+
+
+def inputs(params: Params, task: str) -> list[Path]:
+    if params.ingest.source == "files":
+        base = Path(params.ingest.files_dir) / task
+        return [base / f"{t}.parquet" for t in (*TABLES, "truth")]
+    return []
+
+
+def outputs(params: Params, task: str) -> list[Path]:
+    base = Path("data") / task
+    return [base / f"{t}.parquet" for t in (*TABLES, "truth")] + [base / "ingest.json"]
+
+
+def task_rng(params: Params, task: str, purpose: str) -> np.random.Generator:
+    """A generator per (seed, task, purpose): stable across runs and independent of task order."""
+    return np.random.default_rng([params.pipeline.seed, zlib.crc32(task.encode()), zlib.crc32(purpose.encode())])
+
+
+def _lexical_scores(reference: pd.DataFrame, pool: pd.DataFrame, seed: int) -> np.ndarray:
+    from sklearn.feature_extraction.text import HashingVectorizer
+
+    from crucible.scoring import domain_classifier_scores
+
+    vec = HashingVectorizer(n_features=2**18, ngram_range=(1, 2), alternate_sign=False, norm="l2")
+    return domain_classifier_scores(vec.transform(reference["text"]), vec.transform(pool["text"]), folds=2, seed=seed)
+
+
+def build_demo(params: Params, task: str) -> dict[str, pd.DataFrame]:
+    """The demo tables of one task (pure given params and the installed corpora)."""
+    ing = params.ingest
+    spec = params.pipeline.tasks[task]
+    n_ref, n_pool, n_test = params.task_sizes(task)
+    corpus = load_corpus(spec.corpus)
+    corpus = corpus[corpus["text"].str.len() >= ing.min_chars].copy()
+    corpus["text"] = corpus["text"].str.slice(0, ing.max_chars)
+    if n_ref + n_test >= len(corpus):
+        raise ValueError(f"task '{task}': corpus '{spec.corpus}' has {len(corpus)} usable items, not enough for "
+                         f"n_reference={n_ref} + n_test={n_test} and a pool; lower them in params.yaml")
+    rng = task_rng(params, task, "split")
+    order = rng.permutation(len(corpus))
+    reference = corpus.iloc[order[:n_ref]]
+    test = corpus.iloc[order[n_ref:n_ref + n_test]]
+    held_out = corpus.iloc[order[n_ref + n_test:]]
+    if reference["label"].nunique() < 2:
+        raise ValueError(f"task '{task}': the reference drew a single class; raise n_reference")
+
+    others = []
+    for name in sorted({s.corpus for s in params.pipeline.tasks.values()} - {spec.corpus}):
+        other = load_corpus(name)
+        other = other[other["text"].str.len() >= ing.min_chars]
+        others.append(pd.DataFrame({"text": other["text"].str.slice(0, ing.max_chars), "corpus": name}))
+    others = pd.concat(others, ignore_index=True) if others else pd.DataFrame({"text": [], "corpus": []})
+    try:
+        pool, truth = build_pool(held_out, others, n_pool=n_pool, eps=ing.eps, mix=ing.contaminants.model_dump(),
+                                 rng=task_rng(params, task, "pool"), id_prefix=f"{task}-p")
+    except ValueError as exc:
+        raise ValueError(f"task '{task}' (corpus '{spec.corpus}', {len(corpus)} usable items): {exc}") from None
+
+    reference = pd.DataFrame({"id": [f"{task}-r{i:06d}" for i in range(n_ref)],
+                              "text": reference["text"].to_numpy(), "label": reference["label"].to_numpy()})
+    test = pd.DataFrame({"id": [f"{task}-t{i:06d}" for i in range(n_test)],
+                         "text": test["text"].to_numpy(), "label": test["label"].to_numpy()})
+
+    uncertainty = None
+    if ing.proxy_score == "lexical":
+        pool["score"] = _lexical_scores(reference, pool, seed=params.pipeline.seed)
+    if ing.audit.design == "uncertainty":
+        if "score" not in pool:
+            raise ValueError("ingest.audit.design = 'uncertainty' needs a proxy score; set ingest.proxy_score: lexical")
+        s = pool["score"].to_numpy()
+        uncertainty = s * (1.0 - s)
+    pi = poisson_inclusion_probabilities(n_pool, ing.audit.budget, uncertainty, ing.audit.pi_floor)
+    audited = draw_poisson_sample(pi, task_rng(params, task, "audit"))
+    # the simulated annotator answers from the held-back truth
+    audit = pd.DataFrame({"id": pool["id"][audited].to_numpy(), "pi": pi[audited],
+                          "member": truth["member"][audited].to_numpy(),
+                          "label": truth["label"][audited].to_numpy()})
+    return {"reference": reference, "pool": pool, "audit": audit, "test": test, "truth": truth}
+
+
+def read_user_files(params: Params, task: str, root: Path) -> dict[str, pd.DataFrame]:
+    base = Path(root) / params.ingest.files_dir / task
+    tables = {kind: read_table(base / f"{kind}.parquet", kind) for kind in TABLES}
+    if (base / "truth.parquet").exists():
+        tables["truth"] = read_table(base / "truth.parquet", "truth")
+    else:  # the audit is all the truth a user has
+        tables["truth"] = pd.DataFrame({"id": tables["audit"]["id"], "member": tables["audit"]["member"],
+                                        "label": tables["audit"]["label"], "origin": "audit"})
+    return tables
+
+
+def check_tables(tables: dict[str, pd.DataFrame], base: Path) -> None:
+    """Every contract, and the cross-table ones, on what is about to be written (or was read)."""
+    for kind, df in tables.items():
+        validate_table(df, kind, source=str(base / f"{kind}.parquet"))
+    validate_audit_against_pool(tables["audit"], tables["pool"], source=str(base / "audit.parquet"))
+    validate_labels_against_reference(tables["audit"], tables["reference"], source=str(base / "audit.parquet"))
+    validate_labels_against_reference(tables["test"], tables["reference"], source=str(base / "test.parquet"))
+    if tables["reference"]["label"].nunique() < 2:
+        raise DataValidationError(str(base / "reference.parquet"), "label", None, None,
+                                  "at least two classes in the reference")
+
+
+def summarise(tables: dict[str, pd.DataFrame], params: Params) -> dict:
+    pool, audit, truth = tables["pool"], tables["audit"], tables["truth"]
+    metrics = {
+        "n_reference": len(tables["reference"]), "n_pool": len(pool), "n_test": len(tables["test"]),
+        "n_audit": len(audit),
+        "audit_members": int(audit["member"].sum()),
+        "n_classes": int(tables["reference"]["label"].nunique()),
+    }
+    if params.ingest.source == "demo":
+        metrics["eps_true"] = float(1.0 - truth["member"].mean())
+        metrics["eps_param"] = params.ingest.eps
+        metrics["audit_budget"] = params.ingest.audit.budget
+    return metrics
+
+
+def run(params: Params, task: str, root: Path, log) -> dict:
+    base = task_dir(root, task)
+    if params.ingest.source == "demo":
+        tables = build_demo(params, task)
+        check_tables(tables, base)
+    else:
+        tables = read_user_files(params, task, root)
+        check_tables(tables, Path(root) / params.ingest.files_dir / task)
+    metrics = summarise(tables, params)
+    with AtomicOutputs() as out:
+        for kind, df in tables.items():
+            out.parquet(df, base / f"{kind}.parquet")
+        out.json(metrics, base / "ingest.json")
+    return metrics
+
+
+if __name__ == "__main__":
+    from tasks.cli import main
+
+    main(["stage", "ingest", *__import__("sys").argv[1:]])

@@ -1,0 +1,111 @@
+"""Reading validated tables and writing outputs atomically.
+
+Every output is written to a temporary file beside its destination and renamed into place only
+when complete (os.replace is atomic on POSIX), so a killed stage leaves the previous outputs
+intact and no half-written file. `AtomicOutputs` stages several files and publishes them together
+only after all of them were written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import pandas as pd
+
+from crucible.schema import validate_table
+
+
+def md5_file(path: Path | str) -> str:
+    h = hashlib.md5()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_table(path: Path | str, kind: str) -> pd.DataFrame:
+    """A parquet table validated against its contract (crucible.schema). Raises DataValidationError."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: {kind} table not found")
+    try:
+        df = pd.read_parquet(path)
+    except Exception as exc:  # pyarrow raises several types for a corrupt file
+        raise ValueError(f"{path}: not a readable parquet file ({exc})") from None
+    return validate_table(df, kind, source=str(path))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class AtomicOutputs:
+    """Collect a stage's outputs in temporary files; publish them all at once on success.
+
+        with AtomicOutputs() as out:
+            out.parquet(df, "data/bbc/pool.parquet")
+            out.json({"eps": 0.3}, "data/bbc/ingest.json")
+        # both renamed into place here; on an exception (or a kill) nothing is replaced
+    """
+
+    def __init__(self) -> None:
+        self._staged: list[tuple[Path, Path]] = []
+
+    def file(self, dest: Path | str, write: Callable[[Path], None]) -> Path:
+        dest = Path(dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+        os.close(fd)
+        tmp = Path(tmp)
+        try:
+            write(tmp)
+            with open(tmp, "rb+") as fh:
+                os.fsync(fh.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        self._staged.append((tmp, dest))
+        return dest
+
+    def parquet(self, df: pd.DataFrame, dest: Path | str) -> Path:
+        return self.file(dest, lambda p: df.to_parquet(p, index=False, compression="zstd"))
+
+    def json(self, obj, dest: Path | str) -> Path:
+        text = json.dumps(obj, indent=2, sort_keys=True, default=float) + "\n"
+        return self.file(dest, lambda p: p.write_text(text))
+
+    def bytes(self, data: bytes, dest: Path | str) -> Path:
+        return self.file(dest, lambda p: p.write_bytes(data))
+
+    def publish(self) -> list[Path]:
+        published = []
+        for tmp, dest in self._staged:
+            os.replace(tmp, dest)
+            published.append(dest)
+        for parent in {dest.parent for _, dest in self._staged}:
+            _fsync_dir(parent)
+        self._staged.clear()
+        return published
+
+    def discard(self) -> None:
+        for tmp, _ in self._staged:
+            tmp.unlink(missing_ok=True)
+        self._staged.clear()
+
+    def __enter__(self) -> "AtomicOutputs":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.publish()
+        else:
+            self.discard()

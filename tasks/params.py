@@ -1,0 +1,228 @@
+"""params.yaml: one typed schema, one section per stage, validated on load.
+
+Unknown keys, wrong types and out-of-range values stop with `ParamsError`, whose message names the
+file, the key, the value and what is allowed. Stage code takes its params from `load_params`, never
+from globals.
+
+    crucible params check [FILE]           # validate a file
+    crucible params render --profile tiny  # params.yaml with a profile's overrides applied
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+CORPORA = ("bbc_news", "rotten_tomatoes", "tweet_sentiment", "debates_party")
+TASK_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+
+
+class ParamsError(ValueError):
+    """params.yaml (or a profile) is invalid. The message says where and what is allowed."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+Prob = Annotated[float, Field(ge=0.0, le=1.0)]
+
+
+class TaskSpec(_Section):
+    """One task of the demo: which packaged corpus is its target, and optional size overrides."""
+
+    corpus: Literal["bbc_news", "rotten_tomatoes", "tweet_sentiment", "debates_party"] | None = Field(
+        None, description="packaged corpus for source: demo; unused for source: files")
+    n_reference: int | None = Field(None, ge=10)
+    n_pool: int | None = Field(None, ge=20)
+    n_test: int | None = Field(None, ge=10)
+
+
+class PipelineParams(_Section):
+    seed: int = Field(0, ge=0, description="one seed; every stage derives its own from it and the task")
+    tasks: dict[str, TaskSpec] = Field(..., min_length=1, description="task name -> spec, in arrival order")
+    runner: Literal["threads", "dask", "ray"] = "threads"
+    max_workers: int = Field(2, ge=1, le=256)
+
+    @field_validator("tasks")
+    @classmethod
+    def _task_names(cls, tasks: dict[str, TaskSpec]) -> dict[str, TaskSpec]:
+        for name in tasks:
+            if not TASK_NAME.match(name):
+                raise ValueError(f"task name {name!r} must match {TASK_NAME.pattern} (used in paths and DVC stage names)")
+        return tasks
+
+
+class TrackingParams(_Section):
+    experiment: str = Field("crucible", min_length=1)
+    registered_model: str = Field("crucible-classifier", min_length=1)
+
+
+class ContaminantMix(_Section):
+    other_corpora: float = Field(0.55, ge=0)
+    boilerplate: float = Field(0.15, ge=0)
+    near_duplicate: float = Field(0.15, ge=0)
+    shuffled: float = Field(0.15, ge=0)
+
+    @model_validator(mode="after")
+    def _positive(self) -> "ContaminantMix":
+        if sum(self.model_dump().values()) <= 0:
+            raise ValueError("the contaminant weights must have a positive sum")
+        return self
+
+
+class AuditParams(_Section):
+    budget: int = Field(150, ge=1, description="expected number of audited pool items")
+    design: Literal["uniform", "uncertainty"] = "uncertainty"
+    pi_floor: float = Field(0.02, gt=0.0, le=1.0, description="smallest inclusion probability (uncertainty design)")
+
+
+class IngestParams(_Section):
+    source: Literal["demo", "files"] = "demo"
+    files_dir: str = Field("inputs", description="source: files reads <files_dir>/<task>/{reference,pool,audit,test}.parquet")
+    n_reference: int = Field(200, ge=10)
+    n_pool: int = Field(3000, ge=20)
+    n_test: int = Field(500, ge=10)
+    eps: float = Field(0.3, ge=0.0, le=0.95, description="contamination rate of the pool")
+    contaminants: ContaminantMix = ContaminantMix()
+    audit: AuditParams = AuditParams()
+    proxy_score: Literal["none", "lexical"] = Field(
+        "lexical", description="demo pool's optional score column: a cross-fitted bag-of-words domain classifier")
+    min_chars: int = Field(30, ge=1, description="drop corpus items shorter than this")
+    max_chars: int = Field(2000, ge=50, description="truncate longer items (the encoder reads ~256 tokens)")
+
+
+class Params(_Section):
+    pipeline: PipelineParams
+    tracking: TrackingParams = TrackingParams()
+    ingest: IngestParams = IngestParams()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "Params":
+        for name, spec in self.pipeline.tasks.items():
+            if self.ingest.source == "demo" and spec.corpus is None:
+                raise ValueError(f"pipeline.tasks.{name}.corpus is required when ingest.source is 'demo' "
+                                 f"(one of {', '.join(CORPORA)})")
+            n_pool = spec.n_pool or self.ingest.n_pool
+            if self.ingest.audit.budget > n_pool:
+                raise ValueError(f"ingest.audit.budget = {self.ingest.audit.budget} exceeds the pool size "
+                                 f"{n_pool} of task '{name}'")
+        return self
+
+    def task_sizes(self, task: str) -> tuple[int, int, int]:
+        """(n_reference, n_pool, n_test) of a task, its overrides applied."""
+        spec = self.pipeline.tasks[task]
+        return (spec.n_reference or self.ingest.n_reference, spec.n_pool or self.ingest.n_pool,
+                spec.n_test or self.ingest.n_test)
+
+
+# ---------------------------------------------------------------------------------------------------
+# loading and error messages
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
+    """The keys allowed at `loc` (the location of an unknown key's parent), walking the schema."""
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = current.model_fields.get(part) if isinstance(current, type) and issubclass(current, BaseModel) else None
+        if field is None:
+            if current is PipelineParams or getattr(current, "__name__", "") == "dict":
+                current = TaskSpec
+                continue
+            return []
+        ann = field.annotation
+        args = getattr(ann, "__args__", ())
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            current = ann
+        elif args and isinstance(args[-1], type) and issubclass(args[-1], BaseModel):
+            current = args[-1]  # dict[str, TaskSpec]: the value type
+        else:
+            return []
+    return sorted(current.model_fields) if isinstance(current, type) and issubclass(current, BaseModel) else []
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        key = ".".join(str(p) for p in loc)
+        if e["type"] == "extra_forbidden":
+            parent, name = loc[:-1], str(loc[-1])
+            allowed = _allowed_keys(Params, parent)
+            hint = difflib.get_close_matches(name, allowed, n=1)
+            msg = f"{source}: unknown key '{key}'"
+            if hint:
+                msg += f" (did you mean '{'.'.join(map(str, parent + (hint[0],)))}'?)"
+            if allowed:
+                msg += f"; allowed keys{' under ' + repr('.'.join(map(str, parent))) if parent else ''}: {', '.join(allowed)}"
+            lines.append(msg)
+        elif e["type"] == "missing":
+            lines.append(f"{source}: missing key '{key}': {e['msg']}")
+        else:
+            where = f"key '{key}'" if key else "top level"
+            value = e.get("input")
+            shown = repr(value) if not isinstance(value, dict) else "{...}"
+            lines.append(f"{source}: {where} = {shown}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ParamsError(f"{path}: params file not found") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ParamsError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ParamsError(f"{path}: expected a mapping of sections at top level, got {type(data).__name__}")
+    return data
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    """`override` applied onto `base`: mappings merge key by key, anything else replaces."""
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def profile_path(profile: str) -> Path:
+    path = Path(profile)
+    if path.suffix in (".yaml", ".yml") and path.exists():
+        return path
+    path = PROFILES_DIR / f"{profile}.yaml"
+    if not path.exists():
+        known = sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
+        raise ParamsError(f"unknown profile {profile!r}; known profiles: {', '.join(known)} (or a path to a .yaml file)")
+    return path
+
+
+def render_params(path: Path | str = "params.yaml", profile: str | None = None) -> dict:
+    """The raw params mapping of `path`, with the profile's overrides merged on top."""
+    data = _read_yaml(Path(path))
+    if profile:
+        data = deep_merge(data, _read_yaml(profile_path(profile)))
+    return data
+
+
+def validate_params(data: dict, source: str) -> Params:
+    try:
+        return Params.model_validate(data)
+    except ValidationError as exc:
+        raise ParamsError(format_validation_error(exc, source)) from None
+
+
+def load_params(path: Path | str = "params.yaml", profile: str | None = None) -> Params:
+    """Read and validate params (optionally with a profile applied). Raises ParamsError."""
+    source = str(path) + (f" (+ profile {profile})" if profile else "")
+    return validate_params(render_params(path, profile), source)

@@ -1,0 +1,92 @@
+"""The stage contract (ARCHITECTURE.md): one implementation per stage, run by DVC and by Prefect.
+
+A stage module exposes
+    inputs(params, task) -> list[Path]        files it reads (for lineage tags)
+    outputs(params, task) -> list[Path]       files it writes (all atomically, together)
+    run(params, task, root, log) -> dict      does the work; returns its metrics
+`execute()` wraps any of them: loads params through the typed loader, opens the stage's MLflow run,
+tags it with its lineage (git commit, md5 of every input and output, the params it used), and
+returns paths and hashes, never tensors, so Prefect results stay small.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tasks import tracking
+from tasks.io import md5_file
+from tasks.params import Params, load_params
+
+# stage name -> module; the order is the DAG's order
+STAGES: dict[str, str] = {
+    "ingest": "tasks.ingest",
+}
+PER_TASK = {"ingest"}
+
+
+@dataclass
+class StageResult:
+    stage: str
+    task: str | None
+    outputs: dict[str, str] = field(default_factory=dict)  # path -> md5
+    metrics: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def stage_module(stage: str):
+    if stage not in STAGES:
+        raise KeyError(f"unknown stage {stage!r}; valid: {', '.join(STAGES)}")
+    return importlib.import_module(STAGES[stage])
+
+
+def stage_id(stage: str, task: str | None) -> str:
+    """The DVC name of a stage: 'ingest@bbc' for a per-task stage."""
+    return stage if task is None else f"{stage}@{task}"
+
+
+def execute(stage: str, task: str | None = None, root: Path | str = ".", params: Params | None = None,
+            parent_run_id: str | None = None) -> StageResult:
+    """Run one stage (for one task) in project `root`. Raises whatever the stage raises; then no
+    output has been replaced."""
+    root = Path(root).resolve()
+    params = params or load_params(root / "params.yaml")
+    module = stage_module(stage)
+    if stage in PER_TASK:
+        if task not in params.pipeline.tasks:
+            raise KeyError(f"stage '{stage}' runs per task; task {task!r} is not in pipeline.tasks "
+                           f"({', '.join(params.pipeline.tasks)})")
+    elif task is not None:
+        raise ValueError(f"stage '{stage}' is not per task; got task {task!r}")
+    # torch/BLAS threads per worker: parallel per-task stages must not oversubscribe the cores
+    threads = os.environ.get("CRUCIBLE_THREADS")
+    if threads:
+        import torch
+
+        torch.set_num_threads(int(threads))
+    # Every path is resolved against `root` explicitly: no chdir, which would race between
+    # Prefect's worker threads.
+    start = time.perf_counter()
+    with tracking.stage_run(root, params.tracking.experiment, stage, task, parent_run_id) as log:
+        section = getattr(params, stage, None)
+        log.log_params({"seed": params.pipeline.seed, **({stage: section.model_dump()} if section is not None else {}),
+                        **({"task": params.pipeline.tasks[task].model_dump()} if task else {})})
+        log.set_tags({f"crucible.input.{_rel(p, root)}": md5_file(root / p)
+                      for p in module.inputs(params, task) if (root / p).is_file()})
+        metrics = module.run(params, task, root, log)
+        outputs = {str(p): md5_file(root / p) for p in module.outputs(params, task)}
+        log.set_tags({f"crucible.output.{p}": h for p, h in outputs.items()})
+        seconds = time.perf_counter() - start
+        log.log_metrics({**metrics, "stage_seconds": seconds})
+    return StageResult(stage, task, outputs, metrics, seconds)
+
+
+def _rel(p: Path, root: Path) -> str:
+    p = Path(p)
+    return str(p.relative_to(root)) if p.is_absolute() else str(p)
