@@ -20,6 +20,8 @@ class DataValidationError(ValueError):
     """A table breaks its contract. The message names file, column, row, value and what is valid."""
 
     def __init__(self, source: str, column: str | None, row: int | None, value, expected: str):
+        if hasattr(value, "item"):  # numpy scalar: show it as the plain value the user wrote
+            value = value.item()
         self.source, self.column, self.row, self.value, self.expected = source, column, row, value, expected
         where = source
         if column is not None:

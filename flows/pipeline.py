@@ -94,6 +94,12 @@ def run_pipeline(root: Path | str = ".", stages: list[str] | None = None) -> dic
     return pipeline.with_options(task_runner=task_runner(params))(root=str(root), stages=stages)
 
 
+@flow(name="crucible-scheduled")
+def scheduled(root: str = ".") -> dict:
+    """Deployment entry point (prefect.yaml): the pipeline on the task runner params choose."""
+    return run_pipeline(root)
+
+
 if __name__ == "__main__":
     from tasks.cli import main
 

@@ -63,6 +63,8 @@ class AtomicOutputs:
     def file(self, dest: Path | str, write: Callable[[Path], None]) -> Path:
         dest = Path(dest)
         dest.parent.mkdir(parents=True, exist_ok=True)
+        for stale in dest.parent.glob(f".{dest.name}.*.tmp"):  # left by a killed earlier run
+            stale.unlink(missing_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
         os.close(fd)
         tmp = Path(tmp)

@@ -129,23 +129,19 @@ class Params(_Section):
 def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
     """The keys allowed at `loc` (the location of an unknown key's parent), walking the schema."""
     current: Any = model
+    skip_key = False  # the next part is a dict key (a task name), not a field
     for part in loc:
-        if isinstance(part, int):
+        if skip_key or isinstance(part, int):
+            skip_key = False
             continue
-        field = current.model_fields.get(part) if isinstance(current, type) and issubclass(current, BaseModel) else None
-        if field is None:
-            if current is PipelineParams or getattr(current, "__name__", "") == "dict":
-                current = TaskSpec
-                continue
+        if not (isinstance(current, type) and issubclass(current, BaseModel)) or part not in current.model_fields:
             return []
-        ann = field.annotation
-        args = getattr(ann, "__args__", ())
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            current = ann
-        elif args and isinstance(args[-1], type) and issubclass(args[-1], BaseModel):
-            current = args[-1]  # dict[str, TaskSpec]: the value type
+        ann = current.model_fields[part].annotation
+        if getattr(ann, "__origin__", None) is dict:
+            current, skip_key = ann.__args__[1], True
         else:
-            return []
+            current = next((a for a in (ann, *getattr(ann, "__args__", ()))
+                            if isinstance(a, type) and issubclass(a, BaseModel)), None)
     return sorted(current.model_fields) if isinstance(current, type) and issubclass(current, BaseModel) else []
 
 

@@ -1,0 +1,40 @@
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+# the same process defaults the `crucible` command applies; tests never phone home
+for key, value in {"DVC_NO_ANALYTICS": "1", "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "1",
+                   "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "HF_HUB_OFFLINE": "1",
+                   "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                   "GIT_PYTHON_REFRESH": "quiet"}.items():
+    os.environ.setdefault(key, value)
+os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+@pytest.fixture(scope="session")
+def project_root() -> Path:
+    return ROOT
+
+
+@pytest.fixture
+def tiny_project(tmp_path_factory) -> Path:
+    """A fresh scratch project (own git + DVC repo) with the tiny profile."""
+    from tasks.workspace import make_workspace
+
+    dest = tmp_path_factory.mktemp("proj")
+    make_workspace(ROOT, dest, "tiny")
+    os.environ.setdefault("PREFECT_HOME", str(dest / ".prefect"))
+    return dest
+
+
+@pytest.fixture
+def tiny_params():
+    from tasks.params import load_params
+
+    return load_params(ROOT / "params.yaml", "tiny")

@@ -1,0 +1,120 @@
+"""params.yaml schema: each rule stops with a message naming the key, the value and what is allowed."""
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from tasks.params import ParamsError, deep_merge, load_params, render_params, validate_params
+
+
+@pytest.fixture
+def base(project_root):
+    return render_params(project_root / "params.yaml")
+
+
+def check(data, *fragments):
+    with pytest.raises(ParamsError) as err:
+        validate_params(data, "params.yaml")
+    msg = str(err.value)
+    for frag in fragments:
+        assert frag in msg, f"{frag!r} not in error message:\n{msg}"
+    return msg
+
+
+def test_shipped_params_and_profiles_are_valid(project_root):
+    params = load_params(project_root / "params.yaml")
+    assert list(params.pipeline.tasks) == ["bbc", "rotten", "tweets", "debates"]
+    tiny = load_params(project_root / "params.yaml", "tiny")
+    assert tiny.task_sizes("bbc") == (40, 120, 40)
+    assert params.task_sizes("debates") == (80, 400, 120)
+
+
+def test_unknown_key_is_named_with_a_suggestion(base):
+    base["ingest"]["epss"] = 0.2
+    check(base, "unknown key 'ingest.epss'", "did you mean 'ingest.eps'", "allowed keys under 'ingest'")
+
+
+def test_unknown_top_level_section(base):
+    base["ingets"] = {}
+    check(base, "unknown key 'ingets'", "did you mean 'ingest'")
+
+
+def test_unknown_key_inside_a_task(base):
+    base["pipeline"]["tasks"]["bbc"]["n_pol"] = 10
+    check(base, "unknown key 'pipeline.tasks.bbc.n_pol'", "did you mean 'pipeline.tasks.bbc.n_pool'")
+
+
+def test_wrong_type(base):
+    base["ingest"]["n_pool"] = "many"
+    check(base, "key 'ingest.n_pool' = 'many'", "valid integer")
+
+
+def test_out_of_range(base):
+    base["ingest"]["eps"] = 1.5
+    check(base, "key 'ingest.eps' = 1.5", "less than or equal to 0.95")
+
+
+def test_pi_floor_must_be_positive(base):
+    base["ingest"]["audit"]["pi_floor"] = 0.0
+    check(base, "key 'ingest.audit.pi_floor' = 0.0", "greater than 0")
+
+
+def test_choice_not_allowed(base):
+    base["ingest"]["audit"]["design"] = "stratified"
+    check(base, "key 'ingest.audit.design' = 'stratified'", "'uniform' or 'uncertainty'")
+
+
+def test_unknown_corpus(base):
+    base["pipeline"]["tasks"]["bbc"]["corpus"] = "imdb"
+    check(base, "pipeline.tasks.bbc.corpus", "'imdb'", "bbc_news")
+
+
+def test_missing_required_section():
+    check({"ingest": {}}, "missing key 'pipeline'")
+
+
+def test_bad_task_name(base):
+    base["pipeline"]["tasks"]["Bad Name"] = {"corpus": "bbc_news"}
+    check(base, "task name 'Bad Name'")
+
+
+def test_audit_budget_larger_than_a_pool(base):
+    base["pipeline"]["tasks"]["debates"]["n_pool"] = 100
+    check(base, "ingest.audit.budget = 150 exceeds the pool size 100 of task 'debates'")
+
+
+def test_demo_task_needs_a_corpus(base):
+    base["pipeline"]["tasks"]["bbc"] = {"n_pool": 500}
+    check(base, "pipeline.tasks.bbc.corpus is required")
+
+
+def test_invalid_yaml_names_the_file(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("pipeline: [unclosed\n")
+    with pytest.raises(ParamsError, match=f"{path}: not valid YAML"):
+        load_params(path)
+
+
+def test_unknown_profile(project_root):
+    with pytest.raises(ParamsError, match="unknown profile 'huge'; known profiles: tiny"):
+        load_params(project_root / "params.yaml", "huge")
+
+
+def test_deep_merge_keeps_siblings():
+    assert deep_merge({"a": {"b": 1, "c": 2}, "d": 3}, {"a": {"b": 5}}) == {"a": {"b": 5, "c": 2}, "d": 3}
+
+
+def test_cli_check_fails_on_a_typo(project_root, tmp_path):
+    data = render_params(project_root / "params.yaml")
+    data["ingest"]["n_refernce"] = 5
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(data))
+    proc = subprocess.run([sys.executable, "-m", "tasks.cli", "params", "check", str(path)],
+                          capture_output=True, text=True, cwd=project_root)
+    assert proc.returncode == 2
+    assert "unknown key 'ingest.n_refernce'" in proc.stderr and "did you mean 'ingest.n_reference'" in proc.stderr
+    ok = subprocess.run([sys.executable, "-m", "tasks.cli", "params", "check"], capture_output=True, text=True,
+                        cwd=project_root)
+    assert ok.returncode == 0 and "OK" in ok.stdout

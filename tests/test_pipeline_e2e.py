@@ -1,0 +1,59 @@
+"""End to end on the tiny profile: dvc repro and the Prefect flow run the same stages and agree."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+BIN = Path(sys.executable).parent
+pytestmark = pytest.mark.slow
+
+
+def sh(root: Path, *cmd: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run(list(cmd), cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "PREFECT_HOME": str(root / ".prefect"), **(env or {})})
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def dvc(root: Path, *args: str) -> str:
+    return sh(root, str(BIN / "dvc"), *args).stdout
+
+
+def test_dvc_repro_then_flow_then_dvc_agree(tiny_project):
+    root = tiny_project
+    out = dvc(root, "repro")
+    assert "Running stage 'ingest@bbc'" in out
+    again = dvc(root, "repro")
+    assert "Running stage" not in again and "Data and pipelines are up to date" in again
+    assert "up to date" in dvc(root, "status")
+
+    # one param of one task changes: the Prefect flow reruns exactly that stage and dvc-commits it
+    data = yaml.safe_load((root / "params.yaml").read_text())
+    data["pipeline"]["tasks"]["debates"]["n_test"] = 30
+    (root / "params.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    assert "ingest@debates" in dvc(root, "status")
+    flow = sh(root, str(BIN / "crucible"), "run").stdout
+    assert "ingest@debates" in flow and "ran in" in flow.split("ingest@debates")[1].splitlines()[0]
+    for task in ("bbc", "rotten", "tweets"):
+        assert "up to date" in flow.split(f"ingest@{task}")[1].splitlines()[0]
+    assert "Data and pipelines are up to date" in dvc(root, "status")
+    assert "Running stage" not in dvc(root, "repro")
+
+    # MLflow: one parent run for the flow, a child per stage it ran
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("crucible")
+    assert exp.artifact_location.startswith((root / "mlartifacts").as_uri())
+    parents = client.search_runs([exp.experiment_id], "tags.`crucible.kind` = 'pipeline'")
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parents[0].info.run_id}'")
+    assert [r.info.run_name for r in children] == ["ingest@debates"]
+    child = children[0]
+    assert child.data.metrics["n_test"] == 30
+    assert child.data.tags["crucible.output.data/debates/pool.parquet"]
+    assert not (root / "mlruns").exists()
