@@ -45,13 +45,12 @@ def _cmd_params(args) -> int:
 
 
 def _cmd_stage(args) -> int:
-    from crucible.schema import DataValidationError
     from tasks.params import ParamsError
     from tasks.stage import execute
 
     try:
         result = execute(args.stage, args.task, args.root)
-    except (ParamsError, DataValidationError, FileNotFoundError, KeyError, ValueError) as exc:
+    except (ParamsError, FileNotFoundError, KeyError, ValueError, RuntimeError) as exc:
         print(f"error: stage {args.stage}{'@' + args.task if args.task else ''}: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(result.to_dict(), indent=2, default=str))

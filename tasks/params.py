@@ -98,10 +98,36 @@ class IngestParams(_Section):
     max_chars: int = Field(2000, ge=50, description="truncate longer items (the encoder reads ~256 tokens)")
 
 
+class EmbedParams(_Section):
+    model: str = Field("all-MiniLM-L6-v2", min_length=1,
+                       description="a packaged model name, a local folder, or a model in the local HF cache")
+    max_length: int = Field(128, ge=8, le=512, description="tokens per text (longer texts are truncated)")
+    batch_size: int = Field(64, ge=1, le=4096)
+
+
+class CurateParams(_Section):
+    scorer: Literal["domain_classifier", "knn", "column"] = Field(
+        "domain_classifier", description="proxy membership score: cross-fitted reference-vs-pool classifier on "
+        "embeddings, k-NN density ratio, or the pool's own score column")
+    folds: int = Field(5, ge=2, le=20, description="cross-fitting folds of the domain classifier")
+    knn_k: int = Field(10, ge=1, le=1000)
+    bandwidths: list[Annotated[float, Field(gt=0)]] | None = Field(
+        None, min_length=1, description="Gaussian kernel bandwidths (summed); null = median heuristic x scales")
+    bandwidth_scales: list[Annotated[float, Field(gt=0)]] = Field([1.0], min_length=1)
+    method: Literal["exact", "rff"] = Field("exact", description="exact blockwise sums, or random Fourier features")
+    rff_features: int = Field(2048, ge=16)
+    level: float = Field(0.95, gt=0.5, lt=1.0, description="confidence level of the interval")
+    keep_threshold: float = Field(0.5, description="keep an item when its corrected membership m_j exceeds this")
+    gate_max_ccmmd: float | None = Field(
+        None, description="fail the stage when the interval's lower end exceeds this (null = no gate)")
+
+
 class Params(_Section):
     pipeline: PipelineParams
     tracking: TrackingParams = TrackingParams()
     ingest: IngestParams = IngestParams()
+    embed: EmbedParams = EmbedParams()
+    curate: CurateParams = CurateParams()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Params":

@@ -24,8 +24,10 @@ from tasks.params import Params, load_params
 # stage name -> module; the order is the DAG's order
 STAGES: dict[str, str] = {
     "ingest": "tasks.ingest",
+    "embed": "tasks.embed",
+    "curate": "tasks.curate",
 }
-PER_TASK = {"ingest"}
+PER_TASK = {"ingest", "embed", "curate"}
 
 
 @dataclass

@@ -26,7 +26,8 @@ def dvc(root: Path, *args: str) -> str:
 def test_dvc_repro_then_flow_then_dvc_agree(tiny_project):
     root = tiny_project
     out = dvc(root, "repro")
-    assert "Running stage 'ingest@bbc'" in out
+    for stage in ("ingest", "embed", "curate"):
+        assert f"Running stage '{stage}@bbc'" in out
     again = dvc(root, "repro")
     assert "Running stage" not in again and "Data and pipelines are up to date" in again
     assert "up to date" in dvc(root, "status")
@@ -37,9 +38,11 @@ def test_dvc_repro_then_flow_then_dvc_agree(tiny_project):
     (root / "params.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
     assert "ingest@debates" in dvc(root, "status")
     flow = sh(root, str(BIN / "crucible"), "run").stdout
-    assert "ingest@debates" in flow and "ran in" in flow.split("ingest@debates")[1].splitlines()[0]
-    for task in ("bbc", "rotten", "tweets"):
-        assert "up to date" in flow.split(f"ingest@{task}")[1].splitlines()[0]
+    lines = {line.split()[0]: line for line in flow.splitlines() if "@" in line and line.startswith("  ")}
+    rerun = {sid for sid, line in lines.items() if "ran in" in line}
+    assert rerun == {"ingest@debates", "embed@debates", "curate@debates"}, flow
+    assert all("up to date" in line for sid, line in lines.items() if sid not in rerun), flow
+    assert len(lines) == 3 * 4
     assert "Data and pipelines are up to date" in dvc(root, "status")
     assert "Running stage" not in dvc(root, "repro")
 
@@ -52,8 +55,8 @@ def test_dvc_repro_then_flow_then_dvc_agree(tiny_project):
     parents = client.search_runs([exp.experiment_id], "tags.`crucible.kind` = 'pipeline'")
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
     children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parents[0].info.run_id}'")
-    assert [r.info.run_name for r in children] == ["ingest@debates"]
-    child = children[0]
+    assert sorted(r.info.run_name for r in children) == ["curate@debates", "embed@debates", "ingest@debates"]
+    child = next(r for r in children if r.info.run_name == "ingest@debates")
     assert child.data.metrics["n_test"] == 30
     assert child.data.tags["crucible.output.data/debates/pool.parquet"]
     assert not (root / "mlruns").exists()

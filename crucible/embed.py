@@ -1,0 +1,55 @@
+"""Sentence embeddings from a Hugging Face encoder: masked mean pooling, as sentence-transformers'
+all-MiniLM-L6-v2 was trained (then L2-normalised, as that model's pipeline does).
+
+    model, tokenizer = load_encoder(path)          # offline, from a local folder
+    x = embed_texts(model, tokenizer, texts)        # (n, d) float32
+
+Pure compute: the caller decides where the model comes from and where the result goes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+
+def load_encoder(path: str):
+    """An encoder and its tokenizer from a local folder (or a cached hub id), never downloading."""
+    from transformers import AutoModel, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModel.from_pretrained(path, local_files_only=True)
+    model.eval()
+    return model, tokenizer
+
+
+def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Mean of the token states where attention_mask = 1. hidden (b, t, d), mask (b, t) -> (b, d)."""
+    mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+    return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+
+
+@torch.inference_mode()
+def embed_texts(model, tokenizer, texts: Sequence[str], *, batch_size: int = 64, max_length: int = 128,
+                normalize: bool = True, progress: Callable[[int], None] | None = None) -> torch.Tensor:
+    """Embed `texts` in batches; returns (n, d) float32 on the CPU. `progress(k)` is called with the
+    number of texts done after each batch. Texts are sorted by length internally so batches pad
+    little; the output is in the input order."""
+    if len(texts) == 0:
+        raise ValueError("no texts to embed")
+    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+    device = next(model.parameters()).device
+    out = torch.empty(len(texts), model.config.hidden_size, dtype=torch.float32)
+    for start in range(0, len(texts), batch_size):
+        idx = order[start:start + batch_size]
+        batch = tokenizer([texts[i] for i in idx], padding=True, truncation=True, max_length=max_length,
+                          return_tensors="pt").to(device)
+        hidden = model(**batch).last_hidden_state
+        pooled = mean_pool(hidden, batch["attention_mask"]).float()
+        if normalize:
+            pooled = torch.nn.functional.normalize(pooled, dim=-1)
+        out[torch.tensor(idx)] = pooled.cpu()
+        if progress is not None:
+            progress(len(idx))
+    return out

@@ -1,0 +1,163 @@
+"""Stage `curate` (per task): CC-MMD between the reference and the clean part of the pool, as a
+data-quality measure with its interval, and the corrected per-item weights.
+
+    crucible stage curate --task bbc
+
+Reads data/<task>/{reference,pool,audit}.parquet and embeddings.safetensors (stage `embed`), scores
+every pooled item with a proxy membership score (params `curate.scorer`), computes CC-MMD^2 with a
+delta-method interval beside the naive (every item clean) and audit-only estimates and
+eps_hat = 1 - N_hat / n (crucible.ccmmd; METHODS.md sec. 1). Where the demo's truth covers the pool,
+the oracle and the true eps are reported beside them.
+
+Outputs: data/<task>/curated.parquet (id, text, score, audited, m, keep), curate.json (metrics),
+curate.png (scores by true membership where known; the estimates with the interval).
+A gate (`curate.gate_max_ccmmd`) fails the stage, writing nothing, when the interval's lower end
+exceeds the threshold: the pool's clean part does not match the reference.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from crucible.ccmmd import GaussianKernel, cc_mmd
+from crucible.schema import validate_audit_against_pool
+from crucible.scoring import domain_classifier_scores, knn_density_ratio_scores
+from tasks.embed import load_embeddings
+from tasks.io import AtomicOutputs, read_table
+from tasks.params import Params
+
+
+class DataQualityGateError(RuntimeError):
+    pass
+
+
+def inputs(params: Params, task: str) -> list[Path]:
+    base = Path("data") / task
+    return [base / f for f in ("reference.parquet", "pool.parquet", "audit.parquet", "truth.parquet",
+                               "embeddings.safetensors")]
+
+
+def outputs(params: Params, task: str) -> list[Path]:
+    base = Path("data") / task
+    return [base / "curated.parquet", base / "curate.json", base / "curate.png"]
+
+
+def proxy_scores(params: Params, ref: np.ndarray, pool: np.ndarray, pool_df: pd.DataFrame, source: str) -> np.ndarray:
+    cfg = params.curate
+    if cfg.scorer == "domain_classifier":
+        return domain_classifier_scores(ref, pool, folds=cfg.folds, seed=params.pipeline.seed)
+    if cfg.scorer == "knn":
+        return knn_density_ratio_scores(ref, pool, k=cfg.knn_k)
+    if "score" not in pool_df.columns:
+        raise ValueError(f"{source}: curate.scorer is 'column' but the pool has no 'score' column "
+                         f"(columns: {list(pool_df.columns)}); use scorer domain_classifier or knn")
+    return pool_df["score"].to_numpy(dtype=np.float64)
+
+
+def _truth_membership(root: Path, task: str, pool: pd.DataFrame) -> np.ndarray | None:
+    """The demo's true membership aligned with the pool, or None when the truth does not cover it."""
+    path = Path(root) / "data" / task / "truth.parquet"
+    if not path.exists():
+        return None
+    truth = read_table(path, "truth").set_index("id")
+    if not pool["id"].isin(truth.index).all():
+        return None
+    return truth.loc[pool["id"], "member"].to_numpy(dtype=np.float64)
+
+
+def plot(path_png, scores: np.ndarray, truth: np.ndarray | None, result, task: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    bins = np.linspace(0, 1, 26)
+    if truth is not None:
+        a.hist(scores[truth == 1], bins=bins, alpha=0.6, label="target (truth)")
+        a.hist(scores[truth == 0], bins=bins, alpha=0.6, label="contaminant (truth)")
+        a.legend()
+    else:
+        a.hist(scores, bins=bins)
+    a.set(title=f"{task}: proxy membership scores", xlabel="score s_j", ylabel="pool items")
+    names = ["naive", "audit-only", "CC-MMD"]
+    values = [result.naive, result.audit_only, result.value]
+    b.bar(names, values, color=["#bbbbbb", "#9ecae1", "#3182bd"])
+    b.errorbar([2], [result.value], yerr=[[result.value - result.ci_low], [result.ci_high - result.value]],
+               fmt="none", ecolor="black", capsize=6, label=f"{result.level:.0%} interval")
+    if result.oracle is not None:
+        b.axhline(result.oracle, color="crimson", linestyle="--", label="oracle (truth)")
+    b.set(title="MMD^2 to the reference", ylabel="MMD^2")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path_png, dpi=110, format="png", metadata={"Software": None})
+    plt.close(fig)
+
+
+def run(params: Params, task: str, root: Path, log) -> dict:
+    cfg = params.curate
+    base = Path(root) / "data" / task
+    reference = read_table(base / "reference.parquet", "reference")
+    pool = read_table(base / "pool.parquet", "pool")
+    audit = read_table(base / "audit.parquet", "audit")
+    validate_audit_against_pool(audit, pool, str(base / "audit.parquet"))
+    emb = load_embeddings(root, task, {"reference": reference, "pool": pool})
+    ref_x, pool_x = emb["reference"].double().numpy(), emb["pool"].double().numpy()
+
+    scores = proxy_scores(params, ref_x, pool_x, pool, str(base / "pool.parquet"))
+    audit_by_id = audit.set_index("id")
+    audited = pool["id"].isin(audit_by_id.index).to_numpy()
+    member = np.zeros(len(pool))
+    pi = np.ones(len(pool))
+    member[audited] = audit_by_id.loc[pool["id"][audited], "member"].to_numpy(dtype=np.float64)
+    pi[audited] = audit_by_id.loc[pool["id"][audited], "pi"].to_numpy(dtype=np.float64)
+    truth = _truth_membership(root, task, pool)
+
+    kernel = GaussianKernel(bandwidths=tuple(cfg.bandwidths) if cfg.bandwidths else None,
+                            scales=tuple(cfg.bandwidth_scales), seed=params.pipeline.seed)
+    try:
+        result = cc_mmd(torch.from_numpy(ref_x).float(), torch.from_numpy(pool_x).float(), scores,
+                        audited.astype(np.float64), member, pi, kernel=kernel, truth=truth, method=cfg.method,
+                        n_features=cfg.rff_features, seed=params.pipeline.seed, level=cfg.level)
+    except ValueError as exc:
+        raise ValueError(f"task '{task}' ({base}): {exc}") from None
+    m = result.weights.numpy()
+    keep = m > cfg.keep_threshold
+
+    metrics = {f"ccmmd_{k}" if k in ("value", "se", "ci_low", "ci_high") else k: v
+               for k, v in result.to_dict().items() if k not in ("bandwidths", "method", "level")}
+    metrics.update(n_keep=int(keep.sum()), keep_fraction=float(keep.mean()), bandwidth=float(result.bandwidths[0]))
+    if truth is not None:
+        from sklearn.metrics import roc_auc_score
+
+        metrics.update(eps_true=float(1 - truth.mean()), score_auc=float(roc_auc_score(truth, scores)),
+                       keep_precision=float(truth[keep].mean()) if keep.any() else 0.0,
+                       keep_recall=float(keep[truth == 1].mean()))
+    if cfg.gate_max_ccmmd is not None and result.ci_low > cfg.gate_max_ccmmd:
+        raise DataQualityGateError(
+            f"task '{task}': data-quality gate failed: CC-MMD^2 = {result.value:.4g} with {cfg.level:.0%} interval "
+            f"[{result.ci_low:.4g}, {result.ci_high:.4g}] lies above curate.gate_max_ccmmd = {cfg.gate_max_ccmmd:g} "
+            f"(naive {result.naive:.4g}, audit-only {result.audit_only:.4g}, eps_hat {result.eps_hat:.3f}): "
+            "the clean part of the pool does not match the reference")
+
+    curated = pd.DataFrame({"id": pool["id"], "text": pool["text"], "score": scores, "audited": audited.astype(np.int8),
+                            "m": m, "keep": keep})
+    with AtomicOutputs() as out:
+        out.parquet(curated, base / "curated.parquet")
+        out.json(metrics, base / "curate.json")
+        out.file(base / "curate.png", lambda p: plot(p, scores, truth, result, task))
+    log.log_artifact(base / "curate.png")
+    log.log_artifact(base / "curate.json")
+    return metrics
+
+
+if __name__ == "__main__":
+    import sys
+
+    from tasks.cli import main
+
+    main(["stage", "curate", *sys.argv[1:]])

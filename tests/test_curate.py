@@ -1,0 +1,97 @@
+"""The embed and curate stages on the tiny profile: metrics, the gate, bad input."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+from tasks.curate import DataQualityGateError
+from tasks.io import md5_file
+from tasks.stage import execute
+
+
+@pytest.fixture(scope="module")
+def curated_project(tmp_path_factory, project_root):
+    from tasks.workspace import make_workspace
+
+    root = make_workspace(project_root, tmp_path_factory.mktemp("curate"), "tiny")
+    for stage in ("ingest", "embed", "curate"):
+        execute(stage, "rotten", root)
+    return root
+
+
+def set_curate(root, **kw):
+    data = yaml.safe_load((root / "params.yaml").read_text())
+    data["curate"].update(kw)
+    (root / "params.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def test_curate_outputs_and_metrics(curated_project):
+    base = curated_project / "data" / "rotten"
+    curated = pd.read_parquet(base / "curated.parquet")
+    pool = pd.read_parquet(base / "pool.parquet")
+    audit = pd.read_parquet(base / "audit.parquet").set_index("id")
+    assert curated["id"].tolist() == pool["id"].tolist()
+    assert curated["score"].between(0, 1).all()
+    # m_j = s_j off the audit; s_j + (M_j - s_j) / pi_j on it
+    off = curated["audited"] == 0
+    assert np.allclose(curated.loc[off, "m"], curated.loc[off, "score"])
+    on = curated[~off].set_index("id")
+    expected = on["score"] + (audit.loc[on.index, "member"] - on["score"]) / audit.loc[on.index, "pi"]
+    assert np.allclose(on["m"], expected)
+    assert (curated["keep"] == (curated["m"] > 0.5)).all()
+    metrics = json.loads((base / "curate.json").read_text())
+    for key in ("ccmmd_value", "ccmmd_ci_low", "ccmmd_ci_high", "naive", "audit_only", "oracle", "eps_hat", "eps_true"):
+        assert np.isfinite(metrics[key]), key
+    assert metrics["ccmmd_ci_low"] <= metrics["ccmmd_value"] <= metrics["ccmmd_ci_high"]
+    assert metrics["eps_hat"] == pytest.approx(1 - curated["m"].sum() / len(curated))
+    assert (base / "curate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_curate_is_deterministic(curated_project):
+    base = curated_project / "data" / "rotten"
+    before = {f: md5_file(base / f) for f in ("curated.parquet", "curate.json", "curate.png")}
+    execute("curate", "rotten", curated_project)
+    assert {f: md5_file(base / f) for f in before} == before
+
+
+def test_gate_failure_names_the_figures_and_writes_nothing(curated_project):
+    base = curated_project / "data" / "rotten"
+    before = md5_file(base / "curated.parquet")
+    set_curate(curated_project, gate_max_ccmmd=-1.0)
+    try:
+        with pytest.raises(DataQualityGateError, match=r"task 'rotten': data-quality gate failed: CC-MMD\^2 = .* interval"):
+            execute("curate", "rotten", curated_project)
+    finally:
+        set_curate(curated_project, gate_max_ccmmd=None)
+    assert md5_file(base / "curated.parquet") == before
+
+
+def test_scorer_column_needs_a_score_column(curated_project):
+    set_curate(curated_project, scorer="column")
+    try:
+        execute("curate", "rotten", curated_project)  # the demo pool carries the lexical score
+        pool = curated_project / "data" / "rotten" / "pool.parquet"
+        saved = pool.read_bytes()
+        pd.read_parquet(pool).drop(columns="score").to_parquet(pool)
+        try:
+            with pytest.raises(ValueError, match="pool has no 'score' column"):
+                execute("curate", "rotten", curated_project)
+        finally:
+            pool.write_bytes(saved)
+    finally:
+        set_curate(curated_project, scorer="domain_classifier")
+
+
+def test_embeddings_for_other_rows_are_refused(curated_project):
+    ref = curated_project / "data" / "rotten" / "reference.parquet"
+    saved = ref.read_bytes()
+    df = pd.read_parquet(ref)
+    df.iloc[::-1].to_parquet(ref)
+    try:
+        with pytest.raises(ValueError, match="embeddings of 'reference' were computed for other rows"):
+            execute("curate", "rotten", curated_project)
+    finally:
+        ref.write_bytes(saved)
