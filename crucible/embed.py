@@ -12,12 +12,13 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
+# resolved at import, not inside the function: transformers' lazy attributes are not safe to
+# resolve from several threads at once (the Prefect flow embeds tasks in parallel threads)
+from transformers import AutoModel, AutoTokenizer
 
 
 def load_encoder(path: str):
     """An encoder and its tokenizer from a local folder (or a cached hub id), never downloading."""
-    from transformers import AutoModel, AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModel.from_pretrained(path, local_files_only=True)
     model.eval()

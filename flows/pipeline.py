@@ -21,7 +21,7 @@ from prefect import flow, get_run_logger, task
 from flows import dvc
 from tasks import tracking
 from tasks.params import Params, load_params
-from tasks.stage import PER_TASK, STAGES, execute, stage_id
+from tasks.stage import PER_TASK, STAGES, execute, stage_id, stage_module
 
 
 @task(name="stage", task_run_name="{stage}@{task_name}", retries=0)
@@ -61,6 +61,13 @@ def pipeline(root: str = ".", stages: list[str] | None = None) -> dict:
     use_dvc = dvc.is_dvc_project(root_path)
     if not use_dvc:
         logger.warning("%s is not a DVC project (no .dvc/ or dvc.yaml): stages run, nothing is recorded", root_path)
+    if params.pipeline.runner == "threads" and not os.environ.get("CRUCIBLE_THREADS"):
+        # stages fan out over threads of this process: share the cores instead of oversubscribing
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // params.pipeline.max_workers))
+    for stage in stages or STAGES:
+        stage_module(stage)  # import in this thread: module imports are not all thread-safe
     parent = tracking.start_parent_run(root_path, params.tracking.experiment, "pipeline",
                                        {"crucible.kind": "pipeline", "crucible.tasks": ",".join(params.pipeline.tasks)})
     results: dict[str, object] = {}
