@@ -122,12 +122,29 @@ class CurateParams(_Section):
         None, description="fail the stage when the interval's lower end exceeds this (null = no gate)")
 
 
+class PseudolabelParams(_Section):
+    teacher: Literal["probe"] = Field(
+        "probe", description="probe: logistic regression on frozen embeddings of the reference (a fine-tuned "
+        "teacher comes with the finetune stage)")
+    C: float = Field(10.0, gt=0, description="inverse L2 strength of the probe (embeddings are unit-norm, so "
+                     "C = 1 underfits)")
+    holdout: float = Field(0.3, gt=0.0, lt=1.0, description="share of the reference held out to fit the temperature")
+    selection: Literal["threshold", "quota"] = Field(
+        "threshold", description="keep pseudo-labels by confidence >= threshold, or the `quota` most confident per "
+        "predicted class (among those >= threshold)")
+    threshold: float = Field(0.5, ge=0.0, le=1.0, description="minimum calibrated confidence of a kept pseudo-label")
+    quota: int = Field(1000, ge=1, description="selection: quota keeps at most this many items per predicted class")
+    w_max: float = Field(5.0, gt=0.0, description="training weights are clip(m_j, 0, w_max) x confidence")
+    level: float = Field(0.95, gt=0.5, lt=1.0, description="confidence level of the intervals")
+
+
 class Params(_Section):
     pipeline: PipelineParams
     tracking: TrackingParams = TrackingParams()
     ingest: IngestParams = IngestParams()
     embed: EmbedParams = EmbedParams()
     curate: CurateParams = CurateParams()
+    pseudolabel: PseudolabelParams = PseudolabelParams()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Params":

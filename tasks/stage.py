@@ -26,8 +26,9 @@ STAGES: dict[str, str] = {
     "ingest": "tasks.ingest",
     "embed": "tasks.embed",
     "curate": "tasks.curate",
+    "pseudolabel": "tasks.pseudolabel",
 }
-PER_TASK = {"ingest", "embed", "curate"}
+PER_TASK = {"ingest", "embed", "curate", "pseudolabel"}
 
 
 @dataclass

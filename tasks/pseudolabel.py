@@ -1,0 +1,209 @@
+"""Stage `pseudolabel` (per task): teacher labels for the curated pool, with design-corrected
+estimates of their quality (METHODS.md sec. 2; crucible.pseudolabel).
+
+    crucible stage pseudolabel --task bbc
+
+Reads data/<task>/{reference,pool,audit,curated}.parquet, truth.parquet where present, and
+embeddings.safetensors. Fits the teacher (a logistic-regression probe on the reference's
+embeddings, temperature-scaled on a held-out part of the reference), labels every pooled item,
+selects by confidence (`pseudolabel.selection`), and weights each item by its corrected membership
+m_j (curate) times its confidence, clipped as crucible.pseudolabel.training_weights documents.
+Audited members keep their true labels; audited non-members are dropped (weight 0).
+
+Outputs:
+- data/<task>/labeled.parquet: id, text, label, source (reference | audit | pseudo), confidence,
+  weight. Reference rows have confidence 1 and weight 1; audited members confidence 1.
+- data/<task>/pseudolabel.json: the estimates (accuracy on the clean pool, on the selection, the
+  clean pool's class prior) with their intervals and, where the demo's truth covers the pool, the
+  true values beside them (`*_true`).
+- data/<task>/pseudolabel_confusion.png and .csv (actual, predicted): pseudo-labels against the
+  audit's true labels of audited members (`dvc plots`).
+Bad input (a single-class reference, audit labels outside the reference's classes, an empty
+selection) stops the stage with a ValueError; nothing is written.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from crucible import pseudolabel as pl
+from crucible.schema import validate_audit_against_pool
+from tasks.embed import load_embeddings
+from tasks.io import AtomicOutputs, read_table
+from tasks.params import Params
+
+CURATED_COLUMNS = ("id", "score", "audited", "m")
+
+
+def inputs(params: Params, task: str) -> list[Path]:
+    base = Path("data") / task
+    return [base / f for f in ("reference.parquet", "pool.parquet", "audit.parquet", "truth.parquet",
+                               "curated.parquet", "embeddings.safetensors")]
+
+
+def outputs(params: Params, task: str) -> list[Path]:
+    base = Path("data") / task
+    return [base / "labeled.parquet", base / "pseudolabel.json", base / "pseudolabel_confusion.png",
+            base / "pseudolabel_confusion.csv"]
+
+
+def read_curated(path: Path, pool: pd.DataFrame) -> pd.DataFrame:
+    """curate's output, checked row for row against the pool it was computed from."""
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: curated table not found; run the curate stage first (dvc repro)")
+    curated = pd.read_parquet(path)
+    missing = [c for c in CURATED_COLUMNS if c not in curated.columns]
+    if missing:
+        raise ValueError(f"{path}: missing columns {missing}; expected {list(CURATED_COLUMNS)} (rerun curate)")
+    if curated["id"].tolist() != pool["id"].tolist():
+        raise ValueError(f"{path}: rows do not match the pool's ids in order; rerun the curate stage (dvc repro)")
+    for col in ("score", "m"):
+        x = curated[col].to_numpy(dtype=np.float64)
+        if not np.all(np.isfinite(x)):
+            row = int(np.flatnonzero(~np.isfinite(x))[0])
+            raise ValueError(f"{path}, column '{col}', row {row}: got {x[row]!r}; expected a finite number")
+    return curated
+
+
+def _truth_labels(root: Path, task: str, pool: pd.DataFrame):
+    """The demo's (membership, label) aligned with the pool, or None when the truth does not cover it."""
+    path = Path(root) / "data" / task / "truth.parquet"
+    if not path.exists():
+        return None
+    truth = read_table(path, "truth").set_index("id")
+    if not pool["id"].isin(truth.index).all():
+        return None
+    rows = truth.loc[pool["id"]]
+    return rows["member"].to_numpy(dtype=np.float64), rows["label"].to_numpy(dtype=object)
+
+
+def _metric_key(key: str) -> str:
+    # MLflow metric names allow letters, digits, _ - . / and spaces; class labels may hold anything
+    return re.sub(r"[^A-Za-z0-9_.\-/]", "_", key)
+
+
+def plot_confusion(path_png, actual: list[str], predicted: list[str], classes, task: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    index = {c: i for i, c in enumerate(classes)}
+    counts = np.zeros((len(classes), len(classes)), dtype=np.int64)
+    for a, p in zip(actual, predicted):
+        counts[index[a], index[p]] += 1
+    size = 1.2 + 0.7 * len(classes)
+    fig, ax = plt.subplots(figsize=(size + 1.5, size))
+    im = ax.imshow(counts, cmap="Blues")
+    for i in range(len(classes)):
+        for j in range(len(classes)):
+            ax.text(j, i, str(counts[i, j]), ha="center", va="center",
+                    color="white" if counts[i, j] > counts.max() / 2 else "black")
+    ax.set_xticks(range(len(classes)), classes, rotation=45, ha="right")
+    ax.set_yticks(range(len(classes)), classes)
+    ax.set(xlabel="pseudo-label (teacher)", ylabel="true label (audit)",
+           title=f"{task}: pseudo-labels vs audited members (n={len(actual)})")
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path_png, dpi=110, format="png", metadata={"Software": None})
+    plt.close(fig)
+
+
+def run(params: Params, task: str, root: Path, log) -> dict:
+    cfg = params.pseudolabel
+    base = Path(root) / "data" / task
+    reference = read_table(base / "reference.parquet", "reference")
+    pool = read_table(base / "pool.parquet", "pool")
+    audit = read_table(base / "audit.parquet", "audit")
+    validate_audit_against_pool(audit, pool, str(base / "audit.parquet"))
+    curated = read_curated(base / "curated.parquet", pool)
+    emb = load_embeddings(root, task, {"reference": reference, "pool": pool})
+    ref_x, pool_x = emb["reference"].double().numpy(), emb["pool"].double().numpy()
+
+    teacher = pl.fit_teacher(ref_x, reference["label"].to_numpy(dtype=object), holdout=cfg.holdout, C=cfg.C,
+                             seed=params.pipeline.seed, source=str(base / "reference.parquet"))
+    classes = teacher.classes
+    pred = pl.predict(teacher, pool_x)
+
+    audit_by_id = audit.set_index("id")
+    audited = pool["id"].isin(audit_by_id.index).to_numpy()
+    rows = audit_by_id.loc[pool["id"][audited]]
+    member = np.zeros(len(pool))
+    pi = np.ones(len(pool))
+    audit_label = np.full(len(pool), None, dtype=object)
+    member[audited] = rows["member"].to_numpy(dtype=np.float64)
+    pi[audited] = rows["pi"].to_numpy(dtype=np.float64)
+    audit_label[audited] = rows["label"].to_numpy(dtype=object)
+    # an audit label outside the classes is an error only for a member (a non-member has none)
+    y_audit = pl.label_indices(np.where(member == 1, audit_label, None), classes,
+                               source=f"{base / 'audit.parquet'}, column 'label' (pool order)")
+
+    selected = pl.select(pred, mode=cfg.selection, threshold=cfg.threshold, quota=cfg.quota)
+    if not selected.any():
+        raise ValueError(f"task '{task}': the pseudo-label selection is empty: no pooled item has calibrated "
+                         f"confidence >= pseudolabel.threshold = {cfg.threshold:g} (the largest is "
+                         f"{pred.confidence.max():.3f}); lower the threshold")
+    try:
+        quality = pl.estimate_quality(pred, classes, curated["score"].to_numpy(dtype=np.float64), audited, member,
+                                      y_audit, pi, selected, level=cfg.level)
+    except ValueError as exc:
+        raise ValueError(f"task '{task}' ({base}): {exc}") from None
+    m = curated["m"].to_numpy(dtype=np.float64)
+    weight = pl.training_weights(m, pred.confidence, audited, member, w_max=cfg.w_max)
+
+    label, is_member = pl.final_labels(pred.label, audited, member, y_audit)
+    pseudo = selected & ~audited & (weight > 0)
+    labels = np.array(classes, dtype=object)
+    labeled = pd.concat([
+        pd.DataFrame({"id": reference["id"], "text": reference["text"], "label": reference["label"],
+                      "source": "reference", "confidence": 1.0, "weight": 1.0}),
+        pd.DataFrame({"id": pool["id"][is_member], "text": pool["text"][is_member], "label": labels[label[is_member]],
+                      "source": "audit", "confidence": 1.0, "weight": weight[is_member]}),
+        pd.DataFrame({"id": pool["id"][pseudo], "text": pool["text"][pseudo], "label": labels[label[pseudo]],
+                      "source": "pseudo", "confidence": pred.confidence[pseudo], "weight": weight[pseudo]}),
+    ], ignore_index=True)
+    labeled["label"] = labeled["label"].astype(str)
+    labeled["confidence"] = labeled["confidence"].astype(np.float64)
+    labeled["weight"] = labeled["weight"].astype(np.float64)
+
+    metrics: dict[str, float] = {_metric_key(k): float(v) for k, v in quality.to_dict().items()}
+    truth = _truth_labels(root, task, pool)
+    if truth is not None:
+        true_member, true_label = truth
+        y_true = pl.label_indices(np.where(true_member == 1, true_label, None), classes,
+                                  source=f"{base / 'truth.parquet'}, column 'label' (pool order)")
+        metrics.update({_metric_key(f"{k}_true"): v
+                        for k, v in pl.true_quality(pred, classes, true_member, y_true, selected).items()})
+        metrics["pseudo_precision_true"] = float(true_member[pseudo].mean()) if pseudo.any() else 0.0
+    metrics.update(
+        temperature=teacher.temperature, holdout_nll_uncalibrated=teacher.holdout_nll_uncalibrated,
+        holdout_nll=teacher.holdout_nll, holdout_accuracy=teacher.holdout_accuracy,
+        naive_accuracy=float(pred.confidence.mean()), n_selected=int(selected.sum()),
+        n_pseudo=int(pseudo.sum()), n_audit_members=int(is_member.sum()), n_labeled=len(labeled),
+        n_weight_clipped_low=int((m < 0).sum()), n_weight_clipped_high=int((m > cfg.w_max).sum()),
+        pseudo_weight_sum=float(weight[pseudo].sum()),
+        audit_confusion_accuracy=float((pred.label[is_member] == y_audit[is_member]).mean()) if is_member.any() else 0.0)
+
+    confusion = pd.DataFrame({"actual": audit_label[is_member].astype(str),
+                              "predicted": labels[pred.label[is_member]].astype(str)})
+    with AtomicOutputs() as out:
+        out.parquet(labeled, base / "labeled.parquet")
+        out.json(metrics, base / "pseudolabel.json")
+        out.file(base / "pseudolabel_confusion.csv", lambda p: confusion.to_csv(p, index=False))
+        out.file(base / "pseudolabel_confusion.png",
+                 lambda p: plot_confusion(p, confusion["actual"].tolist(), confusion["predicted"].tolist(), classes, task))
+    log.log_artifact(base / "pseudolabel_confusion.png")
+    log.log_artifact(base / "pseudolabel.json")
+    return metrics
+
+
+if __name__ == "__main__":
+    import sys
+
+    from tasks.cli import main
+
+    main(["stage", "pseudolabel", *sys.argv[1:]])

@@ -1,0 +1,140 @@
+"""The pseudolabel stage on the tiny profile: outputs, sources, determinism, bad input."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+from tasks.io import md5_file
+from tasks.stage import execute
+
+OUTPUTS = ("labeled.parquet", "pseudolabel.json", "pseudolabel_confusion.png", "pseudolabel_confusion.csv")
+
+
+@pytest.fixture(scope="module")
+def labeled_project(tmp_path_factory, project_root):
+    from tasks.workspace import make_workspace
+
+    root = make_workspace(project_root, tmp_path_factory.mktemp("pseudolabel"), "tiny")
+    for stage in ("ingest", "embed", "curate", "pseudolabel"):
+        execute(stage, "bbc", root)
+    return root
+
+
+def set_pseudolabel(root, **kw):
+    data = yaml.safe_load((root / "params.yaml").read_text())
+    data["pseudolabel"].update(kw)
+    (root / "params.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def test_labeled_table_sources_labels_and_weights(labeled_project):
+    base = labeled_project / "data" / "bbc"
+    labeled = pd.read_parquet(base / "labeled.parquet")
+    assert list(labeled.columns) == ["id", "text", "label", "source", "confidence", "weight"]
+    assert labeled["id"].is_unique
+    assert set(labeled["source"]) == {"reference", "audit", "pseudo"}
+    reference = pd.read_parquet(base / "reference.parquet")
+    audit = pd.read_parquet(base / "audit.parquet").set_index("id")
+    curated = pd.read_parquet(base / "curated.parquet").set_index("id")
+    assert set(labeled["label"]) <= set(reference["label"])
+    ref_rows = labeled[labeled["source"] == "reference"]
+    assert ref_rows["id"].tolist() == reference["id"].tolist() and (ref_rows["weight"] == 1).all()
+    # every audited member is there with its true label; no audited non-member is
+    aud_rows = labeled[labeled["source"] == "audit"].set_index("id")
+    members = audit[audit["member"] == 1]
+    assert sorted(aud_rows.index) == sorted(members.index)
+    assert (aud_rows["label"] == members.loc[aud_rows.index, "label"]).all()
+    assert not labeled["id"].isin(audit.index[audit["member"] == 0]).any()
+    np.testing.assert_allclose(aud_rows["weight"], curated.loc[aud_rows.index, "m"].clip(0, 5.0))
+    # pseudo-labels: unaudited, confident, weight = m x confidence (m = s in [0, 1] off the audit)
+    pseudo = labeled[labeled["source"] == "pseudo"].set_index("id")
+    assert not pseudo.index.isin(audit.index).any()
+    assert (pseudo["confidence"] >= 0.5).all() and (pseudo["weight"] > 0).all()
+    np.testing.assert_allclose(pseudo["weight"], curated.loc[pseudo.index, "m"] * pseudo["confidence"])
+    assert np.isfinite(labeled["weight"]).all() and (labeled["weight"] >= 0).all()
+
+
+def test_metrics_intervals_truth_and_plots(labeled_project):
+    base = labeled_project / "data" / "bbc"
+    metrics = json.loads((base / "pseudolabel.json").read_text())
+    classes = sorted(pd.read_parquet(base / "reference.parquet")["label"].unique())
+    names = ["accuracy", "selected_accuracy", *(f"prior_{c}" for c in classes)]
+    for name in names:
+        assert metrics[f"{name}_ci_low"] <= metrics[name] <= metrics[f"{name}_ci_high"], name
+        assert 0 <= metrics[f"{name}_true"] <= 1, name
+    assert sum(metrics[f"prior_{c}"] for c in classes) == pytest.approx(1.0)
+    assert sum(metrics[f"prior_{c}_true"] for c in classes) == pytest.approx(1.0)
+    assert metrics["temperature"] > 0 and metrics["holdout_nll"] <= metrics["holdout_nll_uncalibrated"]
+    confusion = pd.read_csv(base / "pseudolabel_confusion.csv")
+    assert list(confusion.columns) == ["actual", "predicted"]
+    assert len(confusion) == metrics["n_audit_members"]
+    assert (base / "pseudolabel_confusion.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_pseudolabel_is_deterministic(labeled_project):
+    base = labeled_project / "data" / "bbc"
+    before = {f: md5_file(base / f) for f in OUTPUTS}
+    execute("pseudolabel", "bbc", labeled_project)
+    assert {f: md5_file(base / f) for f in OUTPUTS} == before
+
+
+def test_quota_caps_pseudo_labels_per_class(labeled_project):
+    base = labeled_project / "data" / "bbc"
+    saved = {f: (base / f).read_bytes() for f in OUTPUTS}
+    set_pseudolabel(labeled_project, selection="quota", quota=3)
+    try:
+        execute("pseudolabel", "bbc", labeled_project)
+        pseudo = pd.read_parquet(base / "labeled.parquet").query("source == 'pseudo'")
+        assert 0 < len(pseudo) and pseudo["label"].value_counts().max() <= 3
+    finally:
+        set_pseudolabel(labeled_project, selection="threshold", quota=1000)
+        for f, data in saved.items():
+            (base / f).write_bytes(data)
+
+
+def test_empty_selection_fails_and_writes_nothing(labeled_project):
+    base = labeled_project / "data" / "bbc"
+    before = {f: md5_file(base / f) for f in OUTPUTS}
+    set_pseudolabel(labeled_project, threshold=1.0)
+    try:
+        with pytest.raises(ValueError, match=r"task 'bbc': the pseudo-label selection is empty: .* "
+                                             r"pseudolabel.threshold = 1"):
+            execute("pseudolabel", "bbc", labeled_project)
+    finally:
+        set_pseudolabel(labeled_project, threshold=0.5)
+    assert {f: md5_file(base / f) for f in OUTPUTS} == before
+    assert not list(base.glob(".*.tmp"))
+
+
+def test_audit_label_outside_the_classes_fails(labeled_project):
+    base = labeled_project / "data" / "bbc"
+    path = base / "audit.parquet"
+    saved = path.read_bytes()
+    before = md5_file(base / "labeled.parquet")
+    audit = pd.read_parquet(path)
+    row = int(np.flatnonzero(audit["member"] == 1)[0])
+    audit.loc[row, "label"] = "weather"
+    audit.to_parquet(path)
+    try:
+        with pytest.raises(ValueError, match=r"audit.parquet, column 'label' .* label 'weather', which is not one "
+                                             r"of the task's classes"):
+            execute("pseudolabel", "bbc", labeled_project)
+    finally:
+        path.write_bytes(saved)
+    assert md5_file(base / "labeled.parquet") == before
+
+
+def test_single_class_reference_fails(labeled_project):
+    base = labeled_project / "data" / "bbc"
+    path = base / "reference.parquet"
+    saved = path.read_bytes()
+    ref = pd.read_parquet(path)
+    ref["label"] = "business"
+    ref.to_parquet(path)  # same ids in the same order: the embeddings still match
+    try:
+        with pytest.raises(ValueError, match=r"reference.parquet: the reference has a single class \['business'\]"):
+            execute("pseudolabel", "bbc", labeled_project)
+    finally:
+        path.write_bytes(saved)
