@@ -32,11 +32,20 @@ def is_dvc_project(root: Path) -> bool:
     return (Path(root) / ".dvc").is_dir() and (Path(root) / "dvc.yaml").is_file()
 
 
-def up_to_date(root: Path, stage: str) -> bool:
-    """True when DVC would skip `stage` (deps, params, cmd and outs match dvc.lock)."""
-    out = _dvc(root, "status", stage, "--json").stdout.strip()
-    return json.loads(out or "{}") == {}
+def stale(root: Path, stages: list[str]) -> set[str]:
+    """The stages among `stages` that DVC would run (deps, params, cmd or outs differ from dvc.lock).
+    One `dvc status` call for all of them."""
+    if not stages:
+        return set()
+    out = _dvc(root, "status", *stages, "--json").stdout.strip()
+    changed = json.loads(out or "{}")
+    unknown = set(changed) - set(stages)
+    if unknown:  # upstream stages are not reported without --with-deps; anything else is a surprise
+        raise RuntimeError(f"`dvc status` reported stages that were not asked about: {sorted(unknown)}")
+    return set(changed)
 
 
-def commit(root: Path, stage: str) -> None:
-    _dvc(root, "commit", "--force", "--quiet", stage)
+def commit(root: Path, stages: list[str]) -> None:
+    """Record finished stages in dvc.lock, as `dvc repro` would have."""
+    if stages:
+        _dvc(root, "commit", "--force", "--quiet", *stages)

@@ -73,21 +73,26 @@ def pipeline(root: str = ".", stages: list[str] | None = None) -> dict:
     results: dict[str, object] = {}
     try:
         for stage in stages or list(STAGES):
-            targets = list(params.pipeline.tasks) if stage in PER_TASK else [None]
-            stale = []
-            for t in targets:
-                sid = stage_id(stage, t)
-                if use_dvc and dvc.up_to_date(root_path, sid):
+            sids = {stage_id(stage, t): t for t in (params.pipeline.tasks if stage in PER_TASK else [None])}
+            todo = dvc.stale(root_path, list(sids)) if use_dvc else set(sids)
+            for sid in sids:
+                if sid not in todo:
                     logger.info("%s is up to date: skipped", sid)
                     results[sid] = "skipped"
-                else:
-                    stale.append(t)
-            futures = {stage_id(stage, t): run_stage.submit(stage, t, str(root_path), parent) for t in stale}
+            futures = {sid: run_stage.submit(stage, sids[sid], str(root_path), parent) for sid in sids if sid in todo}
+            done, failure = [], None
             for sid, fut in futures.items():
-                results[sid] = fut.result()
-                if use_dvc:
-                    dvc.commit(root_path, sid)
-                logger.info("%s done", sid)
+                try:
+                    results[sid] = fut.result()
+                    done.append(sid)
+                    logger.info("%s done", sid)
+                except Exception as exc:  # let the other tasks of this stage finish and be recorded
+                    logger.error("%s failed: %s", sid, exc)
+                    failure = failure or exc
+            if use_dvc:
+                dvc.commit(root_path, done)
+            if failure is not None:
+                raise failure
     except BaseException:
         tracking.end_run(root_path, parent, "FAILED")
         raise
