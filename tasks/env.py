@@ -16,6 +16,9 @@ def apply_defaults(root: Path) -> None:
         "PREFECT_HOME": str(root / ".prefect"),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_LOGGING_LEVEL": "WARNING",
+        # the local ephemeral API server can take longer than Prefect's 20 s to start on a busy
+        # 2-core machine; a slow start is not a failure
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
         "DVC_NO_ANALYTICS": "1",
         "MLFLOW_DISABLE_TELEMETRY": "true",
         "DO_NOT_TRACK": "1",
