@@ -138,6 +138,37 @@ class PseudolabelParams(_Section):
     level: float = Field(0.95, gt=0.5, lt=1.0, description="confidence level of the intervals")
 
 
+class FinetuneParams(_Section):
+    """Stage finetune (METHODS.md sec. 3): encoder + linear head per task, GMixout by default."""
+
+    method: Literal["gmixout", "mixout", "plain"] = Field(
+        "gmixout", description="gmixout (p, anchor, ema_beta, period, sparse as set); mixout (p only: pretrained "
+        "anchor, a new mask every step, dense updates); plain fine-tuning")
+    p: float = Field(0.8, ge=0.0, lt=1.0, description="mixout mask probability (share of elements set to the anchor)")
+    anchor: Literal["pretrained", "ema"] = Field("ema", description="gmixout anchor: fixed pretrained weights or "
+                                                 "an EMA of the fine-tuned weights")
+    ema_beta: float = Field(0.99, ge=0.0, lt=1.0, description="anchor <- beta * anchor + (1 - beta) * w each step")
+    period: int = Field(10, ge=1, description="gmixout resamples the mask every `period` steps")
+    sparse: bool = Field(True, description="gmixout updates only unmasked elements (weights and AdamW state)")
+    modules: str = Field(r"encoder\.layer\.\d+\.", min_length=1,
+                         description="regex searched in the encoder's nn.Linear module names to wrap")
+    lr: float = Field(5e-5, gt=0.0, le=1.0, description="peak learning rate of the encoder")
+    head_lr: float = Field(1e-3, gt=0.0, le=10.0, description="peak learning rate of the fresh classification head")
+    epochs: float = Field(3.0, gt=0.0, le=1000.0, description="passes over the training rows (unless max_steps)")
+    max_steps: int | None = Field(None, ge=1, description="optimizer steps; null = epochs x steps per epoch")
+    batch_size: int = Field(16, ge=1, le=4096)
+    max_length: int = Field(128, ge=8, le=512, description="tokens per text (longer texts are truncated)")
+    warmup: float = Field(0.1, ge=0.0, lt=1.0, description="share of the steps with a linear LR warmup (then linear decay)")
+    weight_decay: float = Field(0.01, ge=0.0, le=1.0, description="AdamW decoupled weight decay (not on biases/LayerNorm)")
+    clip: float = Field(1.0, ge=0.0, description="max global gradient norm (0 = no clipping)")
+    eval_every: int = Field(50, ge=1, description="evaluate on the dev split every N steps (and at the end)")
+    patience: int = Field(0, ge=0, description="early stop after N evaluations without dev improvement (0 = never)")
+    checkpoint_every: int = Field(50, ge=0, description="checkpoint every N steps for resume (0 = never)")
+    dev_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="share of the reference rows held out as dev (stratified)")
+    weights: Literal["use", "ignore"] = Field("use", description="use the pseudolabel weights in the loss, or weight 1")
+    dropout: float = Field(0.1, ge=0.0, lt=1.0, description="dropout before the head")
+
+
 class Params(_Section):
     pipeline: PipelineParams
     tracking: TrackingParams = TrackingParams()
@@ -145,6 +176,7 @@ class Params(_Section):
     embed: EmbedParams = EmbedParams()
     curate: CurateParams = CurateParams()
     pseudolabel: PseudolabelParams = PseudolabelParams()
+    finetune: FinetuneParams = FinetuneParams()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Params":

@@ -27,8 +27,9 @@ STAGES: dict[str, str] = {
     "embed": "tasks.embed",
     "curate": "tasks.curate",
     "pseudolabel": "tasks.pseudolabel",
+    "finetune": "tasks.finetune",
 }
-PER_TASK = {"ingest", "embed", "curate", "pseudolabel"}
+PER_TASK = {"ingest", "embed", "curate", "pseudolabel", "finetune"}
 
 
 @dataclass

@@ -1,0 +1,208 @@
+"""Stage `finetune` (per task): the base encoder + a linear head, fine-tuned on the task's labeled
+rows with GMixout (METHODS.md sec. 3; crucible.gmixout, crucible.train).
+
+    crucible stage finetune --task bbc
+
+Reads data/<task>/labeled.parquet (id, text, label, source, confidence, weight; the pseudolabel
+stage's output) and test.parquet. A stratified, seeded share (`finetune.dev_fraction`) of the
+reference-sourced rows is held out as the dev split (early stopping, best checkpoint); the rest
+plus the audited members and the pseudo-labels are the training rows, each weighted by its
+`weight` (`finetune.weights: ignore` sets them to 1; rows of weight 0 are dropped). Every task starts
+from the same base encoder (`embed.model`), so the merge stage can combine them.
+
+Outputs (all published together):
+- data/<task>/finetune/model.safetensors: the fine-tuned encoder's state dict (the base model's
+  keys: loads into transformers' AutoModel of `embed.model`);
+- data/<task>/finetune/head.safetensors: `weight` (n_classes, hidden), `bias`; metadata `classes`;
+- data/<task>/finetune/config.json: the resolved config (finetune params, base model, classes,
+  max_length, pooling, seed, training sizes, best step);
+- data/<task>/finetune.json: dev/test accuracy, steps, best step, examples and steps per second.
+Checkpoints go to data/<task>/.finetune-checkpoints/ (outside the DVC output); a killed run resumes
+from the latest one when the resolved config is unchanged, and they are deleted on success.
+Threads: whatever the caller set (`CRUCIBLE_THREADS`, applied by tasks.stage.execute).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from crucible.gmixout import GMixout, GMixoutConfig
+from crucible.schema import validate_table
+from crucible.train import EncoderClassifier, Examples, TrainConfig, evaluate, tokenize, train
+from tasks.io import AtomicOutputs, read_table
+from tasks.models import resolve_model
+from tasks.params import FinetuneParams, Params
+
+LABELED_COLUMNS = ("id", "text", "label", "source", "confidence", "weight")
+
+
+def inputs(params: Params, task: str) -> list[Path]:
+    base = Path("data") / task
+    return [base / "labeled.parquet", base / "test.parquet"]
+
+
+def outputs(params: Params, task: str) -> list[Path]:
+    base = Path("data") / task
+    return [base / "finetune" / "model.safetensors", base / "finetune" / "head.safetensors",
+            base / "finetune" / "config.json", base / "finetune.json"]
+
+
+def task_seed(seed: int, task: str) -> int:
+    """The stage's seed for a task: stable across runs and independent of task order."""
+    return int(np.random.default_rng([seed, zlib.crc32(task.encode()), zlib.crc32(b"finetune")]).integers(2**31))
+
+
+def read_labeled(path: Path) -> pd.DataFrame:
+    """pseudolabel's table, checked: the id/text/label contract, known sources, finite weights >= 0."""
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: labeled table not found; run the pseudolabel stage first (dvc repro)")
+    df = pd.read_parquet(path)
+    missing = [c for c in LABELED_COLUMNS if c not in df.columns]
+    if missing:
+        raise ValueError(f"{path}: missing columns {missing}; expected {list(LABELED_COLUMNS)} (rerun pseudolabel)")
+    validate_table(df, "reference", source=str(path))
+    bad = ~df["source"].isin(["reference", "audit", "pseudo"])
+    if bad.any():
+        row = int(np.flatnonzero(bad.to_numpy())[0])
+        raise ValueError(f"{path}, column 'source', row {row}: got {df['source'].iloc[row]!r}; "
+                         f"expected reference, audit or pseudo")
+    w = df["weight"].to_numpy(dtype=np.float64)
+    if not np.all(np.isfinite(w) & (w >= 0)):
+        row = int(np.flatnonzero(~(np.isfinite(w) & (w >= 0)))[0])
+        raise ValueError(f"{path}, column 'weight', row {row}: got {w[row]!r}; expected a finite number >= 0")
+    return df
+
+
+def split_dev(labeled: pd.DataFrame, fraction: float, seed: int) -> np.ndarray:
+    """Boolean mask of the dev rows: per class, round(fraction x n) (at least 1, leaving at least 1
+    for training) of the reference-sourced rows, drawn with `seed`."""
+    rng = np.random.default_rng(seed)
+    dev = np.zeros(len(labeled), dtype=bool)
+    ref = labeled["source"].to_numpy() == "reference"
+    for label in sorted(labeled.loc[ref, "label"].unique()):
+        rows = np.flatnonzero(ref & (labeled["label"].to_numpy() == label))
+        k = min(max(1, round(fraction * len(rows))), len(rows) - 1)
+        dev[rng.choice(rows, size=k, replace=False)] = True
+    if not dev.any():
+        raise ValueError("finetune: the dev split is empty; the reference needs at least 2 rows of a class")
+    return dev
+
+
+def mixout_config(cfg: FinetuneParams, seed: int) -> GMixoutConfig | None:
+    if cfg.method == "plain":
+        return None
+    if cfg.method == "mixout":
+        return GMixoutConfig.mixout(p=cfg.p, modules=cfg.modules, seed=seed)
+    return GMixoutConfig(p=cfg.p, anchor=cfg.anchor, ema_beta=cfg.ema_beta, period=cfg.period, sparse=cfg.sparse,
+                         modules=cfg.modules, seed=seed)
+
+
+def train_config(cfg: FinetuneParams, n_train: int, seed: int, progress: bool = True) -> TrainConfig:
+    steps = cfg.max_steps or max(1, round(cfg.epochs * -(-n_train // cfg.batch_size)))
+    return TrainConfig(lr=cfg.lr, head_lr=cfg.head_lr, max_steps=steps, batch_size=cfg.batch_size, warmup=cfg.warmup,
+                       weight_decay=cfg.weight_decay, clip=cfg.clip, eval_every=min(cfg.eval_every, steps),
+                       patience=cfg.patience, checkpoint_every=cfg.checkpoint_every, seed=seed, progress=progress)
+
+
+def examples(tokenizer, df: pd.DataFrame, classes: list[str], max_length: int, use_weights: bool = True) -> Examples:
+    index = {c: i for i, c in enumerate(classes)}
+    weights = df["weight"].to_numpy(dtype=np.float32) if use_weights and "weight" in df else np.ones(len(df), np.float32)
+    labels = df["label"].map(index).to_numpy(dtype=np.int64, copy=True)
+    return Examples(tokenize(tokenizer, df["text"].tolist(), max_length), labels, weights.copy())
+
+
+def build_model(model_path: str, n_classes: int, cfg: FinetuneParams, seed: int):
+    """(EncoderClassifier in train mode, tokenizer, GMixout or None); the head is initialised from `seed`."""
+    from crucible.embed import load_encoder
+
+    encoder, tokenizer = load_encoder(model_path)
+    torch.manual_seed(seed)
+    model = EncoderClassifier(encoder, n_classes, dropout=cfg.dropout)
+    mix = mixout_config(cfg, seed)
+    gm = GMixout.wrap(model.encoder, mix) if mix is not None else None
+    model.train()
+    return model, tokenizer, gm
+
+
+def run(params: Params, task: str, root: Path, log) -> dict:
+    from safetensors.torch import save
+
+    cfg = params.finetune
+    base = Path(root) / "data" / task
+    labeled = read_labeled(base / "labeled.parquet")
+    test = read_table(base / "test.parquet", "test")
+    seed = task_seed(params.pipeline.seed, task)
+    classes = sorted(labeled.loc[labeled["source"] == "reference", "label"].unique())
+    unknown = sorted(set(labeled["label"]) - set(classes))
+    if unknown:
+        raise ValueError(f"{base / 'labeled.parquet'}: labels {unknown[:3]} do not occur in the reference rows "
+                         f"(classes {classes})")
+    dev_mask = split_dev(labeled, cfg.dev_fraction, seed)
+    train_df = labeled[~dev_mask & (labeled["weight"].to_numpy() > 0)]
+    dev_df = labeled[dev_mask]
+
+    model_path = resolve_model(params.embed.model)
+    model, tokenizer, gm = build_model(model_path, len(classes), cfg, seed)
+    use_weights = cfg.weights == "use"
+    train_set = examples(tokenizer, train_df, classes, cfg.max_length, use_weights)
+    dev_set = examples(tokenizer, dev_df, classes, cfg.max_length, use_weights=False)
+    tcfg = train_config(cfg, len(train_set), seed)
+    tcfg = TrainConfig(**{**tcfg.__dict__, "pad_id": tokenizer.pad_token_id or 0})
+
+    resolved = {"task": task, "base_model": params.embed.model, "classes": classes, "max_length": cfg.max_length,
+                "pooling": "mean", "seed": seed, "finetune": cfg.model_dump(), "train": tcfg.__dict__,
+                "n_train": len(train_set), "n_dev": len(dev_set)}
+    fingerprint = hashlib.md5(json.dumps({**resolved, "train_ids": train_df["id"].tolist()}, sort_keys=True,
+                                         default=str).encode()).hexdigest()
+    ckpt_dir = base / ".finetune-checkpoints"
+    if (ckpt_dir / "fingerprint").exists() and (ckpt_dir / "fingerprint").read_text() != fingerprint:
+        shutil.rmtree(ckpt_dir)  # checkpoints of another config or data: start over
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    (ckpt_dir / "fingerprint").write_text(fingerprint)
+
+    def log_curve(metrics: dict, step: int) -> None:
+        if "dev_accuracy" in metrics or step % 5 == 0 or step == tcfg.max_steps:
+            log.log_metrics(metrics, step)
+
+    result = train(model, train_set, dev_set, tcfg, mixout=gm, checkpoint_dir=ckpt_dir, log=log_curve)
+    if gm is not None:
+        gm.unwrap()
+    model.eval()
+    test_set = examples(tokenizer, test, classes, cfg.max_length, use_weights=False)
+    test_eval = evaluate(model, test_set, tcfg.eval_batch_size, tcfg.pad_id)
+    dev_eval = evaluate(model, dev_set, tcfg.eval_batch_size, tcfg.pad_id)
+
+    resolved["best_step"] = result.best_step
+    backbone = {k: v.contiguous() for k, v in model.encoder.state_dict().items()}
+    head = {"weight": model.head.weight.detach().contiguous(), "bias": model.head.bias.detach().contiguous()}
+    metrics = {"dev_accuracy": dev_eval["accuracy"], "dev_loss": dev_eval["loss"], "test_accuracy": test_eval["accuracy"],
+               "test_loss": test_eval["loss"], "steps": result.steps, "best_step": result.best_step,
+               "stopped_early": int(result.stopped_early), "examples_per_second": result.examples_per_second,
+               "steps_per_second": result.steps_per_second, "train_seconds": result.seconds,
+               "n_train": len(train_set), "n_dev": len(dev_set), "n_test": len(test_set)}
+    out_dir = base / "finetune"
+    with AtomicOutputs() as out:
+        out.bytes(save(backbone, metadata={"format": "pt", "base_model": params.embed.model}), out_dir / "model.safetensors")
+        out.bytes(save(head, metadata={"classes": json.dumps(classes)}), out_dir / "head.safetensors")
+        out.json(resolved, out_dir / "config.json")
+        out.json(metrics, base / "finetune.json")
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
+    log.log_artifact(out_dir / "config.json")
+    log.log_artifact(out_dir / "head.safetensors")
+    return metrics
+
+
+if __name__ == "__main__":
+    import sys
+
+    from tasks.cli import main
+
+    main(["stage", "finetune", *sys.argv[1:]])

@@ -1,0 +1,130 @@
+"""The finetune stage on the tiny profile: outputs, the saved model loads and predicts as trained,
+determinism, bad params."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from tasks.stage import execute
+
+torch.set_num_threads(1)
+OUTPUTS = ("finetune/model.safetensors", "finetune/head.safetensors", "finetune/config.json", "finetune.json")
+
+
+def synthetic_tables(seed: int = 0) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """labeled.parquet and test.parquet as pseudolabel and ingest write them, from templates (the
+    upstream stages are tested elsewhere; running them here would triple this module's time)."""
+    rng = np.random.default_rng(seed)
+    words = {"fresh": ["wonderful", "moving", "brilliant", "charming"], "rotten": ["dull", "tedious", "awful", "messy"]}
+    filler = ["the film", "this movie", "the plot", "its cast", "the ending", "every scene"]
+
+    def text(label):
+        return f"{rng.choice(filler)} is {rng.choice(words[label])} and {rng.choice(words[label])}, {rng.choice(filler)} too"
+
+    rows = []
+    for source, n, weight in (("reference", 40, 1.0), ("audit", 10, 0.8), ("pseudo", 30, 0.5)):
+        for i in range(n):
+            label = "fresh" if i % 2 == 0 else "rotten"
+            rows.append({"id": f"{source}-{i}", "text": text(label), "label": label, "source": source,
+                         "confidence": 1.0 if source != "pseudo" else 0.9, "weight": weight if i != 3 else 0.0})
+    labeled = pd.DataFrame(rows)
+    labeled.loc[labeled["source"] == "reference", "weight"] = 1.0
+    test = pd.DataFrame([{"id": f"t{i}", "text": text(lab), "label": lab}
+                         for i, lab in enumerate(["fresh", "rotten"] * 20)])
+    return labeled, test
+
+
+@pytest.fixture(scope="module")
+def finetuned_project(tmp_path_factory, project_root):
+    from tasks.workspace import make_workspace
+
+    root = make_workspace(project_root, tmp_path_factory.mktemp("finetune"), "tiny")
+    labeled, test = synthetic_tables()
+    (root / "data" / "rotten").mkdir(parents=True)
+    labeled.to_parquet(root / "data" / "rotten" / "labeled.parquet", index=False)
+    test.to_parquet(root / "data" / "rotten" / "test.parquet", index=False)
+    execute("finetune", "rotten", root)
+    return root
+
+
+def test_outputs_config_and_metrics(finetuned_project):
+    base = finetuned_project / "data" / "rotten"
+    for name in OUTPUTS:
+        assert (base / name).is_file(), name
+    assert not (base / ".finetune-checkpoints").exists()  # removed after success
+    config = json.loads((base / "finetune" / "config.json").read_text())
+    assert config["classes"] == ["fresh", "rotten"] and config["base_model"] == "all-MiniLM-L6-v2"
+    assert config["finetune"]["method"] == "gmixout" and config["train"]["max_steps"] == 6
+    metrics = json.loads((base / "finetune.json").read_text())
+    assert metrics["steps"] == 6 and 1 <= metrics["best_step"] <= 6
+    assert 0 <= metrics["dev_accuracy"] <= 1 and 0 <= metrics["test_accuracy"] <= 1
+    assert metrics["examples_per_second"] > 0 and metrics["n_test"] == 40
+    # the dev split is reference rows only, stratified
+    labeled = pd.read_parquet(base / "labeled.parquet")
+    assert metrics["n_dev"] == 8 and metrics["n_train"] == 80 - 8 - 2  # two rows of weight 0 dropped
+
+
+def test_saved_model_loads_into_the_base_architecture_and_reproduces_the_dev_accuracy(finetuned_project):
+    from crucible.embed import load_encoder
+    from crucible.train import EncoderClassifier, evaluate
+    from tasks.finetune import examples, split_dev, task_seed
+    from tasks.models import resolve_model
+
+    base = finetuned_project / "data" / "rotten"
+    encoder, tokenizer = load_encoder(resolve_model("all-MiniLM-L6-v2"))
+    state = load_file(str(base / "finetune" / "model.safetensors"))
+    assert set(state) == set(encoder.state_dict())
+    changed = [k for k, v in encoder.state_dict().items() if not torch.equal(v, state[k])]
+    assert any(".layer.0.attention.self.query.weight" in k for k in changed)
+    with safe_open(str(base / "finetune" / "head.safetensors"), framework="pt") as fh:
+        classes = json.loads(fh.metadata()["classes"])
+        head = {k: fh.get_tensor(k) for k in fh.keys()}
+    assert head["weight"].shape == (2, encoder.config.hidden_size)
+    model = EncoderClassifier(encoder, len(classes))
+    model.encoder.load_state_dict(state)
+    model.head.load_state_dict(head)
+    labeled = pd.read_parquet(base / "labeled.parquet")
+    dev = labeled[split_dev(labeled, 0.2, task_seed(0, "rotten"))]
+    acc = evaluate(model, examples(tokenizer, dev, classes, 32, use_weights=False))["accuracy"]
+    assert acc == pytest.approx(json.loads((base / "finetune.json").read_text())["dev_accuracy"])
+
+
+def test_rerun_is_deterministic(finetuned_project):
+    base = finetuned_project / "data" / "rotten"
+    before = load_file(str(base / "finetune" / "model.safetensors"))
+    execute("finetune", "rotten", finetuned_project)
+    after = load_file(str(base / "finetune" / "model.safetensors"))
+    # bitwise in isolation; within a long pytest process it was once off in the last bits
+    # (likely allocation-alignment-dependent CPU kernels), so compare to 1e-6
+    for key, value in before.items():
+        assert torch.allclose(after[key], value, rtol=0, atol=1e-6), key
+
+
+def test_split_dev_is_stratified_and_seeded():
+    from tasks.finetune import split_dev
+
+    df = pd.DataFrame({"source": ["reference"] * 20 + ["pseudo"] * 10,
+                       "label": ["a"] * 10 + ["b"] * 10 + ["a"] * 10})
+    dev = split_dev(df, 0.2, seed=1)
+    assert dev.sum() == 4 and not dev[20:].any()
+    assert df["label"][dev].value_counts().to_dict() == {"a": 2, "b": 2}
+    assert np.array_equal(dev, split_dev(df, 0.2, seed=1)) and not np.array_equal(dev, split_dev(df, 0.2, seed=2))
+
+
+def test_unknown_finetune_param_is_rejected(project_root):
+    from tasks.params import ParamsError, validate_params
+
+    data = yaml.safe_load((project_root / "params.yaml").read_text())
+    data["finetune"]["p"] = 1.0
+    with pytest.raises(ParamsError, match="finetune.p"):
+        validate_params(data, "params.yaml")
+    data["finetune"]["p"] = 0.5
+    data["finetune"]["anchr"] = "ema"
+    with pytest.raises(ParamsError, match="did you mean 'finetune.anchor'"):
+        validate_params(data, "params.yaml")
