@@ -1,0 +1,252 @@
+"""GS3R: Global Singular Subspace Separation and Restoration, with Pre-merge Restoration and
+Flushing (PRF), for continual model merging (METHODS.md sec. 5, our reading of the abstract).
+
+Per matrix parameter (m, n) the state is a low-rank factorisation of the merged update,
+
+    Delta = U diag(w) V^T,   w_i = scale * b_{owner(i)} * sigma_i,
+
+with U (m, r) and V (n, r) orthonormal *global bases* shared by all tasks so far, sigma (r,) and
+owner (r,) the task each component belongs to, r <= the rank budget K. On arrival of tau_t:
+
+1. separation (`separate`): truncated SVD tau_t ~ P_k S_k Q_k^T with k = energy_rank(S, energy)
+   (crucible.merge.base); project P_k off U and Q_k off V (twice, for numerical orthogonality) and
+   orthonormalise, dropping directions whose residual singular value is below `sep_tol` (already
+   inside the held bases) -> U_t' (m, k_u), V_t' (n, k_v). New components never overwrite the
+   directions of an earlier task, so there is no collapse toward the latest task and no 1/t
+   shrinkage of early ones.
+2. restoration (`restoration`): R_t = U_t'^T tau_t V_t' (k_u, k_v), the closed-form least-squares
+   solution of min_R ||tau_t - U_t' R V_t'^T||_F. Since U_t' is orthogonal to U and V_t' to V,
+   U_t'^T Delta V_t' = R_t after the merge: task t is reproduced exactly on its own subspace
+   (up to balance), and exactly overall when its singular subspaces are disjoint from the
+   earlier tasks' and energy = 1. R_t is stored diagonalised: with R_t = A diag(sigma) B^T,
+   U_t' A and V_t' B join the bases (same spans, same product).
+3. balance (`balance_factors`): at merge time each task's contribution is scaled by
+   b_s = (mean_s' n_s' / n_s) ** balance, n_s the norm of task s's held components (over the
+   whole model with balance_scope="model", or per parameter with "layer"): balance = 1 gives every
+   task the same norm, 0 turns balancing off; one task, or tasks of equal norm, give b = 1.
+4. global re-truncation (`retruncate`): when r exceeds the budget K, keep the K components of
+   largest task-balanced singular value sigma_i / n_{owner(i)} (n per parameter), every task
+   keeping at least its leading component while K >= the number of tasks present.
+5. PRF: steps 1-2 read tau_t before anything of it enters the state; afterwards the merger holds
+   no reference to it, so the caller flushes the incoming model and task vector right after
+   `add`. Peak memory: theta_0 + one incoming model (+ its task vector, + one SVD workspace per
+   parameter) + the low-rank state, whose size (m + n + 2) K per parameter does not depend on the
+   number of tasks once the budget is full.
+
+Other parameters (not 2-D, or matching `exclude`: biases, norms, embeddings): task arithmetic,
+theta_0 + lam * sum tau with lam = `other_lambda`, or 1/t (the mean) when None, so the merge of one
+task is that task.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+from torch import Tensor
+
+from crucible.merge.base import DEFAULT_EXCLUDE, ContinualMerger, StateDict, energy_rank
+
+
+def _orthonormal_residual(basis: Tensor, held: Tensor, tol: float) -> Tensor:
+    """Orthonormal basis of span(basis) minus its part in span(held) (held orthonormal)."""
+    x = basis
+    if held.shape[1]:
+        for _ in range(2):  # re-orthogonalisation: one Gram-Schmidt pass loses orthogonality
+            x = x - held @ (held.T @ x)
+    if x.shape[1] == 0:
+        return x
+    q, s, _ = torch.linalg.svd(x, full_matrices=False)
+    return q[:, s > tol]
+
+
+def separate(tau: Tensor, U: Tensor, V: Tensor, energy: float,
+             sep_tol: float = 1e-4) -> tuple[Tensor, Tensor]:
+    """Step 1: the new task's singular bases, truncated by energy and separated from U, V.
+
+    tau (m, n); U (m, r), V (n, r) orthonormal (r may be 0). Returns U_t' (m, k_u), V_t' (n, k_v)
+    orthonormal with U^T U_t' = 0 and V^T V_t' = 0 (to working precision).
+    """
+    p, s, qh = torch.linalg.svd(tau, full_matrices=False)
+    k = energy_rank(s, energy)
+    return (_orthonormal_residual(p[:, :k], U, sep_tol),
+            _orthonormal_residual(qh[:k].T, V, sep_tol))
+
+
+def restoration(tau: Tensor, U_t: Tensor, V_t: Tensor) -> Tensor:
+    """Step 2: R_t = U_t^T tau V_t, argmin_R ||tau - U_t R V_t^T||_F for orthonormal U_t, V_t."""
+    return U_t.T @ tau @ V_t
+
+
+def balance_factors(norms: dict[int, float], balance: float) -> dict[int, float]:
+    """Step 3: b_s = (mean of the non-zero norms / n_s) ** balance; 1.0 for zero-norm tasks."""
+    live = [n for n in norms.values() if n > 0]
+    if not live or balance == 0:
+        return {s: 1.0 for s in norms}
+    mean = sum(live) / len(live)
+    return {s: (mean / n) ** balance if n > 0 else 1.0 for s, n in norms.items()}
+
+
+def retruncate(sigma: Tensor, owner: Tensor, budget: int) -> Tensor:
+    """Step 4: indices (ascending) of the `budget` components to keep.
+
+    Ranked by sigma_i / ||sigma of owner(i)||; while budget >= the number of owners each owner
+    keeps its leading component first.
+    """
+    if sigma.numel() <= budget:
+        return torch.arange(sigma.numel())
+    norms = torch.zeros(int(owner.max()) + 1, dtype=torch.float64)
+    norms.index_add_(0, owner.long(), sigma.double().pow(2))
+    score = sigma.double() / norms.sqrt().clamp(min=1e-300)[owner.long()]
+    order = torch.argsort(score, descending=True, stable=True).tolist()
+    owners = owner.unique().tolist()
+    chosen: list[int] = []
+    if budget >= len(owners):
+        seen: set[int] = set()
+        for i in order:
+            o = int(owner[i])
+            if o not in seen:
+                seen.add(o)
+                chosen.append(i)
+    taken = set(chosen)
+    for i in order:
+        if len(chosen) >= budget:
+            break
+        if i not in taken:
+            chosen.append(i)
+            taken.add(i)
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+class GS3R(ContinualMerger):
+    """Continual GS3R merger; see the module docstring for the algorithm and the memory contract.
+
+    energy: share of tau_t's squared singular values kept at separation, in (0, 1].
+    rank_budget: K per matrix, an int, or a float in (0, 1] read as a share of min(m, n).
+    balance: exponent of the per-task balance (0 off, 1 equal norms); balance_scope "model"/"layer".
+    scale: global factor on the matrix updates. other_lambda: task-arithmetic factor of the other
+    parameters (None: 1/t). sep_tol: residual singular value below which a new direction counts as
+    already held. dtype: working and state precision of the matrix factors.
+    """
+
+    name = "gs3r"
+
+    def __init__(self, energy: float = 0.9, rank_budget: float | int = 0.5, balance: float = 1.0,
+                 balance_scope: str = "model", scale: float = 1.0,
+                 other_lambda: float | None = None, sep_tol: float = 1e-4,
+                 dtype: torch.dtype = torch.float32, *, exclude: str | None = DEFAULT_EXCLUDE):
+        super().__init__(exclude=exclude)
+        energy_rank(torch.ones(1), energy)  # validates energy early
+        if isinstance(rank_budget, bool) or not (
+                (isinstance(rank_budget, int) and rank_budget >= 1)
+                or (isinstance(rank_budget, float) and 0.0 < rank_budget <= 1.0)):
+            raise ValueError(f"gs3r: rank_budget must be an int >= 1 or a float in (0, 1], "
+                             f"got {rank_budget!r}")
+        if balance < 0:
+            raise ValueError(f"gs3r: balance must be >= 0, got {balance}")
+        if balance_scope not in ("model", "layer"):
+            raise ValueError(f"gs3r: balance_scope must be 'model' or 'layer', got {balance_scope!r}")
+        self.energy, self.rank_budget, self.balance = float(energy), rank_budget, float(balance)
+        self.balance_scope, self.scale, self.other_lambda = balance_scope, float(scale), other_lambda
+        self.sep_tol, self.dtype = float(sep_tol), dtype
+        self.U: dict[str, Tensor] = {}
+        self.V: dict[str, Tensor] = {}
+        self.sigma: dict[str, Tensor] = {}
+        self.owner: dict[str, Tensor] = {}
+        self.other_sum: dict[str, Tensor] = {}
+        self._model_balance: dict[int, float] | None = None
+
+    def budget(self, name: str) -> int:
+        m, n = self._spec[name][0]
+        if isinstance(self.rank_budget, int):
+            return min(self.rank_budget, m, n)
+        return max(1, math.floor(self.rank_budget * min(m, n)))
+
+    # -- continual update ---------------------------------------------------------------------
+
+    def _add(self, tv: StateDict) -> None:
+        t = self.num_tasks
+        self._model_balance = None
+        for name, tau in tv.items():
+            if not self.is_matrix(name):
+                if name in self.other_sum:
+                    self.other_sum[name].add_(tau)
+                else:
+                    self.other_sum[name] = tau.clone()
+                continue
+            m, n = tau.shape
+            if name not in self.U:
+                self.U[name] = torch.zeros(m, 0, dtype=self.dtype, device=tau.device)
+                self.V[name] = torch.zeros(n, 0, dtype=self.dtype, device=tau.device)
+                self.sigma[name] = torch.zeros(0, dtype=self.dtype, device=tau.device)
+                self.owner[name] = torch.zeros(0, dtype=torch.int32, device=tau.device)
+            self._add_matrix(name, tau.to(self.dtype), t)
+
+    def _add_matrix(self, name: str, tau: Tensor, t: int) -> None:
+        U, V = self.U[name], self.V[name]
+        U_t, V_t = separate(tau, U, V, self.energy, self.sep_tol)
+        if U_t.shape[1] == 0 or V_t.shape[1] == 0:
+            return  # nothing of this task left outside the held subspaces
+        R = restoration(tau, U_t, V_t)  # pre-merge restoration: from tau_t, before it is merged
+        a, s, bh = torch.linalg.svd(R, full_matrices=False)
+        keep = s > (float(s[0]) * max(R.shape) * torch.finfo(s.dtype).eps if s.numel() else 0)
+        U_t, V_t, s = U_t @ a[:, keep], V_t @ bh[keep].T, s[keep]
+        U = torch.cat([U, U_t], 1)
+        V = torch.cat([V, V_t], 1)
+        sigma = torch.cat([self.sigma[name], s])
+        owner = torch.cat([self.owner[name],
+                           torch.full((s.numel(),), t, dtype=torch.int32, device=s.device)])
+        if sigma.numel() > self.budget(name):
+            idx = retruncate(sigma.cpu(), owner.cpu(), self.budget(name)).to(sigma.device)
+            U, V, sigma, owner = U[:, idx], V[:, idx], sigma[idx], owner[idx]
+        self.U[name], self.V[name] = U.contiguous(), V.contiguous()
+        self.sigma[name], self.owner[name] = sigma, owner
+
+    # -- merge ----------------------------------------------------------------------------------
+
+    def task_norms(self, name: str | None = None) -> dict[int, float]:
+        """Norm of each task's held components, in one matrix parameter or (None) all of them."""
+        sq: dict[int, float] = defaultdict(float)
+        for k in ([name] if name is not None else self.sigma):
+            for o, s in zip(self.owner[k].tolist(), self.sigma[k].double().pow(2).tolist()):
+                sq[o] += s
+        return {o: math.sqrt(v) for o, v in sorted(sq.items())}
+
+    def _balance(self, name: str) -> dict[int, float]:
+        if self.balance_scope == "layer":
+            return balance_factors(self.task_norms(name), self.balance)
+        if self._model_balance is None:
+            self._model_balance = balance_factors(self.task_norms(), self.balance)
+        return self._model_balance
+
+    def _delta(self, name: str) -> Tensor:
+        dtype = self._spec[name][1]
+        if not self.is_matrix(name):
+            lam = self.other_lambda if self.other_lambda is not None else 1.0 / self.num_tasks
+            return (self.other_sum[name] * lam).to(dtype)
+        U, V, sigma, owner = self.U[name], self.V[name], self.sigma[name], self.owner[name]
+        b = self._balance(name)
+        factor = torch.tensor([b.get(o, 1.0) for o in owner.tolist()], dtype=sigma.dtype,
+                              device=sigma.device)
+        return ((U * (sigma * factor * self.scale)) @ V.T).to(dtype)
+
+    # -- introspection --------------------------------------------------------------------------
+
+    def ranks_used(self) -> dict[str, int]:
+        """Components held per matrix parameter (<= its budget)."""
+        return {k: int(v.numel()) for k, v in self.sigma.items()}
+
+    def ranks_by_task(self) -> dict[str, dict[int, int]]:
+        """Per matrix parameter, how many components each task holds."""
+        out = {}
+        for k, o in self.owner.items():
+            counts = torch.bincount(o.long().cpu()).tolist() if o.numel() else []
+            out[k] = {task: c for task, c in enumerate(counts) if c > 0}
+        return out
+
+    def state_tensors(self) -> dict[str, Tensor]:
+        out = {}
+        for part in ("U", "V", "sigma", "owner", "other_sum"):
+            out.update({f"{part}/{k}": v for k, v in getattr(self, part).items()})
+        return out
