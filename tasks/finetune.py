@@ -196,8 +196,19 @@ def run(params: Params, task: str, root: Path, log) -> dict:
         out.json(metrics, base / "finetune.json")
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     log.log_artifact(out_dir / "config.json")
-    log.log_artifact(out_dir / "head.safetensors")
+    log_model(log, out_dir, model_path, test)
     return metrics
+
+
+def log_model(log, finetune_dir: Path, base_model_dir: str, example: pd.DataFrame) -> None:
+    """The task model as an MLflow pyfunc (texts in, labels out) under the run's `model` path."""
+    import tempfile
+
+    from tasks.pyfunc import save_text_classifier
+
+    with tempfile.TemporaryDirectory() as tmp:
+        save_text_classifier(Path(tmp) / "model", finetune_dir, base_model_dir, example.head(3))
+        log.log_artifacts(Path(tmp) / "model", "model")
 
 
 if __name__ == "__main__":

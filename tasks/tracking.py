@@ -85,6 +85,10 @@ class StageRun:
         with _WRITE_LOCK:
             self.client.log_artifact(self.run_id, str(path), artifact_path)
 
+    def log_artifacts(self, folder: Path | str, artifact_path: str | None = None) -> None:
+        with _WRITE_LOCK:
+            self.client.log_artifacts(self.run_id, str(folder), artifact_path)
+
 
 def _flatten(d: dict, prefix: str = "") -> dict:
     out = {}
