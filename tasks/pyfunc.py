@@ -25,7 +25,6 @@ class TextClassifier(mlflow.pyfunc.PythonModel):
     """crucible.train.EncoderClassifier behind MLflow's pyfunc interface."""
 
     def load_context(self, context) -> None:
-        import torch
         from safetensors import safe_open
         from safetensors.torch import load_file
         from transformers import AutoConfig, AutoModel, AutoTokenizer
@@ -42,7 +41,6 @@ class TextClassifier(mlflow.pyfunc.PythonModel):
         self.model = EncoderClassifier(encoder, len(self.classes))
         self.model.head.load_state_dict(load_file(str(folder / "head.safetensors")))
         self.model.eval()
-        torch.set_grad_enabled(False)
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> pd.DataFrame:
         import torch
@@ -56,7 +54,9 @@ class TextClassifier(mlflow.pyfunc.PythonModel):
         else:
             raise ValueError(f"expected a DataFrame with a 'text' column, got columns {list(model_input.columns)}")
         ids = tokenize(self.tokenizer, texts, self.config["max_length"])
-        proba = torch.softmax(predict(self.model, ids, pad_id=self.tokenizer.pad_token_id or 0), dim=1).numpy()
+        with torch.inference_mode():  # scoped: a global grad switch would leak into the caller's process
+            logits = predict(self.model, ids, pad_id=self.tokenizer.pad_token_id or 0)
+        proba = torch.softmax(logits, dim=1).numpy()
         out = pd.DataFrame({"label": [self.classes[i] for i in proba.argmax(1)]})
         for k, name in enumerate(self.classes):
             out[f"proba_{name}"] = proba[:, k]
