@@ -130,7 +130,7 @@ def test_unknown_finetune_param_is_rejected(project_root):
         validate_params(data, "params.yaml")
 
 
-def test_logged_pyfunc_predicts_like_the_stage(finetuned_project):
+def test_logged_pyfunc_predicts_like_the_stage(finetuned_project, tmp_path):
     """The MLflow model of the run loads on its own and answers a DataFrame of texts as the trained
     encoder + head do (the same predictions as the stage's own test accuracy)."""
     import mlflow.pyfunc
@@ -140,15 +140,14 @@ def test_logged_pyfunc_predicts_like_the_stage(finetuned_project):
     exp = client.get_experiment_by_name("crucible")
     runs = client.search_runs([exp.experiment_id], "tags.`crucible.stage` = 'finetune' and attributes.status = 'FINISHED'")
     assert runs, "no finished finetune run"
-    mlflow.set_tracking_uri(f"sqlite:///{finetuned_project / 'mlflow.db'}")
-    model = mlflow.pyfunc.load_model(f"runs:/{runs[0].info.run_id}/model")
+    # no mlflow.set_tracking_uri: it sets MLFLOW_TRACKING_URI for the whole process and its children
+    local = client.download_artifacts(runs[0].info.run_id, "model", str(tmp_path))
+    model = mlflow.pyfunc.load_model(local)
     test = pd.read_parquet(finetuned_project / "data" / "rotten" / "test.parquet")
     out = model.predict(test[["text"]])
     assert list(out.columns) == ["label", "proba_fresh", "proba_rotten"]
     assert np.allclose(out[["proba_fresh", "proba_rotten"]].sum(axis=1), 1.0, atol=1e-5)
     metrics = json.loads((finetuned_project / "data" / "rotten" / "finetune.json").read_text())
     assert (out["label"] == test["label"]).mean() == pytest.approx(metrics["test_accuracy"], abs=1e-6)
-    reqs = (mlflow.artifacts.download_artifacts(f"runs:/{runs[0].info.run_id}/model/requirements.txt",
-                                                tracking_uri=f"sqlite:///{finetuned_project / 'mlflow.db'}"))
-    text = open(reqs).read()
+    text = open(f"{local}/requirements.txt").read()
     assert "torch==" in text and "transformers==" in text
