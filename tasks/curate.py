@@ -24,9 +24,8 @@ import pandas as pd
 import torch
 
 from crucible.ccmmd import GaussianKernel, cc_mmd
-from crucible.schema import validate_audit_against_pool
 from crucible.scoring import domain_classifier_scores, knn_density_ratio_scores
-from tasks.embed import load_embeddings
+from tasks.audited import read_audited_task
 from tasks.io import AtomicOutputs, read_table
 from tasks.params import Params
 
@@ -101,20 +100,10 @@ def plot(path_png, scores: np.ndarray, truth: np.ndarray | None, result, task: s
 def run(params: Params, task: str, root: Path, log) -> dict:
     cfg = params.curate
     base = Path(root) / "data" / task
-    reference = read_table(base / "reference.parquet", "reference")
-    pool = read_table(base / "pool.parquet", "pool")
-    audit = read_table(base / "audit.parquet", "audit")
-    validate_audit_against_pool(audit, pool, str(base / "audit.parquet"))
-    emb = load_embeddings(root, task, {"reference": reference, "pool": pool})
-    ref_x, pool_x = emb["reference"].double().numpy(), emb["pool"].double().numpy()
-
+    data = read_audited_task(root, task)
+    pool, ref_x, pool_x = data.pool, data.ref_x, data.pool_x
+    audited, member, pi = data.audited, data.member, data.pi
     scores = proxy_scores(params, ref_x, pool_x, pool, str(base / "pool.parquet"))
-    audit_by_id = audit.set_index("id")
-    audited = pool["id"].isin(audit_by_id.index).to_numpy()
-    member = np.zeros(len(pool))
-    pi = np.ones(len(pool))
-    member[audited] = audit_by_id.loc[pool["id"][audited], "member"].to_numpy(dtype=np.float64)
-    pi[audited] = audit_by_id.loc[pool["id"][audited], "pi"].to_numpy(dtype=np.float64)
     truth = _truth_membership(root, task, pool)
 
     kernel = GaussianKernel(bandwidths=tuple(cfg.bandwidths) if cfg.bandwidths else None,

@@ -31,8 +31,7 @@ import numpy as np
 import pandas as pd
 
 from crucible import pseudolabel as pl
-from crucible.schema import validate_audit_against_pool
-from tasks.embed import load_embeddings
+from tasks.audited import read_audited_task
 from tasks.io import AtomicOutputs, read_table
 from tasks.params import Params
 
@@ -116,28 +115,16 @@ def plot_confusion(path_png, actual: list[str], predicted: list[str], classes, t
 def run(params: Params, task: str, root: Path, log) -> dict:
     cfg = params.pseudolabel
     base = Path(root) / "data" / task
-    reference = read_table(base / "reference.parquet", "reference")
-    pool = read_table(base / "pool.parquet", "pool")
-    audit = read_table(base / "audit.parquet", "audit")
-    validate_audit_against_pool(audit, pool, str(base / "audit.parquet"))
+    data = read_audited_task(root, task)
+    reference, pool, ref_x, pool_x = data.reference, data.pool, data.ref_x, data.pool_x
     curated = read_curated(base / "curated.parquet", pool)
-    emb = load_embeddings(root, task, {"reference": reference, "pool": pool})
-    ref_x, pool_x = emb["reference"].double().numpy(), emb["pool"].double().numpy()
 
     teacher = pl.fit_teacher(ref_x, reference["label"].to_numpy(dtype=object), holdout=cfg.holdout, C=cfg.C,
                              seed=params.pipeline.seed, source=str(base / "reference.parquet"))
     classes = teacher.classes
     pred = pl.predict(teacher, pool_x)
 
-    audit_by_id = audit.set_index("id")
-    audited = pool["id"].isin(audit_by_id.index).to_numpy()
-    rows = audit_by_id.loc[pool["id"][audited]]
-    member = np.zeros(len(pool))
-    pi = np.ones(len(pool))
-    audit_label = np.full(len(pool), None, dtype=object)
-    member[audited] = rows["member"].to_numpy(dtype=np.float64)
-    pi[audited] = rows["pi"].to_numpy(dtype=np.float64)
-    audit_label[audited] = rows["label"].to_numpy(dtype=object)
+    audited, member, pi, audit_label = data.audited, data.member, data.pi, data.audit_label
     # an audit label outside the classes is an error only for a member (a non-member has none)
     y_audit = pl.label_indices(np.where(member == 1, audit_label, None), classes,
                                source=f"{base / 'audit.parquet'}, column 'label' (pool order)")
