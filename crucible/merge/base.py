@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import re
+from abc import ABC, abstractmethod
 from typing import Iterable, Iterator, Mapping
 
 import torch
@@ -81,7 +82,7 @@ def energy_rank(s: Tensor, energy: float) -> int:
     return min(k, numerical)
 
 
-class ContinualMerger:
+class ContinualMerger(ABC):
     """Base class: validates inputs, counts tasks, assembles merged weights.
 
     Subclasses implement `_add(task_vector)` (update the state from the next task vector; it must
@@ -141,9 +142,9 @@ class ContinualMerger:
                 out[k] = (w + self._delta(k).to(w.dtype)).to(w.dtype)
         return out
 
+    @abstractmethod
     def state_tensors(self) -> dict[str, Tensor]:
         """Every tensor the merger holds, by a descriptive name (for memory accounting)."""
-        raise NotImplementedError
 
     def state_numel(self) -> int:
         return sum(t.numel() for t in self.state_tensors().values())
@@ -158,11 +159,13 @@ class ContinualMerger:
         shape = self._spec[name][0]
         return len(shape) == 2 and not (self.exclude and self.exclude.search(name))
 
+    @abstractmethod
     def _add(self, task_vector: StateDict) -> None:
-        raise NotImplementedError
+        """Fold one validated task vector into the state (every method defines its own rule)."""
 
+    @abstractmethod
     def _delta(self, name: str) -> Tensor:
-        raise NotImplementedError
+        """The merged update of parameter `name` from the current state."""
 
     def _require_tasks(self) -> None:
         if self.num_tasks == 0:
