@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -107,6 +108,17 @@ def training_rows(labeled: pd.DataFrame, dev: np.ndarray, variant: str) -> pd.Da
     return rows
 
 
+def finetune_params(overrides: list[str]) -> FinetuneParams:
+    """FinetuneParams defaults with `key=value` overrides (validated by the params schema)."""
+    values = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set expects key=value, got {item!r}")
+        values[key] = yaml.safe_load(value)
+    return FinetuneParams(**values)
+
+
 def mixout_for(method: str, cfg: FinetuneParams, seed: int) -> GMixoutConfig | None:
     if method == "plain":
         return None
@@ -117,7 +129,7 @@ def mixout_for(method: str, cfg: FinetuneParams, seed: int) -> GMixoutConfig | N
 
 
 def run_one(task, data, method, variant, seed, args, encoder_path, tokenizer, base_state):
-    cfg = FinetuneParams()
+    cfg = args.cfg
     s = task_seed(seed, task)
     labeled = data["labeled"]
     dev_mask = split_dev(labeled, cfg.dev_fraction, s)
@@ -176,7 +188,11 @@ def main(argv=None) -> None:
     ap.add_argument("--alphas", default="0.25,0.5,0.75", help="WiSE-FT mixing coefficients")
     ap.add_argument("--curation-task", default="rotten", help="task of the curation ablation ('' = skip)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--methods", default="plain,mixout,gmixout", help="methods compared (WiSE-FT comes with plain)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a finetune param for this run (e.g. --set p=0.5 --set ema_beta=0.9)")
     args = ap.parse_args(argv)
+    args.cfg = finetune_params(args.set)
     args.alphas = [float(a) for a in args.alphas.split(",") if a]
     torch.set_num_threads(args.threads)
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -184,13 +200,13 @@ def main(argv=None) -> None:
     encoder_path = resolve_model("all-MiniLM-L6-v2")
     encoder, tokenizer = load_encoder(encoder_path)
     base_state = {k: v.clone() for k, v in encoder.state_dict().items()}
-    cfg = FinetuneParams()
+    cfg = args.cfg
     print(f"# finetune_methods: tasks={tasks} seeds={seeds} steps={args.steps} batch={args.batch_size} "
           f"max_length={args.max_length} n_test={args.n_test} threads={args.threads}; "
           f"GMixout p={cfg.p} anchor={cfg.anchor} beta={cfg.ema_beta} period={cfg.period} sparse={cfg.sparse}; "
-          f"Mixout p={cfg.p}", flush=True)
+          f"Mixout p={cfg.p}; lr={cfg.lr} head_lr={cfg.head_lr}", flush=True)
 
-    jobs = [(t, m, "weighted") for t in tasks for m in ("plain", "mixout", "gmixout")]
+    jobs = [(t, m, "weighted") for t in tasks for m in args.methods.split(",") if m]
     if args.curation_task:
         jobs += [(args.curation_task, "gmixout", v) for v in ("reference", "unweighted")]
         if args.curation_task not in tasks:

@@ -169,6 +169,49 @@ class FinetuneParams(_Section):
     dropout: float = Field(0.1, ge=0.0, lt=1.0, description="dropout before the head")
 
 
+DEFAULT_MERGE_METHODS = {
+    "gs3r": {"energy": 0.9, "rank_budget": 0.5},
+    "task_arithmetic": {"lam": 0.3},
+    "weight_average": {},
+    "ties": {"density": 0.2, "lam": 1.0},
+    "magmax": {"lam": 1.0},
+    "opcm": {"alpha": 0.5},
+}
+
+
+class MergeParams(_Section):
+    """Stage merge (METHODS.md sec. 5): continual merging of the task models, every listed method."""
+
+    order: list[str] | None = Field(None, min_length=1, description="arrival order of the tasks (names of "
+                                    "pipeline.tasks, each once); null = the order of pipeline.tasks")
+    methods: dict[str, dict[str, Any]] = Field(default_factory=lambda: {k: dict(v) for k, v in
+                                                                        DEFAULT_MERGE_METHODS.items()},
+                                               min_length=1, description="method -> its keyword arguments "
+                                               "(crucible.merge.make_merger); every one runs on the same sequence")
+    main: str = Field("gs3r", description="the method whose final merged model is the stage's output")
+    evaluate: bool = Field(True, description="after each arrival, score the merged model on every arrived "
+                           "task's test split (with that task's head)")
+    eval_limit: int | None = Field(None, ge=1, description="test items scored per task (first N); null = all")
+    eval_batch_size: int = Field(64, ge=1, le=4096)
+
+    @model_validator(mode="after")
+    def _methods_known(self) -> "MergeParams":
+        from crucible.merge import MERGERS, make_merger
+
+        for name, kwargs in self.methods.items():
+            if name not in MERGERS:
+                hint = difflib.get_close_matches(name, MERGERS, n=1)
+                raise ValueError(f"unknown merge method {name!r}{f' (did you mean {hint[0]!r}?)' if hint else ''}; "
+                                 f"valid: {', '.join(MERGERS)}")
+            try:
+                make_merger(name, **(kwargs or {}))
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"merge.methods.{name}: {exc}") from None
+        if self.main not in self.methods:
+            raise ValueError(f"merge.main = {self.main!r} is not among merge.methods ({', '.join(self.methods)})")
+        return self
+
+
 class Params(_Section):
     pipeline: PipelineParams
     tracking: TrackingParams = TrackingParams()
@@ -177,6 +220,7 @@ class Params(_Section):
     curate: CurateParams = CurateParams()
     pseudolabel: PseudolabelParams = PseudolabelParams()
     finetune: FinetuneParams = FinetuneParams()
+    merge: MergeParams = Field(default_factory=MergeParams)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Params":
@@ -188,7 +232,19 @@ class Params(_Section):
             if self.ingest.audit.budget > n_pool:
                 raise ValueError(f"ingest.audit.budget = {self.ingest.audit.budget} exceeds the pool size "
                                  f"{n_pool} of task '{name}'")
+        order = self.merge.order
+        if order is not None:
+            unknown = [t for t in order if t not in self.pipeline.tasks]
+            if unknown:
+                raise ValueError(f"merge.order names {unknown} which are not in pipeline.tasks "
+                                 f"({', '.join(self.pipeline.tasks)})")
+            if len(set(order)) != len(order):
+                raise ValueError(f"merge.order = {order} lists a task twice")
         return self
+
+    def merge_order(self) -> list[str]:
+        """The tasks in merge arrival order (merge.order, else the order of pipeline.tasks)."""
+        return list(self.merge.order) if self.merge.order is not None else list(self.pipeline.tasks)
 
     def task_sizes(self, task: str) -> tuple[int, int, int]:
         """(n_reference, n_pool, n_test) of a task, its overrides applied."""

@@ -28,6 +28,7 @@ STAGES: dict[str, str] = {
     "curate": "tasks.curate",
     "pseudolabel": "tasks.pseudolabel",
     "finetune": "tasks.finetune",
+    "merge": "tasks.merge",
 }
 PER_TASK = {"ingest", "embed", "curate", "pseudolabel", "finetune"}
 

@@ -372,3 +372,19 @@ def test_merge_sequence_yields_after_each_arrival():
         outs.append(merged)
     for t, merged in enumerate(outs, 1):
         torch.testing.assert_close(merged["weight"], sum(x["weight"] for x in tuned[:t]) / t)
+
+
+def test_task_vector_in_place_reuses_the_incoming_tensors():
+    theta_0, (theta_1,) = linear_toys(1)
+    theta_1 = {k: v.float() for k, v in theta_1.items()}
+    theta_0 = {k: v.float() for k, v in theta_0.items()}
+    expected = task_vector(theta_1, theta_0)
+    ptrs = {k: v.data_ptr() for k, v in theta_1.items()}
+    tv = task_vector(theta_1, theta_0, inplace=True)
+    for k in expected:
+        torch.testing.assert_close(tv[k], expected[k])
+        assert tv[k].data_ptr() == ptrs[k]  # no second copy of the model
+    with pytest.raises(ValueError, match="missing"):  # an error modifies nothing
+        bad = {"weight": theta_0["weight"].clone() + 1}
+        task_vector(bad, theta_0, inplace=True)
+    torch.testing.assert_close(bad["weight"], theta_0["weight"] + 1)

@@ -118,3 +118,27 @@ def test_cli_check_fails_on_a_typo(project_root, tmp_path):
     ok = subprocess.run([sys.executable, "-m", "tasks.cli", "params", "check"], capture_output=True, text=True,
                         cwd=project_root)
     assert ok.returncode == 0 and "OK" in ok.stdout
+
+
+def test_merge_method_errors(base):
+    base["merge"] = {"methods": {"gs3x": {}}}
+    check(base, "unknown merge method 'gs3x'", "did you mean 'gs3r'", "valid: task_arithmetic")
+    base["merge"] = {"methods": {"gs3r": {"energy": 1.5}}}
+    check(base, "merge.methods.gs3r", "energy must be in (0, 1]")
+    base["merge"] = {"methods": {"ties": {"densty": 0.2}}}
+    check(base, "merge.methods.ties", "densty")
+    base["merge"] = {"methods": {"ties": {}}, "main": "gs3r"}
+    check(base, "merge.main = 'gs3r' is not among merge.methods (ties)")
+
+
+def test_merge_order(base):
+    base["merge"] = {"order": ["rotten", "bbc", "rotten"]}
+    check(base, "merge.order", "lists a task twice")
+    base["merge"] = {"order": ["rotten", "news"]}
+    check(base, "merge.order names ['news']", "not in pipeline.tasks")
+    base["merge"] = {"order": ["debates", "bbc"]}
+    from tasks.params import validate_params
+
+    assert validate_params(base, "x").merge_order() == ["debates", "bbc"]
+    del base["merge"]
+    assert validate_params(base, "x").merge_order() == list(base["pipeline"]["tasks"])

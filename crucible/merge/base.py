@@ -36,12 +36,14 @@ type embeddings are 2-D but a row is a token, not an input direction)."""
 StateDict = Mapping[str, Tensor]
 
 
-def task_vector(theta_t: StateDict, theta_0: StateDict) -> dict[str, Tensor]:
+def task_vector(theta_t: StateDict, theta_0: StateDict, inplace: bool = False) -> dict[str, Tensor]:
     """tau = theta_t - theta_0 over the floating tensors of theta_0, in float32.
 
     Non-floating entries (e.g. a BERT `position_ids` buffer) are left out: they are not weights.
+    With `inplace`, float32 tensors of theta_t are overwritten by their difference (no second copy
+    of the model: the incoming model becomes its task vector; pre-merge flushing for the caller).
     Raises ValueError when theta_t lacks a floating key of theta_0, has an extra floating key, or
-    a shape differs.
+    a shape differs; then nothing has been modified.
     """
     keys = [k for k, v in theta_0.items() if v.is_floating_point()]
     extra = sorted(k for k, v in theta_t.items() if v.is_floating_point() and k not in theta_0)
@@ -55,7 +57,11 @@ def task_vector(theta_t: StateDict, theta_0: StateDict) -> dict[str, Tensor]:
         if theta_t[k].shape != theta_0[k].shape:
             raise ValueError(f"task_vector: shape of {k!r} is {tuple(theta_t[k].shape)} in the "
                              f"fine-tuned model but {tuple(theta_0[k].shape)} in the base")
-        out[k] = theta_t[k].float() - theta_0[k].float()
+    for k in keys:
+        if inplace and theta_t[k].dtype == torch.float32:
+            out[k] = theta_t[k].sub_(theta_0[k].float())
+        else:
+            out[k] = theta_t[k].float() - theta_0[k].float()
     return out
 
 

@@ -1,0 +1,411 @@
+"""Stage `merge` (once, over all tasks): continual merging of the task models (METHODS.md sec. 5;
+crucible.merge), every method of `merge.methods` on the same arrival sequence.
+
+    crucible stage merge
+
+Reads, per task in `merge.order` (default: the order of pipeline.tasks), the finetune stage's
+data/<task>/finetune/{model,head}.safetensors and config.json, and data/<task>/test.parquet; the
+base encoder is `embed.model` (every task model must have been fine-tuned from it).
+
+Per method, in a fresh process (so that its time and peak memory are its own): load theta_0; for
+each arriving task, load theta_t, turn it into its task vector in place, `merger.add` it and drop
+it, then build the merged weights. Recorded per arrival: seconds in add and in merged(), the peak
+RSS above the RSS with theta_0 loaded (sampled every 5 ms over load + add + merged, saving
+excluded), the bytes of the merger's state, and the rank held per matrix (GS3R). When
+`merge.evaluate`, the parent then scores each arrival's merged model on every task arrived so far,
+each task with its own head (heads are kept per task, never merged), beside the base model and
+each task's own fine-tune; crucible.continual turns the accuracy matrix into average accuracy,
+accuracy normalised by the fine-tunes, and backward transfer.
+
+Outputs (all published together) under models/merge/:
+- model.safetensors: the `merge.main` method's final merged encoder (the base model's keys);
+- heads.safetensors: `<task>.weight`, `<task>.bias` per task; metadata `classes` (JSON per task);
+- config.json: order, methods and their arguments, main, base model, classes and max_length per task;
+- merge.json: metrics (main method at top level, every method under `methods`);
+- accuracy.csv: method, arrival, task, accuracy (long format, for `dvc plots`), incl. base/finetuned;
+- ranks.csv: method, arrival, param, rank, budget (methods that hold a low-rank state);
+- accuracy.png: accuracy of every task after each arrival, per method.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from tasks.io import AtomicOutputs, read_table
+from tasks.models import resolve_model
+from tasks.params import Params
+
+OUT = Path("models") / "merge"
+
+
+def inputs(params: Params, task: str | None = None) -> list[Path]:
+    out = []
+    for t in params.merge_order():
+        base = Path("data") / t
+        out += [base / "finetune" / "model.safetensors", base / "finetune" / "head.safetensors",
+                base / "finetune" / "config.json", base / "test.parquet"]
+    return out
+
+
+def outputs(params: Params, task: str | None = None) -> list[Path]:
+    return [OUT / name for name in ("model.safetensors", "heads.safetensors", "config.json", "merge.json",
+                                    "accuracy.csv", "ranks.csv", "accuracy.png")]
+
+
+# ---------------------------------------------------------------------------------------------------
+# the merging worker: one fresh process per method
+
+
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+class _PeakSampler:
+    """Peak RSS over a window, sampled by a thread every 5 ms."""
+
+    def __init__(self):
+        import threading
+
+        self.peak, self.active, self.stop = 0, False, False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.stop:
+            if self.active:
+                self.peak = max(self.peak, _rss())
+            time.sleep(0.005)
+
+    def window(self):
+        sampler = self
+
+        class _Window:
+            def __enter__(self):
+                sampler.peak, sampler.active = _rss(), True
+                return sampler
+
+            def __exit__(self, *exc):
+                sampler.active = False
+                sampler.peak = max(sampler.peak, _rss())
+
+        return _Window()
+
+    def close(self):
+        self.stop = True
+        self.thread.join()
+
+
+def merge_worker(spec: dict) -> dict:
+    """Run one method over the sequence (in this process); write merged weights; return records.
+
+    spec: method, kwargs, theta0 (safetensors path), models (paths in arrival order), out_dir,
+    save ("each" | "final").
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from crucible.merge import make_merger, task_vector
+
+    torch.set_grad_enabled(False)
+    theta_0 = load_file(spec["theta0"])
+    merger = make_merger(spec["method"], **spec["kwargs"])
+    sampler = _PeakSampler()
+    base = _rss()
+    records, ranks = [], []
+    last = len(spec["models"]) - 1
+    for j, path in enumerate(spec["models"]):
+        with sampler.window():
+            t0 = time.perf_counter()
+            tau = task_vector(load_file(path), theta_0, inplace=True)
+            t1 = time.perf_counter()
+            merger.add(tau)
+            del tau
+            t2 = time.perf_counter()
+            merged = merger.merged(theta_0)
+            t3 = time.perf_counter()
+        records.append({"arrival": j, "load_seconds": t1 - t0, "add_seconds": t2 - t1, "merged_seconds": t3 - t2,
+                        "peak_rss_mb": (sampler.peak - base) / 2**20, "state_mb": merger.state_bytes() / 2**20})
+        if hasattr(merger, "ranks_used"):
+            ranks += [{"arrival": j, "param": k, "rank": r, "budget": merger.budget(k)}
+                      for k, r in merger.ranks_used().items()]
+        if spec["save"] == "each" or j == last:
+            save_file({k: v.contiguous() for k, v in merged.items()}, str(Path(spec["out_dir"]) / f"{j}.safetensors"))
+        del merged
+    sampler.close()
+    return {"records": records, "ranks": ranks}
+
+
+def _worker_main() -> None:
+    spec = json.loads(sys.stdin.read())
+    result = merge_worker(spec)
+    Path(spec["out_dir"], "result.json").write_text(json.dumps(result))
+
+
+def run_method(method: str, kwargs: dict, theta0: Path, models: list[Path], out_dir: Path, save: str,
+               threads: int) -> dict:
+    """merge_worker in a fresh Python process (its own peak memory); raises RuntimeError with its stderr."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec = {"method": method, "kwargs": kwargs, "theta0": str(theta0), "models": [str(m) for m in models],
+            "out_dir": str(out_dir), "save": save}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+           # a fixed mmap threshold: freed model-sized tensors go back to the OS, so RSS tracks live memory
+           "MALLOC_MMAP_THRESHOLD_": "65536",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", "from tasks.merge import _worker_main; _worker_main()"],
+                          input=json.dumps(spec), text=True, capture_output=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"merge method {method!r} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads((out_dir / "result.json").read_text())
+
+
+# ---------------------------------------------------------------------------------------------------
+# inputs and evaluation
+
+
+def read_task_model(root: Path, task: str, base_model: str) -> dict:
+    """A task's fine-tune: paths, head tensors, classes, max_length; checks it was made from base_model."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    folder = root / "data" / task / "finetune"
+    paths = {name: folder / name for name in ("model.safetensors", "head.safetensors", "config.json")}
+    for path in paths.values():
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: missing; the merge stage needs every task's fine-tune "
+                                    f"(run `crucible stage finetune --task {task}` or `dvc repro finetune@{task}`)")
+    config = json.loads(paths["config.json"].read_text())
+    if config.get("base_model") != base_model:
+        raise ValueError(f"{paths['config.json']}: field 'base_model' = {config.get('base_model')!r}, but "
+                         f"embed.model is {base_model!r}; every task model must be fine-tuned from the same base "
+                         f"(rerun finetune@{task})")
+    head = load_file(str(paths["head.safetensors"]))
+    with safe_open(str(paths["head.safetensors"]), "pt") as f:
+        classes = json.loads((f.metadata() or {}).get("classes", "null"))
+    if set(head) != {"weight", "bias"} or classes is None or head["weight"].shape[0] != len(classes):
+        raise ValueError(f"{paths['head.safetensors']}: expected tensors 'weight' (n_classes, hidden) and 'bias' "
+                         f"and metadata 'classes'; got tensors {sorted(head)}, classes {classes}")
+    return {"task": task, "model": paths["model.safetensors"], "head": head, "classes": classes,
+            "max_length": int(config.get("max_length", 64))}
+
+
+class Scorer:
+    """Accuracy of encoder weights on each task's test split, with the task's own head."""
+
+    def __init__(self, model_path: str, tasks: list[dict], tests: dict[str, pd.DataFrame], batch_size: int):
+        import torch
+
+        from crucible.embed import load_encoder
+        from crucible.train import EncoderClassifier, tokenize
+
+        self.encoder, tokenizer = load_encoder(model_path)
+        self.theta_0 = {k: v.detach().clone() for k, v in self.encoder.state_dict().items()}
+        self.pad_id = tokenizer.pad_token_id or 0
+        self.batch_size = batch_size
+        self.models, self.data = {}, {}
+        for spec in tasks:
+            t = spec["task"]
+            model = EncoderClassifier(self.encoder, len(spec["classes"]), dropout=0.0)
+            with torch.no_grad():
+                model.head.weight.copy_(spec["head"]["weight"])
+                model.head.bias.copy_(spec["head"]["bias"])
+            model.eval()
+            index = {c: i for i, c in enumerate(spec["classes"])}
+            test = tests[t]
+            unknown = sorted(set(test["label"]) - set(index))
+            if unknown:
+                raise ValueError(f"data/{t}/test.parquet: column 'label' has {unknown[:3]}, not among the head's "
+                                 f"classes {spec['classes']}")
+            ids = tokenize(tokenizer, test["text"].tolist(), spec["max_length"])
+            self.models[t] = model
+            self.data[t] = (ids, torch.tensor(test["label"].map(index).to_numpy(), dtype=torch.long))
+
+    def load(self, state: dict) -> None:
+        self.encoder.load_state_dict(state, strict=True)
+
+    def accuracy(self, task: str) -> float:
+        from crucible.train import predict
+
+        ids, labels = self.data[task]
+        logits = predict(self.models[task], ids, self.batch_size, self.pad_id)
+        return float((logits.argmax(1) == labels).float().mean())
+
+
+# ---------------------------------------------------------------------------------------------------
+# the stage
+
+
+def run(params: Params, task: str | None, root: Path, log) -> dict:
+    import torch
+    from safetensors.torch import load_file, save, save_file
+    from tqdm.auto import tqdm
+
+    from crucible.continual import accuracy_curve, average_accuracy, backward_transfer, normalised_accuracy
+
+    cfg = params.merge
+    root = Path(root)
+    order = params.merge_order()
+    specs = [read_task_model(root, t, params.embed.model) for t in order]
+    tests = {}
+    for t in order:
+        test = read_table(root / "data" / t / "test.parquet", "test")
+        tests[t] = test.head(cfg.eval_limit) if cfg.eval_limit else test
+    model_path = resolve_model(params.embed.model)
+    scorer = Scorer(model_path, specs, tests, cfg.eval_batch_size)
+    threads = torch.get_num_threads()
+
+    rows: list[dict] = []    # accuracy.csv
+    ranks: list[dict] = []   # ranks.csv
+    summary: dict[str, dict] = {}
+    finetuned, base_acc = {}, {}
+    with tempfile.TemporaryDirectory(prefix="crucible-merge-") as tmp:
+        tmp = Path(tmp)
+        theta0_file = tmp / "theta0.safetensors"
+        save_file({k: v.contiguous() for k, v in scorer.theta_0.items()}, str(theta0_file))
+        if cfg.evaluate:
+            for spec in tqdm(specs, desc="merge: base and fine-tuned accuracy", leave=False):
+                t = spec["task"]
+                scorer.load(scorer.theta_0)
+                base_acc[t] = scorer.accuracy(t)
+                scorer.load(load_file(str(spec["model"])))
+                finetuned[t] = scorer.accuracy(t)
+                rows += [{"method": "base", "arrival": None, "task": t, "accuracy": base_acc[t]},
+                         {"method": "finetuned", "arrival": None, "task": t, "accuracy": finetuned[t]}]
+        for method, kwargs in tqdm(cfg.methods.items(), desc="merge: methods", total=len(cfg.methods)):
+            out_dir = tmp / method
+            result = run_method(method, kwargs or {}, theta0_file, [s["model"] for s in specs], out_dir,
+                                "each" if cfg.evaluate else "final", threads)
+            recs = result["records"]
+            ranks += [{"method": method, **r} for r in result["ranks"]]
+            entry = {"merge_seconds": sum(r["add_seconds"] + r["merged_seconds"] for r in recs),
+                     "add_seconds": [r["add_seconds"] for r in recs],
+                     "peak_rss_mb": max(r["peak_rss_mb"] for r in recs),
+                     "peak_rss_mb_by_arrival": [r["peak_rss_mb"] for r in recs],
+                     "state_mb": recs[-1]["state_mb"], "state_mb_by_arrival": [r["state_mb"] for r in recs]}
+            if result["ranks"]:
+                last = [r for r in result["ranks"] if r["arrival"] == len(specs) - 1]
+                entry["rank_mean"] = float(np.mean([r["rank"] for r in last]))
+                entry["rank_max"] = int(max(r["rank"] for r in last))
+            if cfg.evaluate:
+                R = np.full((len(specs), len(specs)), np.nan)
+                for j in range(len(specs)):
+                    scorer.load(load_file(str(out_dir / f"{j}.safetensors")))
+                    for i in range(j + 1):
+                        R[j, i] = scorer.accuracy(order[i])
+                        rows.append({"method": method, "arrival": j, "task": order[i], "accuracy": R[j, i]})
+                entry.update({"avg_accuracy": average_accuracy(R),
+                              "normalised_accuracy": normalised_accuracy(R, [finetuned[t] for t in order]),
+                              "bwt": backward_transfer(R), "accuracy_curve": accuracy_curve(R),
+                              "final_accuracy": dict(zip(order, R[-1].tolist()))})
+            summary[method] = entry
+        main_state = load_file(str(tmp / cfg.main / f"{len(specs) - 1}.safetensors"))
+
+    heads = {f"{s['task']}.{k}": v.contiguous() for s in specs for k, v in s["head"].items()}
+    config = {"order": order, "main": cfg.main, "methods": cfg.methods, "base_model": params.embed.model,
+              "classes": {s["task"]: s["classes"] for s in specs},
+              "max_length": {s["task"]: s["max_length"] for s in specs}}
+    main = summary[cfg.main]
+    metrics = {"main": cfg.main, "tasks": len(order),
+               **{k: main[k] for k in ("avg_accuracy", "normalised_accuracy", "bwt", "merge_seconds", "peak_rss_mb",
+                                       "state_mb") if k in main},
+               "base_accuracy": base_acc, "finetuned_accuracy": finetuned, "methods": summary}
+    metrics = _json_safe(metrics)
+    out = root / OUT
+    with AtomicOutputs() as atomic:
+        atomic.bytes(save(main_state, metadata={"format": "pt", "base_model": params.embed.model,
+                                                "method": cfg.main, "order": json.dumps(order)}),
+                     out / "model.safetensors")
+        atomic.bytes(save(heads, metadata={"classes": json.dumps(config["classes"])}), out / "heads.safetensors")
+        atomic.json(config, out / "config.json")
+        atomic.json(metrics, out / "merge.json")
+        atomic.bytes(pd.DataFrame(rows, columns=["method", "arrival", "task", "accuracy"]).to_csv(index=False).encode(),
+                     out / "accuracy.csv")
+        atomic.bytes(pd.DataFrame(ranks, columns=["method", "arrival", "param", "rank", "budget"])
+                     .to_csv(index=False).encode(), out / "ranks.csv")
+        atomic.bytes(plot_accuracy(rows, order, summary), out / "accuracy.png")
+    flat = {}
+    for method, entry in summary.items():
+        for k in ("avg_accuracy", "normalised_accuracy", "bwt", "merge_seconds", "peak_rss_mb", "state_mb"):
+            if k in entry and entry[k] == entry[k]:
+                flat[f"{method}.{k}"] = entry[k]
+    log.log_metrics(flat)
+    log.log_artifact(out / "accuracy.png")
+    log.log_artifact(out / "merge.json")
+    return {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def _json_safe(obj):
+    """NaN (e.g. backward transfer of a single task) -> None, recursively: strict JSON for DVC and MLflow."""
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    if isinstance(obj, float) and obj != obj:
+        return None
+    return obj
+
+
+def plot_accuracy(rows: list[dict], order: list[str], summary: dict) -> bytes:
+    """PNG: one panel per task (accuracy after each arrival, a line per method; fine-tune dashed, base
+    dotted), and a panel of the average over the arrived tasks."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    df = pd.DataFrame(rows, columns=["method", "arrival", "task", "accuracy"])
+    n = len(order) + 1
+    cols = min(n, 3)
+    fig, axes = plt.subplots(-(-n // cols), cols, figsize=(4.2 * cols, 3.2 * -(-n // cols)), squeeze=False)
+    methods = list(summary)
+    colors = {m: plt.cm.tab10(i % 10) for i, m in enumerate(methods)}
+    for ax, t in zip(axes.flat, order):
+        sub = df[df["task"] == t]
+        for m in methods:
+            g = sub[sub["method"] == m].sort_values("arrival")
+            if len(g):
+                ax.plot(g["arrival"] + 1, g["accuracy"], marker="o", color=colors[m], label=m)
+        for ref, style in (("finetuned", "--"), ("base", ":")):
+            g = sub[sub["method"] == ref]
+            if len(g):
+                ax.axhline(float(g["accuracy"].iloc[0]), color="k", ls=style, lw=1, label=ref)
+        ax.set_title(f"{t} (arrives {order.index(t) + 1})")
+        ax.set_xlim(0.5, len(order) + 0.5)
+        ax.set_xticks(range(1, len(order) + 1))
+        ax.set_xlabel("tasks merged")
+        ax.set_ylabel("test accuracy")
+    ax = axes.flat[len(order)]
+    for m in methods:
+        curve = summary[m].get("accuracy_curve")
+        if curve:
+            ax.plot(range(1, len(curve) + 1), curve, marker="o", color=colors[m], label=m)
+    ax.set_title("mean over arrived tasks")
+    ax.set_xticks(range(1, len(order) + 1))
+    ax.set_xlabel("tasks merged")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    ax.legend(handles, labels, fontsize=7, loc="best")
+    for extra in list(axes.flat)[n:]:
+        extra.axis("off")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+if __name__ == "__main__":
+    from tasks.cli import main
+
+    main(["stage", "merge", *sys.argv[1:]])

@@ -1,0 +1,170 @@
+"""The merge stage on synthetic task models (the base encoder plus seeded low-rank updates and
+random heads: the fine-tune stage is tested elsewhere): outputs, the accuracy matrix against a
+direct evaluation, the merge of one task, bad input."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+from tasks.io import md5_file
+from tasks.stage import execute
+
+torch.set_num_threads(1)
+TASKS = ("bbc", "rotten", "tweets")
+METHODS = {"gs3r": {"energy": 1.0, "rank_budget": 1.0}, "weight_average": {}, "task_arithmetic": {"lam": 0.5}}
+
+
+def fake_finetunes(root, theta_0: dict, seed: int = 0) -> None:
+    """data/<task>/finetune/{model,head}.safetensors + config.json and test.parquet per task."""
+    g = torch.Generator().manual_seed(seed)
+    for k, task in enumerate(TASKS):
+        theta = {n: v.clone() for n, v in theta_0.items()}
+        for name, w in theta.items():
+            if w.ndim == 2 and "embed" not in name and "layer" in name:
+                m, n = w.shape
+                u, v = torch.randn(m, 2, generator=g), torch.randn(n, 2, generator=g)
+                w += 0.02 * (u @ v.T) / (m * n) ** 0.25
+        classes = ["neg", "pos"] if task != "bbc" else ["business", "sport", "tech"]
+        head = {"weight": torch.randn(len(classes), 384, generator=g), "bias": torch.zeros(len(classes))}
+        folder = root / "data" / task / "finetune"
+        folder.mkdir(parents=True)
+        save_file(theta, str(folder / "model.safetensors"))
+        save_file(head, str(folder / "head.safetensors"), metadata={"classes": json.dumps(classes)})
+        (folder / "config.json").write_text(json.dumps({"base_model": "all-MiniLM-L6-v2", "classes": classes,
+                                                        "max_length": 32}))
+        rng = np.random.default_rng(k)
+        words = ["market", "goal", "chip", "vote", "film", "great", "awful", "team", "price", "phone"]
+        test = pd.DataFrame({"id": [f"t{i}" for i in range(24)],
+                             "text": [" ".join(rng.choice(words, 6)) for _ in range(24)],
+                             "label": [classes[i % len(classes)] for i in range(24)]})
+        test.to_parquet(root / "data" / task / "test.parquet", index=False)
+
+
+@pytest.fixture(scope="module")
+def base_state():
+    from crucible.embed import load_encoder
+    from tasks.models import resolve_model
+
+    encoder, _ = load_encoder(resolve_model("all-MiniLM-L6-v2"))
+    return {k: v.detach().clone().contiguous() for k, v in encoder.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def merged_project(tmp_path_factory, project_root, base_state):
+    from tasks.workspace import make_workspace
+
+    tasks = {"bbc": {"corpus": "bbc_news"}, "rotten": {"corpus": "rotten_tomatoes"},
+             "tweets": {"corpus": "tweet_sentiment"}}
+    root = make_workspace(project_root, tmp_path_factory.mktemp("merge"), "tiny",
+                          overrides={"pipeline": {"tasks": tasks}, "merge": {"order": ["rotten", "bbc", "tweets"]}})
+    # a profile's mapping merges into the defaults; three methods only: replace the section's list
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["merge"]["methods"] = METHODS
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    fake_finetunes(root, base_state)
+    result = execute("merge", None, root)
+    return root, result
+
+
+def test_outputs_and_metrics(merged_project):
+    root, result = merged_project
+    out = root / "models" / "merge"
+    for name in ("model.safetensors", "heads.safetensors", "config.json", "merge.json", "accuracy.csv",
+                 "ranks.csv", "accuracy.png"):
+        assert (out / name).is_file(), name
+    config = json.loads((out / "config.json").read_text())
+    assert config["order"] == ["rotten", "bbc", "tweets"] and config["main"] == "gs3r"
+    metrics = json.loads((out / "merge.json").read_text())
+    assert set(metrics["methods"]) == set(METHODS)
+    for entry in metrics["methods"].values():
+        assert len(entry["accuracy_curve"]) == 3 and len(entry["peak_rss_mb_by_arrival"]) == 3
+        assert entry["merge_seconds"] > 0 and entry["state_mb"] > 0
+    assert metrics["avg_accuracy"] == metrics["methods"]["gs3r"]["avg_accuracy"]
+    assert result.metrics["avg_accuracy"] == metrics["avg_accuracy"]
+    heads = load_file(str(out / "heads.safetensors"))
+    assert set(heads) == {f"{t}.{p}" for t in TASKS for p in ("weight", "bias")}
+    assert heads["bbc.weight"].shape == (3, 384)
+    ranks = pd.read_csv(out / "ranks.csv")
+    assert set(ranks["method"]) == {"gs3r"} and (ranks["rank"] <= ranks["budget"]).all()
+
+
+def test_accuracy_matrix_matches_a_direct_evaluation(merged_project, base_state):
+    """Rebuild the methods' merged models here and score them: the stage's matrix must agree; the
+    merge of one task is that task (GS3R at full energy and budget, the average, TA up to lam)."""
+    from crucible.continual import backward_transfer
+    from crucible.merge import make_merger, merge_sequence, task_vector
+    from tasks.merge import Scorer, read_task_model
+    from tasks.models import resolve_model
+
+    root, _ = merged_project
+    order = ["rotten", "bbc", "tweets"]
+    specs = [read_task_model(root, t, "all-MiniLM-L6-v2") for t in order]
+    tests = {t: pd.read_parquet(root / "data" / t / "test.parquet") for t in order}
+    scorer = Scorer(resolve_model("all-MiniLM-L6-v2"), specs, tests, 64)
+    acc = pd.read_csv(root / "models" / "merge" / "accuracy.csv")
+    metrics = json.loads((root / "models" / "merge" / "merge.json").read_text())
+    for t in order:
+        scorer.load(load_file(str(root / "data" / t / "finetune" / "model.safetensors")))
+        assert metrics["finetuned_accuracy"][t] == pytest.approx(scorer.accuracy(t))
+    for method in ("gs3r", "task_arithmetic"):
+        merger = make_merger(method, **METHODS[method])
+        tvs = (task_vector(load_file(str(s["model"])), base_state) for s in specs)
+        R = np.full((3, 3), np.nan)
+        for j, merged in enumerate(merge_sequence(base_state, tvs, merger)):
+            scorer.load(merged)
+            for i in range(j + 1):
+                R[j, i] = scorer.accuracy(order[i])
+                row = acc[(acc["method"] == method) & (acc["arrival"] == j) & (acc["task"] == order[i])]
+                assert float(row["accuracy"].iloc[0]) == pytest.approx(R[j, i], abs=1e-6), (method, j, i)
+        assert metrics["methods"][method]["bwt"] == pytest.approx(backward_transfer(R))
+    # one task merged = that task's own fine-tune
+    gs3r_first = acc[(acc["method"] == "gs3r") & (acc["arrival"] == 0)]["accuracy"].iloc[0]
+    assert gs3r_first == pytest.approx(metrics["finetuned_accuracy"]["rotten"])
+    avg_first = acc[(acc["method"] == "weight_average") & (acc["arrival"] == 0)]["accuracy"].iloc[0]
+    assert avg_first == pytest.approx(metrics["finetuned_accuracy"]["rotten"])
+
+
+def test_main_model_is_the_gs3r_merge_and_loads_into_the_base_architecture(merged_project, base_state):
+    from crucible.embed import load_encoder
+    from crucible.merge import make_merger, task_vector
+    from tasks.models import resolve_model
+
+    root, _ = merged_project
+    state = load_file(str(root / "models" / "merge" / "model.safetensors"))
+    encoder, _ = load_encoder(resolve_model("all-MiniLM-L6-v2"))
+    encoder.load_state_dict(state, strict=True)
+    merger = make_merger("gs3r", **METHODS["gs3r"])
+    for t in ("rotten", "bbc", "tweets"):
+        merger.add(task_vector(load_file(str(root / "data" / t / "finetune" / "model.safetensors")), base_state))
+    expected = merger.merged(base_state)
+    for k, v in expected.items():
+        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_foreign_base_model_is_refused_and_outputs_stay(merged_project):
+    root, _ = merged_project
+    out = root / "models" / "merge"
+    before = {p.name: md5_file(p) for p in out.iterdir()}
+    config_path = root / "data" / "bbc" / "finetune" / "config.json"
+    original = config_path.read_text()
+    config_path.write_text(json.dumps({**json.loads(original), "base_model": "bert-base-uncased"}))
+    try:
+        with pytest.raises(ValueError, match=r"bbc/finetune/config.json: field 'base_model' = 'bert-base-uncased'"):
+            execute("merge", None, root)
+    finally:
+        config_path.write_text(original)
+    assert {p.name: md5_file(p) for p in out.iterdir()} == before
+
+
+def test_missing_finetune_names_the_file_and_the_fix(tmp_path, project_root):
+    from tasks.workspace import make_workspace
+
+    root = make_workspace(project_root, tmp_path / "p", "tiny")
+    with pytest.raises(FileNotFoundError, match=r"finetune/model.safetensors: missing.*crucible stage finetune"):
+        execute("merge", None, root)
+    assert not (root / "models" / "merge").exists()
