@@ -241,6 +241,59 @@ class Scorer:
         return float((logits.argmax(1) == labels).float().mean())
 
 
+def merge_method(method: str, kwargs: dict, theta0_file: Path, specs: list[dict], out_dir: Path,
+                 scorer: Scorer | None, finetuned: dict[str, float], threads: int) -> tuple[dict, list, list]:
+    """One method over the sequence `specs` (arrival order): its worker's time/memory records and, with
+    a scorer, the accuracy matrix R[j, i] (task i after arrival j, i <= j) and its summaries.
+    Returns (summary entry, accuracy rows, rank rows); the merged weights stay in `out_dir`."""
+    from safetensors.torch import load_file
+
+    from crucible.continual import accuracy_curve, average_accuracy, backward_transfer, normalised_accuracy
+
+    order = [s["task"] for s in specs]
+    result = run_method(method, kwargs, theta0_file, [s["model"] for s in specs], out_dir,
+                        "each" if scorer is not None else "final", threads)
+    recs = result["records"]
+    ranks = [{"method": method, **r} for r in result["ranks"]]
+    entry = {"merge_seconds": sum(r["add_seconds"] + r["merged_seconds"] for r in recs),
+             "add_seconds": [r["add_seconds"] for r in recs],
+             "merged_seconds": [r["merged_seconds"] for r in recs],
+             "peak_rss_mb": max(r["peak_rss_mb"] for r in recs),
+             "peak_rss_mb_by_arrival": [r["peak_rss_mb"] for r in recs],
+             "state_mb": recs[-1]["state_mb"], "state_mb_by_arrival": [r["state_mb"] for r in recs]}
+    if result["ranks"]:
+        last = [r for r in result["ranks"] if r["arrival"] == len(specs) - 1]
+        entry["rank_mean"] = float(np.mean([r["rank"] for r in last]))
+        entry["rank_max"] = int(max(r["rank"] for r in last))
+    rows = []
+    if scorer is not None:
+        R = np.full((len(specs), len(specs)), np.nan)
+        for j in range(len(specs)):
+            scorer.load(load_file(str(out_dir / f"{j}.safetensors")))
+            for i in range(j + 1):
+                R[j, i] = scorer.accuracy(order[i])
+                rows.append({"method": method, "arrival": j, "task": order[i], "accuracy": R[j, i]})
+        entry.update({"avg_accuracy": average_accuracy(R),
+                      "normalised_accuracy": normalised_accuracy(R, [finetuned[t] for t in order]),
+                      "bwt": backward_transfer(R), "accuracy_curve": accuracy_curve(R),
+                      "final_accuracy": dict(zip(order, R[-1].tolist())), "R": R.tolist()})
+    return entry, rows, ranks
+
+
+def reference_accuracy(scorer: Scorer, specs: list[dict]) -> tuple[dict, dict]:
+    """(base model accuracy, own fine-tune accuracy) per task."""
+    from safetensors.torch import load_file
+
+    base, finetuned = {}, {}
+    for spec in specs:
+        t = spec["task"]
+        scorer.load(scorer.theta_0)
+        base[t] = scorer.accuracy(t)
+        scorer.load(load_file(str(spec["model"])))
+        finetuned[t] = scorer.accuracy(t)
+    return base, finetuned
+
+
 # ---------------------------------------------------------------------------------------------------
 # the stage
 
@@ -249,8 +302,6 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     import torch
     from safetensors.torch import load_file, save, save_file
     from tqdm.auto import tqdm
-
-    from crucible.continual import accuracy_curve, average_accuracy, backward_transfer, normalised_accuracy
 
     cfg = params.merge
     root = Path(root)
@@ -273,41 +324,15 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
         theta0_file = tmp / "theta0.safetensors"
         save_file({k: v.contiguous() for k, v in scorer.theta_0.items()}, str(theta0_file))
         if cfg.evaluate:
-            for spec in tqdm(specs, desc="merge: base and fine-tuned accuracy", leave=False):
-                t = spec["task"]
-                scorer.load(scorer.theta_0)
-                base_acc[t] = scorer.accuracy(t)
-                scorer.load(load_file(str(spec["model"])))
-                finetuned[t] = scorer.accuracy(t)
-                rows += [{"method": "base", "arrival": None, "task": t, "accuracy": base_acc[t]},
-                         {"method": "finetuned", "arrival": None, "task": t, "accuracy": finetuned[t]}]
+            base_acc, finetuned = reference_accuracy(scorer, specs)
+            rows += [{"method": ref, "arrival": None, "task": t, "accuracy": acc[t]}
+                     for t in order for ref, acc in (("base", base_acc), ("finetuned", finetuned))]
         for method, kwargs in tqdm(cfg.methods.items(), desc="merge: methods", total=len(cfg.methods)):
-            out_dir = tmp / method
-            result = run_method(method, kwargs or {}, theta0_file, [s["model"] for s in specs], out_dir,
-                                "each" if cfg.evaluate else "final", threads)
-            recs = result["records"]
-            ranks += [{"method": method, **r} for r in result["ranks"]]
-            entry = {"merge_seconds": sum(r["add_seconds"] + r["merged_seconds"] for r in recs),
-                     "add_seconds": [r["add_seconds"] for r in recs],
-                     "peak_rss_mb": max(r["peak_rss_mb"] for r in recs),
-                     "peak_rss_mb_by_arrival": [r["peak_rss_mb"] for r in recs],
-                     "state_mb": recs[-1]["state_mb"], "state_mb_by_arrival": [r["state_mb"] for r in recs]}
-            if result["ranks"]:
-                last = [r for r in result["ranks"] if r["arrival"] == len(specs) - 1]
-                entry["rank_mean"] = float(np.mean([r["rank"] for r in last]))
-                entry["rank_max"] = int(max(r["rank"] for r in last))
-            if cfg.evaluate:
-                R = np.full((len(specs), len(specs)), np.nan)
-                for j in range(len(specs)):
-                    scorer.load(load_file(str(out_dir / f"{j}.safetensors")))
-                    for i in range(j + 1):
-                        R[j, i] = scorer.accuracy(order[i])
-                        rows.append({"method": method, "arrival": j, "task": order[i], "accuracy": R[j, i]})
-                entry.update({"avg_accuracy": average_accuracy(R),
-                              "normalised_accuracy": normalised_accuracy(R, [finetuned[t] for t in order]),
-                              "bwt": backward_transfer(R), "accuracy_curve": accuracy_curve(R),
-                              "final_accuracy": dict(zip(order, R[-1].tolist()))})
+            entry, method_rows, method_ranks = merge_method(method, kwargs or {}, theta0_file, specs, tmp / method,
+                                                            scorer if cfg.evaluate else None, finetuned, threads)
             summary[method] = entry
+            rows += method_rows
+            ranks += method_ranks
         main_state = load_file(str(tmp / cfg.main / f"{len(specs) - 1}.safetensors"))
 
     heads = {f"{s['task']}.{k}": v.contiguous() for s in specs for k, v in s["head"].items()}

@@ -144,10 +144,10 @@ class FinetuneParams(_Section):
     method: Literal["gmixout", "mixout", "plain"] = Field(
         "gmixout", description="gmixout (p, anchor, ema_beta, period, sparse as set); mixout (p only: pretrained "
         "anchor, a new mask every step, dense updates); plain fine-tuning")
-    p: float = Field(0.8, ge=0.0, lt=1.0, description="mixout mask probability (share of elements set to the anchor)")
+    p: float = Field(0.3, ge=0.0, lt=1.0, description="mixout mask probability (share of elements set to the anchor)")
     anchor: Literal["pretrained", "ema"] = Field("ema", description="gmixout anchor: fixed pretrained weights or "
                                                  "an EMA of the fine-tuned weights")
-    ema_beta: float = Field(0.99, ge=0.0, lt=1.0, description="anchor <- beta * anchor + (1 - beta) * w each step")
+    ema_beta: float = Field(0.9, ge=0.0, lt=1.0, description="anchor <- beta * anchor + (1 - beta) * w each step")
     period: int = Field(10, ge=1, description="gmixout resamples the mask every `period` steps")
     sparse: bool = Field(True, description="gmixout updates only unmasked elements (weights and AdamW state)")
     modules: str = Field(r"encoder\.layer\.\d+\.", min_length=1,
@@ -193,6 +193,14 @@ class MergeParams(_Section):
                            "task's test split (with that task's head)")
     eval_limit: int | None = Field(None, ge=1, description="test items scored per task (first N); null = all")
     eval_batch_size: int = Field(64, ge=1, le=4096)
+
+    @field_validator("methods", mode="before")
+    @classmethod
+    def _drop_null_methods(cls, methods):
+        """`method: null` removes a method (so a profile can run fewer than the defaults)."""
+        if isinstance(methods, dict):
+            return {k: v for k, v in methods.items() if v is not None}
+        return methods
 
     @model_validator(mode="after")
     def _methods_known(self) -> "MergeParams":

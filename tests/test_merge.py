@@ -388,3 +388,37 @@ def test_task_vector_in_place_reuses_the_incoming_tensors():
         bad = {"weight": theta_0["weight"].clone() + 1}
         task_vector(bad, theta_0, inplace=True)
     torch.testing.assert_close(bad["weight"], theta_0["weight"] + 1)
+
+
+def test_svd_falls_back_when_lapack_does_not_converge(monkeypatch):
+    """Real float32 task vectors made LAPACK's SVD fail to converge: retry in float64, and for the
+    separation residual use the Gram matrix's eigendecomposition; same spans as a working SVD."""
+    from crucible.merge import gs3r as g
+    from crucible.merge.base import thin_svd
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(30, 6, generator=gen)
+    held = torch.linalg.qr(torch.randn(30, 3, generator=gen))[0]
+    basis = torch.linalg.qr(torch.cat([held[:, :2], torch.randn(30, 4, generator=gen)], 1))[0]
+    expected = g._orthonormal_residual(basis, held, 1e-4)
+    real_svd = torch.linalg.svd
+
+    def float32_fails(a, *args, **kw):
+        if a.dtype == torch.float32:
+            raise torch.linalg.LinAlgError("did not converge")
+        return real_svd(a, *args, **kw)
+
+    monkeypatch.setattr(torch.linalg, "svd", float32_fails)
+    u, s, vh = thin_svd(x)
+    assert u.dtype == torch.float32
+    torch.testing.assert_close(u @ torch.diag(s) @ vh, x, atol=1e-5, rtol=1e-5)
+
+    def always_fails(a, *args, **kw):
+        raise torch.linalg.LinAlgError("did not converge")
+
+    monkeypatch.setattr(torch.linalg, "svd", always_fails)
+    got = g._orthonormal_residual(basis, held, 1e-4)
+    assert got.shape == expected.shape == (30, 4)  # the 2 held directions are dropped
+    torch.testing.assert_close(got.T @ got, torch.eye(4), atol=1e-5, rtol=0)
+    assert float((held.T @ got).abs().max()) < 1e-5
+    torch.testing.assert_close(got @ got.T, expected @ expected.T, atol=1e-5, rtol=0)  # same span

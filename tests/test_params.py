@@ -142,3 +142,12 @@ def test_merge_order(base):
     assert validate_params(base, "x").merge_order() == ["debates", "bbc"]
     del base["merge"]
     assert validate_params(base, "x").merge_order() == list(base["pipeline"]["tasks"])
+
+
+def test_null_removes_a_merge_method(base):
+    from tasks.params import DEFAULT_MERGE_METHODS, validate_params
+
+    base["merge"] = {"methods": {**DEFAULT_MERGE_METHODS, "ties": None, "opcm": None}}
+    assert list(validate_params(base, "x").merge.methods) == ["gs3r", "task_arithmetic", "weight_average", "magmax"]
+    base["merge"] = {"methods": {"gs3r": None}}
+    check(base, "merge.methods", "at least 1")

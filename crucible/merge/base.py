@@ -70,6 +70,18 @@ def global_norm(tensors: Iterable[Tensor]) -> float:
     return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors))
 
 
+def thin_svd(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Thin SVD; when LAPACK does not converge (ill-conditioned input, many repeated singular
+    values: it happens on real task vectors in float32) retry in float64, results in x's dtype."""
+    try:
+        return torch.linalg.svd(x, full_matrices=False)
+    except torch.linalg.LinAlgError:
+        if x.dtype == torch.float64:
+            raise
+        u, s, vh = torch.linalg.svd(x.double(), full_matrices=False)
+        return u.to(x.dtype), s.to(x.dtype), vh.to(x.dtype)
+
+
 def energy_rank(s: Tensor, energy: float) -> int:
     """Smallest k with sum_{i<k} s_i^2 >= energy * sum_i s_i^2, for singular values s (descending).
 

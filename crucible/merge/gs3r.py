@@ -46,19 +46,31 @@ from collections import defaultdict
 import torch
 from torch import Tensor
 
-from crucible.merge.base import DEFAULT_EXCLUDE, ContinualMerger, StateDict, energy_rank
+from crucible.merge.base import DEFAULT_EXCLUDE, ContinualMerger, StateDict, energy_rank, thin_svd
 
 
 def _orthonormal_residual(basis: Tensor, held: Tensor, tol: float) -> Tensor:
-    """Orthonormal basis of span(basis) minus its part in span(held) (held orthonormal)."""
-    x = basis
+    """Orthonormal basis of span(basis) minus its part in span(held) (held orthonormal).
+
+    Directions whose residual singular value is <= tol are dropped (already held). Computed in
+    float64: the residual is nearly rank-deficient by construction. If the SVD still does not
+    converge, the eigendecomposition of the small Gram matrix x^T x gives the same basis.
+    """
+    x = basis.double()
     if held.shape[1]:
+        h = held.double()
         for _ in range(2):  # re-orthogonalisation: one Gram-Schmidt pass loses orthogonality
-            x = x - held @ (held.T @ x)
+            x = x - h @ (h.T @ x)
     if x.shape[1] == 0:
-        return x
-    q, s, _ = torch.linalg.svd(x, full_matrices=False)
-    return q[:, s > tol]
+        return x.to(basis.dtype)
+    try:
+        q, s, _ = torch.linalg.svd(x, full_matrices=False)
+        q = q[:, s > tol]
+    except torch.linalg.LinAlgError:
+        lam, w = torch.linalg.eigh(x.T @ x)
+        keep = lam > tol * tol
+        q = x @ (w[:, keep] / lam[keep].sqrt())
+    return q.to(basis.dtype)
 
 
 def separate(tau: Tensor, U: Tensor, V: Tensor, energy: float,
@@ -68,7 +80,7 @@ def separate(tau: Tensor, U: Tensor, V: Tensor, energy: float,
     tau (m, n); U (m, r), V (n, r) orthonormal (r may be 0). Returns U_t' (m, k_u), V_t' (n, k_v)
     orthonormal with U^T U_t' = 0 and V^T V_t' = 0 (to working precision).
     """
-    p, s, qh = torch.linalg.svd(tau, full_matrices=False)
+    p, s, qh = thin_svd(tau)
     k = energy_rank(s, energy)
     return (_orthonormal_residual(p[:, :k], U, sep_tol),
             _orthonormal_residual(qh[:k].T, V, sep_tol))
@@ -189,7 +201,7 @@ class GS3R(ContinualMerger):
         if U_t.shape[1] == 0 or V_t.shape[1] == 0:
             return  # nothing of this task left outside the held subspaces
         R = restoration(tau, U_t, V_t)  # pre-merge restoration: from tau_t, before it is merged
-        a, s, bh = torch.linalg.svd(R, full_matrices=False)
+        a, s, bh = thin_svd(R)
         keep = s > (float(s[0]) * max(R.shape) * torch.finfo(s.dtype).eps if s.numel() else 0)
         U_t, V_t, s = U_t @ a[:, keep], V_t @ bh[keep].T, s[keep]
         U = torch.cat([U, U_t], 1)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from crucible.merge.base import DEFAULT_EXCLUDE, ContinualMerger, StateDict, energy_rank, global_norm
+from crucible.merge.base import DEFAULT_EXCLUDE, ContinualMerger, StateDict, energy_rank, global_norm, thin_svd
 
 
 def opcm_project(tau: Tensor, merged_tv: Tensor, alpha: float,
@@ -34,7 +34,7 @@ def opcm_project(tau: Tensor, merged_tv: Tensor, alpha: float,
         raise ValueError(f"opcm_project: need two matrices of one shape, got {tuple(tau.shape)} "
                          f"and {tuple(merged_tv.shape)}")
     work = torch.promote_types(tau.dtype, torch.float32)
-    u, s, vh = torch.linalg.svd(merged_tv.to(work), full_matrices=False)
+    u, s, vh = thin_svd(merged_tv.to(work))
     k = energy_rank(s, alpha)
     v = vh.T
     coef = u.T @ tau.to(work) @ v                    # (r, r) components u_i^T tau v_j
