@@ -412,17 +412,23 @@ def plot_accuracy(rows: list[dict], order: list[str], summary: dict) -> bytes:
         ax.set_xlabel("tasks merged")
         ax.set_ylabel("test accuracy")
     ax = axes.flat[len(order)]
+    ft = df[df["method"] == "finetuned"].set_index("task")["accuracy"]
     for m in methods:
-        curve = summary[m].get("accuracy_curve")
-        if curve:
-            ax.plot(range(1, len(curve) + 1), curve, marker="o", color=colors[m], label=m)
-    ax.set_title("mean over arrived tasks")
+        g = df[df["method"] == m].copy()
+        if not len(g) or ft.empty:
+            continue
+        g["norm"] = g["accuracy"] / g["task"].map(ft)
+        curve = g.groupby("arrival")["norm"].mean()
+        ax.plot(curve.index + 1, curve.values, marker="o", color=colors[m], label=m)
+    ax.axhline(1.0, color="k", ls="--", lw=1)
+    ax.set_title("mean over arrived tasks of acc / own fine-tune", fontsize=9)
     ax.set_xticks(range(1, len(order) + 1))
     ax.set_xlabel("tasks merged")
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    ax.legend(handles, labels, fontsize=7, loc="best")
-    for extra in list(axes.flat)[n:]:
+    spare = list(axes.flat)[n:]
+    for extra in spare:
         extra.axis("off")
+    (spare[0] if spare else ax).legend(handles, labels, fontsize=8, loc="center" if spare else "best")
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
