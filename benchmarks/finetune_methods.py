@@ -169,6 +169,49 @@ def run_one(task, data, method, variant, seed, args, encoder_path, tokenizer, ba
     return results
 
 
+def speed(task, data, args, encoder_path, tokenizer) -> None:
+    """Steps per second of each method relative to plain, robust to a noisy machine: the methods
+    take turns, `--speed-block` optimizer steps each, for `--speed-rounds` rounds, in one process;
+    per method the total time of its blocks. Blocks are whole `train` calls (optimizer set-up and a
+    40-item dev evaluation included, the same for every method)."""
+    cfg = args.cfg
+    s = task_seed(0, task)
+    labeled = data["labeled"]
+    dev_mask = split_dev(labeled, cfg.dev_fraction, s)
+    rows = training_rows(labeled, dev_mask, "weighted")
+    train_set = to_examples(tokenizer, rows["text"], rows["label"], data["classes"], rows["weight"], args.max_length)
+    dev_df = labeled[dev_mask].head(40)
+    dev_set = to_examples(tokenizer, dev_df["text"], dev_df["label"], data["classes"], np.ones(len(dev_df)),
+                          args.max_length)
+    methods = [m for m in args.methods.split(",") if m]
+    runs = {}
+    for method in methods:
+        encoder, _ = load_encoder(encoder_path)
+        torch.manual_seed(s)
+        model = EncoderClassifier(encoder, len(data["classes"]))
+        mix = mixout_for(method, cfg, s)
+        runs[method] = (model, GMixout.wrap(model.encoder, mix) if mix else None)
+    tcfg = TrainConfig(lr=cfg.lr, head_lr=cfg.head_lr, max_steps=args.speed_block, batch_size=args.batch_size,
+                       warmup=cfg.warmup, weight_decay=cfg.weight_decay, clip=cfg.clip, eval_every=args.speed_block,
+                       seed=s, progress=False, pad_id=tokenizer.pad_token_id or 0)
+    seconds = {m: [] for m in methods}
+    for r in range(args.speed_rounds):
+        for method in (methods if r % 2 == 0 else methods[::-1]):
+            model, gm = runs[method]
+            start = time.perf_counter()
+            train(model, train_set, dev_set, tcfg, mixout=gm)
+            seconds[method].append(time.perf_counter() - start)
+    base = sum(seconds["plain"]) if "plain" in seconds else None
+    print(f"\n## speed ({task}, {args.speed_rounds} rounds x {args.speed_block} steps per method, taking turns, "
+          f"threads={args.threads})")
+    print(f"{'method':10s} {'steps/s':>8s} {'x plain':>8s} {'slowdown':>9s}")
+    for method in methods:
+        total = sum(seconds[method])
+        rate = args.speed_rounds * args.speed_block / total
+        ratio = base / total if base else float("nan")
+        print(f"{method:10s} {rate:8.3f} {ratio:8.2f} {1 / ratio:8.2f}x")
+
+
 def fmt(values) -> str:
     values = [v for v in values if v == v]
     if not values:
@@ -191,6 +234,9 @@ def main(argv=None) -> None:
     ap.add_argument("--methods", default="plain,mixout,gmixout", help="methods compared (WiSE-FT comes with plain)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a finetune param for this run (e.g. --set p=0.5 --set ema_beta=0.9)")
+    ap.add_argument("--speed-rounds", type=int, default=0,
+                    help="only the speed comparison: methods take turns for this many rounds (on the first task)")
+    ap.add_argument("--speed-block", type=int, default=10, help="optimizer steps per turn in the speed comparison")
     args = ap.parse_args(argv)
     args.cfg = finetune_params(args.set)
     args.alphas = [float(a) for a in args.alphas.split(",") if a]
@@ -206,6 +252,9 @@ def main(argv=None) -> None:
           f"GMixout p={cfg.p} anchor={cfg.anchor} beta={cfg.ema_beta} period={cfg.period} sparse={cfg.sparse}; "
           f"Mixout p={cfg.p}; lr={cfg.lr} head_lr={cfg.head_lr}", flush=True)
 
+    if args.speed_rounds:
+        speed(tasks[0], load_task(tasks[0], args, tokenizer), args, encoder_path, tokenizer)
+        return
     jobs = [(t, m, "weighted") for t in tasks for m in args.methods.split(",") if m]
     if args.curation_task:
         jobs += [(args.curation_task, "gmixout", v) for v in ("reference", "unweighted")]
