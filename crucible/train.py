@@ -15,7 +15,7 @@ same weights as an uninterrupted one (same machine, same thread count).
 
 Checkpoints are safetensors plus JSON (no pickle): every tensor of the model, optimizer,
 scheduler, GMixout and RNG states goes into `state.safetensors`, the rest of the nested structure
-into `state.json`, written to `step-XXXXXXX.tmp/` and renamed into place. Pure torch: the caller
+into `state.json`, written to `step-<step as 7 digits>.tmp/` and renamed into place. Pure torch: the caller
 supplies a `log(metrics, step)` callback for tracking.
 """
 
@@ -227,7 +227,7 @@ def _join(obj, tensors: dict):
 
 
 def save_checkpoint(directory: Path | str, step: int, state: dict, keep: int = 2) -> Path:
-    """Write `state` (nested dicts/lists of tensors and JSON scalars) to directory/step-XXXXXXX/
+    """Write `state` (nested dicts/lists of tensors and JSON scalars) to directory/step-<step as 7 digits>/
     atomically; keep the newest `keep` checkpoints."""
     from safetensors.torch import save_file
 

@@ -37,7 +37,7 @@ import torch
 from crucible.gmixout import GMixout, GMixoutConfig
 from crucible.schema import validate_table
 from crucible.train import EncoderClassifier, Examples, TrainConfig, evaluate, tokenize, train
-from tasks.io import AtomicOutputs, read_table
+from tasks.io import AtomicOutputs, read_stage_output, read_table
 from tasks.models import resolve_model
 from tasks.params import FinetuneParams, Params
 
@@ -62,12 +62,7 @@ def task_seed(seed: int, task: str) -> int:
 
 def read_labeled(path: Path) -> pd.DataFrame:
     """pseudolabel's table, checked: the id/text/label contract, known sources, finite weights >= 0."""
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: labeled table not found; run the pseudolabel stage first (dvc repro)")
-    df = pd.read_parquet(path)
-    missing = [c for c in LABELED_COLUMNS if c not in df.columns]
-    if missing:
-        raise ValueError(f"{path}: missing columns {missing}; expected {list(LABELED_COLUMNS)} (rerun pseudolabel)")
+    df = read_stage_output(path, "labeled", LABELED_COLUMNS, "pseudolabel")
     validate_table(df, "reference", source=str(path))
     bad = ~df["source"].isin(["reference", "audit", "pseudo"])
     if bad.any():

@@ -40,6 +40,22 @@ def read_table(path: Path | str, kind: str) -> pd.DataFrame:
     return validate_table(df, kind, source=str(path))
 
 
+def read_stage_output(path: Path | str, what: str, columns, stage: str) -> pd.DataFrame:
+    """A parquet table written by an earlier stage: it must exist, be readable and hold `columns`;
+    each error names the file and the stage that makes it."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: {what} table not found; run the {stage} stage first (dvc repro)")
+    try:
+        df = pd.read_parquet(path)
+    except Exception as exc:  # pyarrow raises several types for a corrupt file
+        raise ValueError(f"{path}: not a readable parquet file ({exc}); rerun {stage}") from None
+    missing = [c for c in columns if c not in df.columns]
+    if missing:
+        raise ValueError(f"{path}: missing columns {missing}; expected {list(columns)} (rerun {stage})")
+    return df
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

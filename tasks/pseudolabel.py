@@ -32,7 +32,7 @@ import pandas as pd
 
 from crucible import pseudolabel as pl
 from tasks.audited import read_audited_task
-from tasks.io import AtomicOutputs, read_table
+from tasks.io import AtomicOutputs, read_stage_output, read_table
 from tasks.params import Params
 
 CURATED_COLUMNS = ("id", "score", "audited", "m")
@@ -52,12 +52,7 @@ def outputs(params: Params, task: str) -> list[Path]:
 
 def read_curated(path: Path, pool: pd.DataFrame) -> pd.DataFrame:
     """curate's output, checked row for row against the pool it was computed from."""
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: curated table not found; run the curate stage first (dvc repro)")
-    curated = pd.read_parquet(path)
-    missing = [c for c in CURATED_COLUMNS if c not in curated.columns]
-    if missing:
-        raise ValueError(f"{path}: missing columns {missing}; expected {list(CURATED_COLUMNS)} (rerun curate)")
+    curated = read_stage_output(path, "curated", CURATED_COLUMNS, "curate")
     if curated["id"].tolist() != pool["id"].tolist():
         raise ValueError(f"{path}: rows do not match the pool's ids in order; rerun the curate stage (dvc repro)")
     for col in ("score", "m"):
