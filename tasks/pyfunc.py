@@ -87,5 +87,6 @@ def save_text_classifier(dest: Path, finetune_dir: Path, base_model_dir: str, ex
         mlflow.pyfunc.save_model(
             path=str(dest), python_model=python_model, artifacts={"model_dir": str(folder)},
             code_paths=[str(Path(crucible.__file__).parent)], pip_requirements=pip_requirements(),
-            signature=infer_signature(example[["text"]], pd.DataFrame({"label": ["x"]})))
+            signature=infer_signature(example[["text"]], pd.DataFrame({"label": ["x"]})),
+            input_example=example[["text"]].head(2))
     return dest
