@@ -55,7 +55,7 @@ def load_embeddings(root: Path, task: str, frames: dict) -> dict[str, torch.Tens
 
 
 def run(params: Params, task: str, root: Path, log) -> dict:
-    from safetensors.torch import save
+    from crucible.serialize import safetensors_bytes
 
     cfg = params.embed
     frames = {t: read_table(Path(root) / "data" / task / f"{t}.parquet", t) for t in TABLES}
@@ -69,7 +69,7 @@ def run(params: Params, task: str, root: Path, log) -> dict:
                                         max_length=cfg.max_length, progress=bar.update).contiguous()
             meta[f"{name}_ids_md5"] = ids_digest(df["id"])
     with AtomicOutputs() as out:
-        out.bytes(save(tensors, metadata=meta), Path(root) / "data" / task / "embeddings.safetensors")
+        out.bytes(safetensors_bytes(tensors, meta), Path(root) / "data" / task / "embeddings.safetensors")
     rate = total / max(bar.format_dict["elapsed"], 1e-9)
     return {"n_embedded": total, "dim": int(tensors["pool"].shape[1]), "texts_per_second": rate}
 

@@ -128,7 +128,7 @@ def build_model(model_path: str, n_classes: int, cfg: FinetuneParams, seed: int)
 
 
 def run(params: Params, task: str, root: Path, log) -> dict:
-    from safetensors.torch import save
+    from crucible.serialize import safetensors_bytes
 
     cfg = params.finetune
     base = Path(root) / "data" / task
@@ -185,8 +185,8 @@ def run(params: Params, task: str, root: Path, log) -> dict:
                "n_train": len(train_set), "n_dev": len(dev_set), "n_test": len(test_set)}
     out_dir = base / "finetune"
     with AtomicOutputs() as out:
-        out.bytes(save(backbone, metadata={"format": "pt", "base_model": params.embed.model}), out_dir / "model.safetensors")
-        out.bytes(save(head, metadata={"classes": json.dumps(classes)}), out_dir / "head.safetensors")
+        out.bytes(safetensors_bytes(backbone, {"format": "pt", "base_model": params.embed.model}), out_dir / "model.safetensors")
+        out.bytes(safetensors_bytes(head, {"classes": json.dumps(classes)}), out_dir / "head.safetensors")
         out.json(resolved, out_dir / "config.json")
         out.json(metrics, base / "finetune.json")
     shutil.rmtree(ckpt_dir, ignore_errors=True)
