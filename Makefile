@@ -5,6 +5,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 PROFILE ?=
 
 # Keep every tool's state inside the project and every phone-home off.
@@ -32,6 +33,11 @@ $(STAMP): pyproject.toml requirements/torch.txt requirements/base.txt requiremen
 	$(PIP) install -q --no-deps -e .
 	touch $(STAMP)
 
+# What only the tests need (requirements/test.txt), on top of the runtime install.
+$(TEST_STAMP): $(STAMP) requirements/test.txt
+	$(PIP) install -q -r requirements/test.txt -c requirements/lock.txt -c requirements/torch.txt
+	touch $(TEST_STAMP)
+
 # The whole pipeline as a Prefect flow (one MLflow parent run; DVC state left consistent).
 # `make run PROFILE=tiny` runs the small profile in a scratch copy under build/tiny.
 run: install
@@ -41,10 +47,10 @@ run: install
 dvc-repro: install
 	$(BIN)/dvc repro
 
-test: install
+test: install $(TEST_STAMP)
 	$(BIN)/python -m pytest -q
 
-test-fast: install
+test-fast: install $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
 ui: install

@@ -1,0 +1,18 @@
+"""Quantization (METHODS.md sec. 4): the MXFP4 format, its Triton kernels, MXFP4 linear layers
+and low-rank compensation of the quantization error under a rank budget.
+
+- `crucible.quant.mxfp4`: quantize / dequantize (torch path, bit-exact with torchao's MX floor mode);
+- `crucible.quant.triton_kernels`: the same on the GPU, and the fused dequant-matmul (lazy import);
+- `crucible.quant.linear`: MXLinear, quantize_model, save_quantized / load_quantized;
+- `crucible.quant.lowrank`: activation scales, the error SVD, compensate, allocate_ranks;
+- `crucible.quant.compensate`: the whole-model plan (calibration stats, ranks, adapters).
+"""
+
+from crucible.quant.compensate import CompensationPlan, collect_input_stats
+from crucible.quant.linear import MXLinear, load_quantized, quantize_model, save_quantized, select_linears
+from crucible.quant.lowrank import InputStats, allocate_ranks, compensate, factorize, uniform_ranks, weighted_error
+from crucible.quant.mxfp4 import MXFP4Tensor, dequantize, quantize
+
+__all__ = ["CompensationPlan", "InputStats", "MXFP4Tensor", "MXLinear", "allocate_ranks", "collect_input_stats",
+           "compensate", "dequantize", "factorize", "load_quantized", "quantize", "quantize_model", "save_quantized",
+           "select_linears", "uniform_ranks", "weighted_error"]
