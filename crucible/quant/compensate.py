@@ -1,0 +1,172 @@
+"""MXFP4 with low-rank compensation of a whole model (METHODS.md sec. 4): calibration statistics,
+one SVD per quantized matrix, ranks under a total budget, adapters.
+
+    stats = collect_input_stats(model, names, batches)              # per layer: sums of |x|, x^2
+    plan = CompensationPlan.build(layers, stats, mode="floor", scaling="qera", load="unit")
+    ranks = plan.ranks(budget=288, allocation="load_aware")         # name -> rank
+    adapters = plan.adapters(ranks)                                 # name -> (A, B), E ~= A @ B
+    quantize_model(model, pattern, adapters=adapters)               # crucible.quant.linear
+
+Per matrix W (out, in): E = W - dequant(Q(W)) and the SVD of E diag(s) (crucible.quant.lowrank),
+computed once; its singular values are the spectrum for the allocation, its factors give the
+adapter at any rank. `scaling`:
+- "plain": s = 1, the SVD of E (minimises ||E - A B||_F);
+- "qera" (default): s_i = sqrt(E[x_i^2]) over the layer's calibration inputs (QERA-approx): the
+  Frobenius norm of (E - A B) diag(s) is the expected output error E||x (E - A B)^T||^2 when the
+  input features are uncorrelated, so the spectrum is in units of output error;
+- "lqer": s_i = mean |x_i| normalised by sqrt(min s * max s) (LQER).
+
+Loads (the weight of a matrix in the allocation, `allocate_ranks`' load_i):
+- "unit" (default): 1 for every dense layer. With qera scaling the spectra already measure the
+  output error each rank removes, so equal loads compare layers on that common scale;
+- "input_energy": the mean squared norm of the layer's calibration inputs, E||x||^2 / in. With
+  plain scaling this turns the plain spectrum into an output-error estimate for isotropic inputs.
+For MoE experts the load is the share of tokens routed to each expert (the MoE stage).
+
+`allocation`: "uniform" spreads the budget evenly over the matrices (`uniform_ranks`);
+"load_aware" takes the top-`budget` marginal gains load_i * sigma_{i,r}^2 (`allocate_ranks`,
+optimal for the weighted error sum_i load_i sum_{j > r_i} sigma_{i,j}^2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from crucible.quant import lowrank, mxfp4
+
+SCALINGS = ("plain", "qera", "lqer")
+LOADS = ("unit", "input_energy")
+ALLOCATIONS = ("uniform", "load_aware")
+
+
+@torch.no_grad()
+def collect_input_stats(model: nn.Module, names: Iterable[str], batches: Iterable[tuple],
+                        forward: Callable | None = None,
+                        masks: Callable[[tuple], torch.Tensor] | None = None) -> dict[str, lowrank.InputStats]:
+    """Per-feature input statistics of the named nn.Linear modules over `batches`.
+
+    Each batch is passed as `forward(model, batch)` (default `model(*batch)`). `masks(batch)`, if
+    given, returns a (b, t) 0/1 tensor of the token positions to count (padding excluded); without
+    it every input row counts. Returns name -> InputStats."""
+    names = list(names)
+    stats = {n: lowrank.InputStats() for n in names}
+    current: dict[str, torch.Tensor | None] = {"mask": None}
+
+    def hook(name):
+        def fn(module, args):
+            x = args[0]
+            m = current["mask"]
+            if m is not None and x.dim() == 3 and x.shape[:2] == m.shape:
+                x = x[m.bool()]
+            stats[name].update(x)
+        return fn
+
+    handles = [model.get_submodule(n).register_forward_pre_hook(hook(n)) for n in names]
+    was_training = model.training
+    model.eval()
+    try:
+        for batch in batches:
+            current["mask"] = masks(batch) if masks is not None else None
+            (forward or (lambda mdl, b: mdl(*b)))(model, batch)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    empty = [n for n, s in stats.items() if s.count == 0]
+    if empty:
+        raise ValueError(f"no calibration input reached {empty[:3]}; check the calibration batches")
+    return stats
+
+
+@dataclass
+class LayerError:
+    """One quantized matrix: its shape, the SVD of its (scaled) quantization error, its load."""
+
+    name: str
+    shape: tuple[int, int]
+    svd: lowrank.ErrorSVD
+    load: float
+
+    @property
+    def spectrum(self) -> torch.Tensor:
+        return self.svd.S
+
+    @property
+    def max_rank(self) -> int:
+        return self.svd.max_rank
+
+
+@dataclass
+class CompensationPlan:
+    layers: dict[str, LayerError]
+    mode: str
+    scaling: str
+    load: str
+
+    @classmethod
+    def build(cls, linears: dict[str, nn.Linear], stats: dict[str, lowrank.InputStats] | None = None,
+              mode: str = "floor", scaling: str = "qera", load: str = "unit",
+              progress: Callable[[str], None] | None = None) -> "CompensationPlan":
+        """Quantize each layer's weight, factorize its error (see the module docstring).
+        `stats` is needed unless scaling is "plain" and load is "unit"."""
+        if scaling not in SCALINGS:
+            raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
+        if load not in LOADS:
+            raise ValueError(f"load must be one of {LOADS}, got {load!r}")
+        needs_stats = scaling != "plain" or load != "unit"
+        missing = [n for n in linears if needs_stats and (stats is None or n not in stats)]
+        if missing:
+            raise ValueError(f"scaling {scaling!r} / load {load!r} need calibration statistics; none for {missing[:3]}")
+        layers = {}
+        for name, linear in linears.items():
+            w = linear.weight.detach().to(torch.float32)
+            if not torch.isfinite(w).all():
+                raise ValueError(f"{name}.weight holds NaN or inf; cannot quantize it")
+            err = w - mxfp4.dequantize(mxfp4.quantize(w, mode=mode))
+            s = None if scaling == "plain" else stats[name].scale(scaling)
+            weight = 1.0
+            if load == "input_energy":
+                st = stats[name]
+                weight = float(st.sum_sq.sum() / (st.count * st.in_features))
+            layers[name] = LayerError(name, tuple(w.shape), lowrank.factorize(err, s), weight)
+            if progress is not None:
+                progress(name)
+        return cls(layers, mode, scaling, load)
+
+    @property
+    def total_rank(self) -> int:
+        """The largest budget: sum over matrices of min(out, in)."""
+        return sum(layer.max_rank for layer in self.layers.values())
+
+    def ranks(self, budget: int, allocation: str = "load_aware") -> dict[str, int]:
+        """name -> rank, summing to `budget` (ValueError if it exceeds total_rank)."""
+        if allocation not in ALLOCATIONS:
+            raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
+        if budget > self.total_rank:
+            raise ValueError(f"rank budget {budget} exceeds the total rank {self.total_rank} of the "
+                             f"{len(self.layers)} quantized matrices (sum of min(out, in))")
+        names = list(self.layers)
+        if allocation == "uniform":
+            r = lowrank.uniform_ranks([self.layers[n].max_rank for n in names], budget)
+        else:
+            r = lowrank.allocate_ranks([self.layers[n].spectrum for n in names],
+                                       [self.layers[n].load for n in names], budget)
+        return dict(zip(names, (int(x) for x in r)))
+
+    def weighted_error(self, ranks: dict[str, int]) -> float:
+        """sum_i load_i * sum_{j > r_i} sigma_{i,j}^2 (the error the allocation minimises)."""
+        names = list(self.layers)
+        return lowrank.weighted_error([self.layers[n].spectrum for n in names], [self.layers[n].load for n in names],
+                                      [ranks.get(n, 0) for n in names])
+
+    def adapters(self, ranks: dict[str, int]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """name -> (A, B) for every layer of positive rank."""
+        return {n: lowrank.compensate(self.layers[n].svd, r) for n, r in ranks.items() if r > 0}
+
+    def adapter_bytes(self, ranks: dict[str, int], itemsize: int = 2) -> int:
+        """Bytes of the adapters at `ranks`: r * (out + in) elements of `itemsize` bytes each."""
+        return sum(r * sum(self.layers[n].shape) * itemsize for n, r in ranks.items())

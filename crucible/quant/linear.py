@@ -1,0 +1,270 @@
+"""MXFP4 linear layers: `MXLinear`, swapping a model's nn.Linear layers for it, and a safetensors
+file format that rebuilds the quantized model without its float weights.
+
+    layers = select_linears(model, r"encoder\\.layer\\.\\d+\\.")            # name -> nn.Linear
+    quantize_model(model, r"encoder\\.layer\\.\\d+\\.", adapters={...})    # in place; returns the MXLinears
+    save_quantized(model, "model.safetensors", metadata={...})
+    model = load_quantized("model.safetensors", skeleton)              # skeleton: same architecture, any init
+
+An MXLinear computes y = x @ dequant(Wq)^T + bias + (x @ B^T) @ A^T: the packed MXFP4 weight
+(crucible.quant.mxfp4) and an optional rank-r low-rank adapter (A: (out, r), B: (r, in)) that
+compensates the quantization error (crucible.quant.lowrank). On a CUDA tensor with Triton present
+the fused Triton kernel runs (crucible.quant.triton_kernels.mx_linear); elsewhere the torch path
+dequantizes the weight for the call (nothing float is kept between calls).
+
+The adapter is held in float32 for compute, but its values are rounded to the storage dtype
+(`adapter_dtype`, bfloat16 by default) when it is set, so a model saved and reloaded computes
+exactly what the in-memory one did. The packed weight, scales and bias are buffers (frozen); the
+adapter factors are parameters, so quantization-aware training can update them alone.
+
+File format (one safetensors file): for each quantized layer `<name>.packed` (uint8),
+`<name>.scales` (uint8), `<name>.bias` (float32, if any), `<name>.lora_a` / `<name>.lora_b`
+(adapter_dtype, if rank > 0); every other tensor of the model's state dict under its own name;
+metadata "crucible.mx" = JSON {name: {in, out, mode, rank}} and "crucible.adapter_dtype".
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from crucible.quant import mxfp4
+
+ADAPTER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class MXLinear(nn.Module):
+    """nn.Linear with an MXFP4 weight and an optional low-rank adapter (see the module docstring)."""
+
+    def __init__(self, in_features: int, out_features: int, packed: torch.Tensor, scales: torch.Tensor,
+                 bias: torch.Tensor | None = None, mode: str = "floor", adapter_dtype: str = "bfloat16"):
+        super().__init__()
+        if adapter_dtype not in ADAPTER_DTYPES:
+            raise ValueError(f"adapter_dtype must be one of {sorted(ADAPTER_DTYPES)}, got {adapter_dtype!r}")
+        mxfp4.check_packed(packed, scales, (out_features, in_features), where="MXLinear")
+        if bias is not None and tuple(bias.shape) != (out_features,):
+            raise ValueError(f"MXLinear: bias has shape {list(bias.shape)}, expected [{out_features}]")
+        self.in_features, self.out_features, self.mode = in_features, out_features, mode
+        self.adapter_dtype = adapter_dtype
+        self.register_buffer("packed", packed.contiguous())
+        self.register_buffer("scales", scales.contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32).clone())
+        self.lora_a = nn.Parameter(torch.zeros(out_features, 0))
+        self.lora_b = nn.Parameter(torch.zeros(0, in_features))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, mode: str = "floor", adapter: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    adapter_dtype: str = "bfloat16", name: str = "linear") -> "MXLinear":
+        """Quantize `linear`'s weight (K padded to a multiple of 32 if needed is refused: MXFP4 layers
+        need in_features % 32 == 0). Raises ValueError naming `name` for a non-finite weight."""
+        w = linear.weight.detach()
+        if not torch.isfinite(w).all():
+            bad = (~torch.isfinite(w)).nonzero()[0].tolist()
+            raise ValueError(f"{name}.weight: non-finite value {w[tuple(bad)].item()} at {bad}; cannot quantize")
+        if w.shape[1] % mxfp4.BLOCK:
+            raise ValueError(f"{name}.weight: in_features = {w.shape[1]} is not a multiple of {mxfp4.BLOCK}; "
+                             f"MXFP4 blocks run along the input dimension")
+        q = mxfp4.quantize(w, mode=mode)
+        layer = cls(w.shape[1], w.shape[0], q.packed, q.scales, linear.bias, mode=mode, adapter_dtype=adapter_dtype)
+        if adapter is not None:
+            layer.set_adapter(*adapter)
+        return layer
+
+    @property
+    def rank(self) -> int:
+        return self.lora_a.shape[1]
+
+    def set_adapter(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Set the adapter A (out, r), B (r, in), rounded to the storage dtype."""
+        r = a.shape[1] if a.dim() == 2 else -1
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != self.out_features or b.shape != (r, self.in_features):
+            raise ValueError(f"MXLinear adapter: expected A ({self.out_features}, r) and B (r, {self.in_features}), got "
+                             f"{list(a.shape)} and {list(b.shape)}")
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise ValueError("MXLinear adapter: A or B holds NaN or inf")
+        store = ADAPTER_DTYPES[self.adapter_dtype]
+        dev = self.packed.device
+        self.lora_a = nn.Parameter(a.detach().to(store).to(device=dev, dtype=torch.float32).contiguous())
+        self.lora_b = nn.Parameter(b.detach().to(store).to(device=dev, dtype=torch.float32).contiguous())
+
+    def weight_dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        q = mxfp4.MXFP4Tensor(self.packed, self.scales, (self.out_features, self.in_features), self.mode)
+        return mxfp4.dequantize(q, dtype)
+
+    def effective_weight(self) -> torch.Tensor:
+        """dequant(Wq) + A B in float32: the dense weight this layer applies."""
+        w = self.weight_dequantized()
+        return w + self.lora_a @ self.lora_b if self.rank else w
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes on disk: codes, scales, adapter (in its storage dtype), bias."""
+        item = torch.empty((), dtype=ADAPTER_DTYPES[self.adapter_dtype]).element_size()
+        return {"packed": self.packed.numel(), "scales": self.scales.numel(),
+                "adapter": (self.lora_a.numel() + self.lora_b.numel()) * item,
+                "bias": 0 if self.bias is None else self.bias.numel() * 4}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"MXLinear: input has {x.shape[-1]} features, expected {self.in_features}")
+        if x.is_cuda and _triton_ok():
+            from crucible.quant import triton_kernels
+
+            return triton_kernels.mx_linear(x, self.packed, self.scales, self.in_features, self.bias,
+                                            self.lora_a if self.rank else None, self.lora_b if self.rank else None)
+        w = self.weight_dequantized(x.dtype)
+        y = nn.functional.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+        if self.rank:
+            y = y + nn.functional.linear(nn.functional.linear(x, self.lora_b.to(x.dtype)), self.lora_a.to(x.dtype))
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}, "
+                f"rank={self.rank}, bias={self.bias is not None}")
+
+
+def _triton_ok() -> bool:
+    try:
+        from crucible.quant import triton_kernels
+    except ImportError:
+        return False
+    return triton_kernels.available()
+
+
+def select_linears(model: nn.Module, pattern: str) -> dict[str, nn.Linear]:
+    """The nn.Linear modules whose qualified name matches `pattern` (re.search), in module order.
+    Raises ValueError for an invalid regex or one that matches no nn.Linear (listing some names)."""
+    try:
+        rx = re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(f"invalid module regex {pattern!r}: {exc}") from None
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    chosen = {n: m for n, m in linears.items() if rx.search(n)}
+    if not chosen:
+        some = ", ".join(list(linears)[:6]) or "none"
+        raise ValueError(f"module regex {pattern!r} matches no nn.Linear of the model; its linear layers are: "
+                         f"{some}{', ...' if len(linears) > 6 else ''}")
+    return chosen
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+
+
+def quantize_model(model: nn.Module, pattern: str, mode: str = "floor",
+                   adapters: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+                   adapter_dtype: str = "bfloat16") -> dict[str, MXLinear]:
+    """Replace, in place, every nn.Linear matching `pattern` by an MXLinear (with the adapter of
+    `adapters[name]`, if given). All-or-nothing: every layer is built before any is swapped, so an
+    error leaves the model as it was. Returns name -> MXLinear."""
+    adapters = adapters or {}
+    chosen = select_linears(model, pattern)
+    unknown = sorted(set(adapters) - set(chosen))
+    if unknown:
+        raise ValueError(f"adapters given for {unknown}, which are not quantized layers (pattern {pattern!r})")
+    built = {n: MXLinear.from_linear(m, mode, adapters.get(n), adapter_dtype, name=n) for n, m in chosen.items()}
+    for n, layer in built.items():
+        _set_module(model, n, layer)
+    return built
+
+
+def mx_layers(model: nn.Module) -> dict[str, MXLinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, MXLinear)}
+
+
+def quantized_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, metadata) of the file format in the module docstring."""
+    layers = mx_layers(model)
+    if not layers:
+        raise ValueError("the model has no MXLinear layer; quantize it first (quantize_model)")
+    dtypes = {m.adapter_dtype for m in layers.values()}
+    if len(dtypes) > 1:
+        raise ValueError(f"MXLinear layers use several adapter dtypes {sorted(dtypes)}; one file holds one")
+    store = ADAPTER_DTYPES[dtypes.pop()]
+    tensors, info = {}, {}
+    for name, tensor in model.state_dict().items():
+        owner, _, leaf = name.rpartition(".")
+        if owner in layers:
+            layer = layers[owner]
+            if leaf in ("lora_a", "lora_b"):
+                if layer.rank:
+                    tensors[name] = tensor.detach().to(store).contiguous()
+            elif tensor is not None:
+                tensors[name] = tensor.detach().contiguous()
+        else:
+            tensors[name] = tensor.detach().contiguous()
+    for name, m in layers.items():
+        info[name] = {"in": m.in_features, "out": m.out_features, "mode": m.mode, "rank": m.rank}
+    meta = {"crucible.mx": json.dumps(info, sort_keys=True), "crucible.adapter_dtype": next(iter(layers.values())).adapter_dtype}
+    return tensors, meta
+
+
+def save_quantized(model: nn.Module, path: Path | str | None = None, metadata: dict[str, str] | None = None) -> bytes:
+    """The quantized model as safetensors bytes (deterministic; also written to `path` if given)."""
+    from crucible.serialize import safetensors_bytes
+
+    tensors, meta = quantized_tensors(model)
+    data = safetensors_bytes(tensors, {**(metadata or {}), **meta, "format": "pt"})
+    if path is not None:
+        Path(path).write_bytes(data)
+    return data
+
+
+def load_quantized(path: Path | str, skeleton: nn.Module) -> nn.Module:
+    """Rebuild a quantized model from `path` into `skeleton` (the same architecture, any weights):
+    its listed linear layers become MXLinear from the packed tensors, every other tensor is loaded
+    strictly; returned in eval mode. Raises ValueError naming the file for a truncated or foreign file, a missing or extra
+    tensor, or a shape that does not fit the architecture."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            meta = fh.metadata() or {}
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not a readable safetensors file ({exc})") from None
+    if "crucible.mx" not in meta:
+        raise ValueError(f"{path}: no 'crucible.mx' metadata; not a quantized model written by save_quantized")
+    info = json.loads(meta["crucible.mx"])
+    adapter_dtype = meta.get("crucible.adapter_dtype", "bfloat16")
+    layers = {}
+    for name, spec in info.items():
+        try:
+            old = skeleton.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"{path}: quantized layer {name!r} does not exist in the model architecture") from None
+        if not isinstance(old, nn.Linear) or (old.in_features, old.out_features) != (spec["in"], spec["out"]):
+            raise ValueError(f"{path}: layer {name!r} is {spec['out']} x {spec['in']} in the file but "
+                             f"{type(old).__name__} {getattr(old, 'out_features', '?')} x {getattr(old, 'in_features', '?')} "
+                             f"in the architecture")
+        for leaf in ("packed", "scales") + (("lora_a", "lora_b") if spec["rank"] else ()):
+            if f"{name}.{leaf}" not in tensors:
+                raise ValueError(f"{path}: tensor '{name}.{leaf}' is missing")
+        bias = tensors.pop(f"{name}.bias", None)
+        try:
+            layer = MXLinear(spec["in"], spec["out"], tensors.pop(f"{name}.packed"), tensors.pop(f"{name}.scales"),
+                             bias, mode=spec["mode"], adapter_dtype=adapter_dtype)
+        except ValueError as exc:
+            raise ValueError(f"{path}: layer {name!r}: {exc}") from None
+        if spec["rank"]:
+            layer.set_adapter(tensors.pop(f"{name}.lora_a").float(), tensors.pop(f"{name}.lora_b").float())
+        layers[name] = layer
+    for name, layer in layers.items():
+        _set_module(skeleton, name, layer)
+    expected = {k for k in skeleton.state_dict() if k.rpartition(".")[0] not in layers}
+    missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+    if missing or extra:
+        raise ValueError(f"{path}: tensors do not fit the architecture: missing {missing[:5]}, unexpected {extra[:5]}")
+    for k, v in tensors.items():
+        if not torch.isfinite(v).all():
+            raise ValueError(f"{path}: tensor '{k}' holds NaN or inf")
+    try:
+        skeleton.load_state_dict(tensors, strict=False)
+    except RuntimeError as exc:
+        raise ValueError(f"{path}: tensors do not fit the architecture: {str(exc)[:500]}") from None
+    return skeleton.eval()
