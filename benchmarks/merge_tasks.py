@@ -39,7 +39,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from tasks.merge import Scorer, merge_method, read_task_model, reference_accuracy, run_method  # noqa: E402
+from tasks.merge import merge_method, reference_accuracy, run_method  # noqa: E402
+from tasks.scoring import Scorer, read_task_model  # noqa: E402
 from tasks.models import resolve_model  # noqa: E402
 from tasks.params import load_params  # noqa: E402
 

@@ -43,6 +43,7 @@ import pandas as pd
 from tasks.io import AtomicOutputs, read_table
 from tasks.models import resolve_model
 from tasks.params import Params
+from tasks.scoring import Scorer, read_task_model
 
 OUT = Path("models") / "merge"
 
@@ -170,75 +171,7 @@ def run_method(method: str, kwargs: dict, theta0: Path, models: list[Path], out_
 
 
 # ---------------------------------------------------------------------------------------------------
-# inputs and evaluation
-
-
-def read_task_model(root: Path, task: str, base_model: str) -> dict:
-    """A task's fine-tune: paths, head tensors, classes, max_length; checks it was made from base_model."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    folder = root / "data" / task / "finetune"
-    paths = {name: folder / name for name in ("model.safetensors", "head.safetensors", "config.json")}
-    for path in paths.values():
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: missing; the merge stage needs every task's fine-tune "
-                                    f"(run `crucible stage finetune --task {task}` or `dvc repro finetune@{task}`)")
-    config = json.loads(paths["config.json"].read_text())
-    if config.get("base_model") != base_model:
-        raise ValueError(f"{paths['config.json']}: field 'base_model' = {config.get('base_model')!r}, but "
-                         f"embed.model is {base_model!r}; every task model must be fine-tuned from the same base "
-                         f"(rerun finetune@{task})")
-    head = load_file(str(paths["head.safetensors"]))
-    with safe_open(str(paths["head.safetensors"]), "pt") as f:
-        classes = json.loads((f.metadata() or {}).get("classes", "null"))
-    if set(head) != {"weight", "bias"} or classes is None or head["weight"].shape[0] != len(classes):
-        raise ValueError(f"{paths['head.safetensors']}: expected tensors 'weight' (n_classes, hidden) and 'bias' "
-                         f"and metadata 'classes'; got tensors {sorted(head)}, classes {classes}")
-    return {"task": task, "model": paths["model.safetensors"], "head": head, "classes": classes,
-            "max_length": int(config.get("max_length", 64))}
-
-
-class Scorer:
-    """Accuracy of encoder weights on each task's test split, with the task's own head."""
-
-    def __init__(self, model_path: str, tasks: list[dict], tests: dict[str, pd.DataFrame], batch_size: int):
-        import torch
-
-        from crucible.embed import load_encoder
-        from crucible.train import EncoderClassifier, tokenize
-
-        self.encoder, tokenizer = load_encoder(model_path)
-        self.theta_0 = {k: v.detach().clone() for k, v in self.encoder.state_dict().items()}
-        self.pad_id = tokenizer.pad_token_id or 0
-        self.batch_size = batch_size
-        self.models, self.data = {}, {}
-        for spec in tasks:
-            t = spec["task"]
-            model = EncoderClassifier(self.encoder, len(spec["classes"]), dropout=0.0)
-            with torch.no_grad():
-                model.head.weight.copy_(spec["head"]["weight"])
-                model.head.bias.copy_(spec["head"]["bias"])
-            model.eval()
-            index = {c: i for i, c in enumerate(spec["classes"])}
-            test = tests[t]
-            unknown = sorted(set(test["label"]) - set(index))
-            if unknown:
-                raise ValueError(f"data/{t}/test.parquet: column 'label' has {unknown[:3]}, not among the head's "
-                                 f"classes {spec['classes']}")
-            ids = tokenize(tokenizer, test["text"].tolist(), spec["max_length"])
-            self.models[t] = model
-            self.data[t] = (ids, torch.tensor(test["label"].map(index).to_numpy(), dtype=torch.long))
-
-    def load(self, state: dict) -> None:
-        self.encoder.load_state_dict(state, strict=True)
-
-    def accuracy(self, task: str) -> float:
-        from crucible.train import predict
-
-        ids, labels = self.data[task]
-        logits = predict(self.models[task], ids, self.batch_size, self.pad_id)
-        return float((logits.argmax(1) == labels).float().mean())
+# the accuracy matrix
 
 
 def merge_method(method: str, kwargs: dict, theta0_file: Path, specs: list[dict], out_dir: Path,
@@ -300,8 +233,10 @@ def reference_accuracy(scorer: Scorer, specs: list[dict]) -> tuple[dict, dict]:
 
 def run(params: Params, task: str | None, root: Path, log) -> dict:
     import torch
-    from safetensors.torch import load_file, save, save_file
+    from safetensors.torch import load_file, save_file
     from tqdm.auto import tqdm
+
+    from crucible.serialize import safetensors_bytes
 
     cfg = params.merge
     root = Path(root)
@@ -347,10 +282,10 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     metrics = _json_safe(metrics)
     out = root / OUT
     with AtomicOutputs() as atomic:
-        atomic.bytes(save(main_state, metadata={"format": "pt", "base_model": params.embed.model,
+        atomic.bytes(safetensors_bytes(main_state, {"format": "pt", "base_model": params.embed.model,
                                                 "method": cfg.main, "order": json.dumps(order)}),
                      out / "model.safetensors")
-        atomic.bytes(save(heads, metadata={"classes": json.dumps(config["classes"])}), out / "heads.safetensors")
+        atomic.bytes(safetensors_bytes(heads, {"classes": json.dumps(config["classes"])}), out / "heads.safetensors")
         atomic.json(config, out / "config.json")
         atomic.json(metrics, out / "merge.json")
         atomic.bytes(pd.DataFrame(rows, columns=["method", "arrival", "task", "accuracy"]).to_csv(index=False).encode(),

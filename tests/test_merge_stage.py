@@ -98,7 +98,7 @@ def test_accuracy_matrix_matches_a_direct_evaluation(merged_project, base_state)
     merge of one task is that task (GS3R at full energy and budget, the average, TA up to lam)."""
     from crucible.continual import backward_transfer
     from crucible.merge import make_merger, merge_sequence, task_vector
-    from tasks.merge import Scorer, read_task_model
+    from tasks.scoring import Scorer, read_task_model
     from tasks.models import resolve_model
 
     root, _ = merged_project
