@@ -220,6 +220,37 @@ class MergeParams(_Section):
         return self
 
 
+class QuantizeParams(_Section):
+    """Stage quantize (METHODS.md sec. 4): the merged encoder's linear layers in MXFP4, the error
+    compensated by low-rank adapters under one total rank budget."""
+
+    modules: str = Field(r"encoder\.layer\.\d+\.", min_length=1,
+                         description="regex searched in the encoder's nn.Linear module names to quantize")
+    mode: Literal["floor", "ceil"] = Field("floor", description="MXFP4 block scale: floor (OCP spec, torchao) or "
+                                           "ceil (never clips)")
+    rank_budget: int = Field(288, ge=0, description="total adapter rank over all quantized matrices (0 = none)")
+    allocation: Literal["uniform", "load_aware"] = Field(
+        "load_aware", description="uniform: the same rank per matrix; load_aware: greedy by load x sigma^2")
+    scaling: Literal["plain", "qera", "lqer"] = Field(
+        "qera", description="SVD of the plain error, or of the error scaled by calibration activations "
+        "(qera: sqrt(E[x^2]); lqer: mean |x| normalised)")
+    load: Literal["unit", "input_energy"] = Field(
+        "unit", description="load of a dense layer in the allocation: 1, or its calibration inputs' mean energy")
+    adapter_dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="adapters on disk")
+    calibration_per_task: int = Field(64, ge=1, description="reference texts per task used as calibration data")
+    eval_limit: int | None = Field(200, ge=1, description="test items scored per task (first N); null = all")
+    eval_batch_size: int = Field(64, ge=1, le=4096)
+
+    @field_validator("modules")
+    @classmethod
+    def _regex(cls, pattern: str) -> str:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"not a valid regular expression: {exc}") from None
+        return pattern
+
+
 class Params(_Section):
     pipeline: PipelineParams
     tracking: TrackingParams = TrackingParams()
@@ -229,6 +260,7 @@ class Params(_Section):
     pseudolabel: PseudolabelParams = PseudolabelParams()
     finetune: FinetuneParams = FinetuneParams()
     merge: MergeParams = Field(default_factory=MergeParams)
+    quantize: QuantizeParams = QuantizeParams()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Params":

@@ -29,6 +29,7 @@ STAGES: dict[str, str] = {
     "pseudolabel": "tasks.pseudolabel",
     "finetune": "tasks.finetune",
     "merge": "tasks.merge",
+    "quantize": "tasks.quantize",
 }
 PER_TASK = {"ingest", "embed", "curate", "pseudolabel", "finetune"}
 

@@ -1,0 +1,330 @@
+"""Stage `quantize` (once): the merged encoder's linear layers in MXFP4, with low-rank compensation
+of the quantization error under one total rank budget (METHODS.md sec. 4; crucible.quant).
+
+    crucible stage quantize
+
+Reads models/merge/ (model.safetensors: the merged encoder; heads.safetensors and config.json:
+every task's head, classes and max_length), data/<task>/reference.parquet (calibration texts: the
+first `quantize.calibration_per_task` rows per task) and data/<task>/test.parquet (scoring).
+
+1. Calibration: the float merged encoder runs over the calibration texts; hooks on every layer that
+   `quantize.modules` selects accumulate per-feature E|x| and E[x^2] of its inputs (padding excluded).
+2. Per layer: W -> MXFP4 (`quantize.mode`), E = W - dequant(Q(W)), one SVD of E diag(s)
+   (`quantize.scaling`), computed once for the spectra and every adapter.
+3. Ranks: `quantize.rank_budget` units over all matrices, uniform and load-aware; the model written
+   is the `quantize.allocation` one.
+4. Scored on each task's test split (first `eval_limit`) with its own head: float, MXFP4 alone,
+   MXFP4 + uniform ranks, MXFP4 + load-aware ranks.
+
+Outputs (all published together) under models/quantize/:
+- model.safetensors: the quantized encoder (packed MXFP4 codes and E8M0 scales, adapters, biases;
+  the other tensors, embeddings and LayerNorms, in float32); `load_quantized_encoder` rebuilds it
+  without the float weights;
+- heads.safetensors: the merge stage's task heads, unchanged;
+- config.json: base model, quantized layers with their ranks, mode, scaling, allocation, classes,
+  max_length per task;
+- quantize.json: sizes and bits per weight, accuracy per task of every variant, the share of the
+  MXFP4 loss the compensation recovers, weighted compression errors, ranks (a DVC metric);
+- ranks.csv: per matrix its shape, load, uniform and load-aware rank, spectrum energy kept;
+- accuracy.csv: variant, task, accuracy;
+- quantize.png: ranks per layer (uniform vs load-aware) and the accuracy change of each variant.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from tasks.io import AtomicOutputs, read_table
+from tasks.models import resolve_model
+from tasks.params import Params
+
+OUT = Path("models") / "quantize"
+MERGE = Path("models") / "merge"
+VARIANTS = ("float", "mxfp4", "mxfp4_uniform", "mxfp4_load_aware")
+
+
+def inputs(params: Params, task: str | None = None) -> list[Path]:
+    out = [MERGE / n for n in ("model.safetensors", "heads.safetensors", "config.json")]
+    for t in params.merge_order():
+        out += [Path("data") / t / "reference.parquet", Path("data") / t / "test.parquet"]
+    return out
+
+
+def outputs(params: Params, task: str | None = None) -> list[Path]:
+    return [OUT / n for n in ("model.safetensors", "heads.safetensors", "config.json", "quantize.json",
+                              "ranks.csv", "accuracy.csv", "quantize.png")]
+
+
+# ---------------------------------------------------------------------------------------------------
+# reading the merge stage's model
+
+
+def _rebuild_hint() -> str:
+    return "rebuild it with `crucible stage merge` (or `dvc repro merge`)"
+
+
+def read_merged(root: Path, base_model: str) -> dict:
+    """The merge stage's outputs: encoder state, heads, classes, max_length; each error names the
+    file and how to rebuild it."""
+    from safetensors import SafetensorError, safe_open
+
+    folder = root / MERGE
+    paths = {n: folder / n for n in ("model.safetensors", "heads.safetensors", "config.json")}
+    for path in paths.values():
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: missing; the quantize stage reads the merged model: {_rebuild_hint()}")
+    try:
+        config = json.loads(paths["config.json"].read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{paths['config.json']}: not valid JSON ({exc}); {_rebuild_hint()}") from None
+    if config.get("base_model") != base_model:
+        raise ValueError(f"{paths['config.json']}: field 'base_model' = {config.get('base_model')!r}, but embed.model "
+                         f"is {base_model!r}; {_rebuild_hint()}")
+    tensors = {}
+    for key in ("model.safetensors", "heads.safetensors"):
+        try:
+            with safe_open(str(paths[key]), framework="pt") as fh:
+                tensors[key] = {k: fh.get_tensor(k) for k in fh.keys()}
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ValueError(f"{paths[key]}: not a readable safetensors file ({exc}); {_rebuild_hint()}") from None
+    import torch
+
+    for key, group in tensors.items():
+        for name, t in group.items():
+            if t.is_floating_point() and not torch.isfinite(t).all():
+                raise ValueError(f"{paths[key]}: tensor '{name}' holds NaN or inf; {_rebuild_hint()}")
+    classes, max_length = config.get("classes") or {}, config.get("max_length") or {}
+    heads = {}
+    for t, cls in classes.items():
+        w, b = tensors["heads.safetensors"].get(f"{t}.weight"), tensors["heads.safetensors"].get(f"{t}.bias")
+        if w is None or b is None or w.shape[0] != len(cls):
+            raise ValueError(f"{paths['heads.safetensors']}: expected '{t}.weight' ({len(cls)}, hidden) and '{t}.bias' "
+                             f"for task {t!r}; {_rebuild_hint()}")
+        heads[t] = {"weight": w, "bias": b}
+    return {"state": tensors["model.safetensors"], "heads": heads, "classes": classes, "max_length": max_length,
+            "config": config, "paths": paths}
+
+
+def load_quantized_encoder(folder: Path | str, base_model: str | None = None):
+    """(encoder, tokenizer) from a models/quantize/ folder: the base architecture built from its
+    config (no float weights read) with the packed MXFP4 layers loaded (crucible.quant.load_quantized)."""
+    from transformers import AutoConfig, AutoModel, AutoTokenizer
+
+    from crucible.quant import load_quantized
+
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    path = resolve_model(base_model or config["base_model"])
+    skeleton = AutoModel.from_config(AutoConfig.from_pretrained(path, local_files_only=True))
+    encoder = load_quantized(folder / "model.safetensors", skeleton)
+    encoder.eval()
+    return encoder, AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the stage
+
+
+def calibration_batches(root: Path, params: Params, tokenizer, max_length: dict, batch_size: int = 32,
+                        seed: int | None = None) -> list:
+    """(input_ids, attention_mask) batches of calibration_per_task reference texts per task: the
+    first rows (the stage), or a seeded random draw of them (`seed`, for benchmarks)."""
+    from crucible.train import collate, tokenize
+
+    ids = []
+    for t in params.merge_order():
+        ref = read_table(root / "data" / t / "reference.parquet", "reference")
+        n = params.quantize.calibration_per_task
+        rows = ref.head(n) if seed is None else ref.sample(n=min(n, len(ref)), random_state=seed)
+        ids += tokenize(tokenizer, rows["text"].tolist(), int(max_length.get(t, 64)))
+    ids.sort(key=len)  # little padding per batch
+    return [collate(ids[i:i + batch_size], tokenizer.pad_token_id or 0) for i in range(0, len(ids), batch_size)]
+
+
+def run(params: Params, task: str | None, root: Path, log) -> dict:
+    import torch
+    from tqdm.auto import tqdm
+
+    from crucible.quant import CompensationPlan, collect_input_stats, quantize_model, save_quantized, select_linears
+    from crucible.quant.linear import mx_layers
+    from tasks.scoring import Scorer
+
+    cfg = params.quantize
+    root = Path(root)
+    torch.set_grad_enabled(False)
+    merged = read_merged(root, params.embed.model)
+    order = params.merge_order()
+    missing = [t for t in order if t not in merged["classes"]]
+    if missing:
+        raise ValueError(f"{merged['paths']['config.json']}: no head for tasks {missing} of pipeline.tasks; "
+                         f"{_rebuild_hint()}")
+    specs = [{"task": t, "head": merged["heads"][t], "classes": merged["classes"][t],
+              "max_length": int(merged["max_length"].get(t, 64))} for t in order]
+    tests = {}
+    for t in order:
+        test = read_table(root / "data" / t / "test.parquet", "test")
+        tests[t] = test.head(cfg.eval_limit) if cfg.eval_limit else test
+    scorer = Scorer(resolve_model(params.embed.model), specs, tests, cfg.eval_batch_size)
+    try:
+        scorer.load(merged["state"])
+    except RuntimeError as exc:
+        raise ValueError(f"{merged['paths']['model.safetensors']}: does not fit the architecture of embed.model "
+                         f"{params.embed.model!r}: {str(exc)[:400]}; {_rebuild_hint()}") from None
+    float_encoder = scorer.encoder
+    try:
+        linears = select_linears(float_encoder, cfg.modules)
+    except ValueError as exc:
+        raise ValueError(f"quantize.modules: {exc}") from None
+
+    batches = calibration_batches(root, params, scorer.tokenizer, merged["max_length"])
+    stats = collect_input_stats(float_encoder, linears, batches,
+                                forward=lambda m, b: m(input_ids=b[0], attention_mask=b[1]), masks=lambda b: b[1])
+    bar = tqdm(total=len(linears), desc="quantize: error SVDs")
+    plan = CompensationPlan.build(linears, stats, cfg.mode, cfg.scaling, cfg.load, progress=lambda _: bar.update())
+    bar.close()
+    if cfg.rank_budget > plan.total_rank:
+        raise ValueError(f"quantize.rank_budget = {cfg.rank_budget} exceeds the total rank {plan.total_rank} of the "
+                         f"{len(linears)} matrices that quantize.modules selects (sum of min(out, in))")
+    ranks = {a: plan.ranks(cfg.rank_budget, a) for a in ("uniform", "load_aware")}
+    zero = {n: 0 for n in linears}
+
+    def quantized(r: dict) -> torch.nn.Module:
+        enc = copy.deepcopy(float_encoder)
+        quantize_model(enc, cfg.modules, cfg.mode, plan.adapters(r), cfg.adapter_dtype)
+        return enc
+
+    accuracy: dict[str, dict[str, float]] = {}
+    models = {}
+    for variant, r in tqdm([("float", None), ("mxfp4", zero), ("mxfp4_uniform", ranks["uniform"]),
+                            ("mxfp4_load_aware", ranks["load_aware"])], desc="quantize: scoring"):
+        enc = float_encoder if r is None else quantized(r)
+        scorer.use_encoder(enc)
+        accuracy[variant] = {t: scorer.accuracy(t) for t in order}
+        models[variant] = enc
+    main = models[f"mxfp4_{cfg.allocation}"]
+    chosen = ranks[cfg.allocation]
+
+    itemsize = torch.empty((), dtype=getattr(torch, cfg.adapter_dtype)).element_size()
+    n_weights = sum(m.weight.numel() for m in linears.values())
+    layer_bytes = [m.nbytes() for m in mx_layers(main).values()]
+    mx_bytes = sum(b["packed"] + b["scales"] for b in layer_bytes)
+    adapter_bytes = sum(b["adapter"] for b in layer_bytes)
+    data = save_quantized(main, metadata={"base_model": params.embed.model, "method": "mxfp4",
+                                          "order": json.dumps(order)})
+    float_bytes = merged["paths"]["model.safetensors"].stat().st_size
+
+    mean = {v: float(np.mean(list(a.values()))) for v, a in accuracy.items()}
+    lost = mean["float"] - mean["mxfp4"]
+    err0 = plan.weighted_error(zero)
+    metrics = {
+        "mode": cfg.mode, "scaling": cfg.scaling, "allocation": cfg.allocation, "load": cfg.load,
+        "matrices": len(linears), "quantized_weights": n_weights, "rank_budget": cfg.rank_budget,
+        "total_rank": plan.total_rank,
+        "bits_per_weight": 8 * mx_bytes / n_weights,
+        "bits_per_weight_all_in": 8 * (mx_bytes + adapter_bytes) / n_weights,
+        "quantized_matrices_mb": {"float32": 4 * n_weights / 2**20, "mxfp4": mx_bytes / 2**20,
+                                  "adapters": adapter_bytes / 2**20},
+        "model_mb": {"float": float_bytes / 2**20, "quantized": len(data) / 2**20},
+        "accuracy": accuracy, "mean_accuracy": mean,
+        "accuracy_lost_by_mxfp4": lost,
+        "recovered_share": {a: (mean[f"mxfp4_{a}"] - mean["mxfp4"]) / lost if lost > 0 else None
+                            for a in ("uniform", "load_aware")},
+        "weighted_error": {"mxfp4": err0, "uniform": plan.weighted_error(ranks["uniform"]),
+                           "load_aware": plan.weighted_error(ranks["load_aware"])},
+        "adapter_mb": {a: plan.adapter_bytes(r, itemsize) / 2**20 for a, r in ranks.items()},
+        "ranks": chosen,
+    }
+    metrics["relative_weighted_error"] = {k: v / err0 if err0 > 0 else 0.0 for k, v in metrics["weighted_error"].items()}
+    rank_rows = [{"matrix": n, "layer": _layer_index(n), "out": l.shape[0], "in": l.shape[1], "load": l.load,
+                  "rank_uniform": ranks["uniform"][n], "rank_load_aware": ranks["load_aware"][n],
+                  "energy_kept_uniform": _energy_kept(l.spectrum, ranks["uniform"][n]),
+                  "energy_kept_load_aware": _energy_kept(l.spectrum, ranks["load_aware"][n])}
+                 for n, l in plan.layers.items()]
+    acc_rows = [{"variant": v, "task": t, "accuracy": a} for v, accs in accuracy.items() for t, a in accs.items()]
+    config = {"base_model": params.embed.model, "order": order, "modules": cfg.modules, "mode": cfg.mode,
+              "scaling": cfg.scaling, "allocation": cfg.allocation, "load": cfg.load, "rank_budget": cfg.rank_budget,
+              "adapter_dtype": cfg.adapter_dtype, "ranks": chosen, "classes": merged["classes"],
+              "max_length": merged["max_length"], "merged_from": merged["config"].get("main")}
+    out = root / OUT
+    with AtomicOutputs() as atomic:
+        atomic.bytes(data, out / "model.safetensors")
+        atomic.bytes(merged["paths"]["heads.safetensors"].read_bytes(), out / "heads.safetensors")
+        atomic.json(config, out / "config.json")
+        atomic.json(metrics, out / "quantize.json")
+        atomic.bytes(pd.DataFrame(rank_rows).to_csv(index=False).encode(), out / "ranks.csv")
+        atomic.bytes(pd.DataFrame(acc_rows, columns=["variant", "task", "accuracy"]).to_csv(index=False).encode(),
+                     out / "accuracy.csv")
+        atomic.bytes(plot_quantize(rank_rows, accuracy, order), out / "quantize.png")
+    flat = {"bits_per_weight": metrics["bits_per_weight"], "bits_per_weight_all_in": metrics["bits_per_weight_all_in"],
+            "model_mb": metrics["model_mb"]["quantized"], "float_model_mb": metrics["model_mb"]["float"],
+            **{f"mean_accuracy.{v}": a for v, a in mean.items()},
+            **{f"relative_weighted_error.{k}": v for k, v in metrics["relative_weighted_error"].items()}}
+    log.log_metrics(flat)
+    log.log_artifact(out / "quantize.png")
+    log.log_artifact(out / "quantize.json")
+    return flat
+
+
+def _layer_index(name: str) -> int:
+    import re
+
+    m = re.search(r"\.(\d+)\.", name)
+    return int(m.group(1)) if m else -1
+
+
+def _energy_kept(spectrum, r: int) -> float:
+    sq = spectrum.double() ** 2
+    total = float(sq.sum())
+    return float(sq[:r].sum()) / total if total > 0 else 1.0
+
+
+def plot_quantize(rank_rows: list[dict], accuracy: dict, order: list[str]) -> bytes:
+    """PNG: the rank of every matrix (uniform vs load-aware), and each variant's accuracy change
+    against the float model per task."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    df = pd.DataFrame(rank_rows)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw={"width_ratios": [2.2, 1]})
+    x = np.arange(len(df))
+    ax1.bar(x - 0.2, df["rank_uniform"], 0.4, label="uniform", color="tab:gray")
+    ax1.bar(x + 0.2, df["rank_load_aware"], 0.4, label="load-aware", color="tab:blue")
+    short = [n.replace("encoder.layer.", "L").replace(".attention.self.", ".").replace(".attention.output.dense", ".attn_out")
+             .replace(".intermediate.dense", ".ffn_in").replace(".output.dense", ".ffn_out") for n in df["matrix"]]
+    ax1.set_xticks(x)
+    ax1.set_xticklabels(short, rotation=90, fontsize=6)
+    ax1.set_ylabel("adapter rank")
+    ax1.set_title("compensation rank per matrix (same total budget)")
+    ax1.legend(fontsize=8)
+    variants = [v for v in accuracy if v != "float"]
+    width = 0.8 / max(1, len(variants))
+    for i, v in enumerate(variants):
+        delta = [100 * (accuracy[v][t] - accuracy["float"][t]) for t in order]
+        ax2.bar(np.arange(len(order)) + (i - (len(variants) - 1) / 2) * width, delta, width, label=v)
+    ax2.axhline(0, color="k", lw=0.8)
+    ax2.set_xticks(np.arange(len(order)))
+    ax2.set_xticklabels(order)
+    ax2.set_ylabel("test accuracy - float (points)")
+    ax2.set_title("accuracy change against the float merged model", fontsize=10)
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+if __name__ == "__main__":
+    from tasks.cli import main
+
+    main(["stage", "quantize", *sys.argv[1:]])

@@ -1,0 +1,184 @@
+"""The quantize stage on a synthetic merged model (the base encoder plus a seeded perturbation, random
+heads; the merge stage is tested elsewhere): outputs and metrics, the written model reloads to the
+scored accuracy, bad input writes nothing."""
+
+import json
+import shutil
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+from tasks.io import md5_file
+from tasks.stage import execute
+
+torch.set_num_threads(1)
+TASKS = {"rotten": ["fresh", "rotten"], "bbc": ["business", "sport", "tech"]}
+WORDS = ["market", "goal", "chip", "vote", "film", "great", "awful", "team", "price", "phone", "plot", "actor"]
+
+
+def fake_merge(root, theta_0: dict, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    merged = {k: (v + 0.01 * torch.randn(v.shape, generator=g) * v.std() if v.ndim == 2 else v.clone()).contiguous()
+              for k, v in theta_0.items()}
+    folder = root / "models" / "merge"
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(merged, str(folder / "model.safetensors"))
+    heads = {}
+    for t, classes in TASKS.items():
+        heads[f"{t}.weight"] = torch.randn(len(classes), 384, generator=g)
+        heads[f"{t}.bias"] = torch.zeros(len(classes))
+    save_file(heads, str(folder / "heads.safetensors"), metadata={"classes": json.dumps(TASKS)})
+    (folder / "config.json").write_text(json.dumps({"base_model": "all-MiniLM-L6-v2", "classes": TASKS, "main": "gs3r",
+                                                    "order": list(TASKS), "max_length": {t: 32 for t in TASKS}}))
+    for k, (t, classes) in enumerate(TASKS.items()):
+        rng = np.random.default_rng(k)
+        for kind, n in (("reference", 20), ("test", 24)):
+            df = pd.DataFrame({"id": [f"{kind[0]}{i}" for i in range(n)],
+                               "text": [" ".join(rng.choice(WORDS, 7)) for _ in range(n)],
+                               "label": [classes[i % len(classes)] for i in range(n)]})
+            (root / "data" / t).mkdir(parents=True, exist_ok=True)
+            df.to_parquet(root / "data" / t / f"{kind}.parquet", index=False)
+
+
+@pytest.fixture(scope="module")
+def base_state():
+    from crucible.embed import load_encoder
+    from tasks.models import resolve_model
+
+    encoder, _ = load_encoder(resolve_model("all-MiniLM-L6-v2"))
+    return {k: v.detach().clone().contiguous() for k, v in encoder.state_dict().items()}
+
+
+def make_project(tmp_path_factory, project_root, base_state, quantize=None):
+    from tasks.workspace import make_workspace
+
+    over = {"quantize": {"calibration_per_task": 8, "rank_budget": 72, **(quantize or {})}}
+    root = make_workspace(project_root, tmp_path_factory.mktemp("quant"), "tiny", overrides=over)
+    # a profile's task mapping merges into the defaults: replace it with the two tasks here
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["pipeline"]["tasks"] = {"rotten": {"corpus": "rotten_tomatoes"}, "bbc": {"corpus": "bbc_news"}}
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    fake_merge(root, base_state)
+    return root
+
+
+@pytest.fixture(scope="module")
+def quantized_project(tmp_path_factory, project_root, base_state):
+    root = make_project(tmp_path_factory, project_root, base_state)
+    return root, execute("quantize", None, root)
+
+
+def test_outputs_and_metrics(quantized_project):
+    root, result = quantized_project
+    out = root / "models" / "quantize"
+    for name in ("model.safetensors", "heads.safetensors", "config.json", "quantize.json", "ranks.csv",
+                 "accuracy.csv", "quantize.png"):
+        assert (out / name).is_file(), name
+    m = json.loads((out / "quantize.json").read_text())
+    assert m["matrices"] == 36 and m["bits_per_weight"] == pytest.approx(4.25)
+    assert 4.25 < m["bits_per_weight_all_in"] < 5.0
+    assert sum(m["ranks"].values()) == 72
+    assert m["model_mb"]["quantized"] < 0.65 * m["model_mb"]["float"]
+    assert set(m["accuracy"]) == {"float", "mxfp4", "mxfp4_uniform", "mxfp4_load_aware"}
+    assert set(m["accuracy"]["float"]) == set(TASKS)
+    we = m["weighted_error"]
+    assert we["load_aware"] <= we["uniform"] < we["mxfp4"]
+    ranks = pd.read_csv(out / "ranks.csv")
+    assert len(ranks) == 36 and ranks["rank_uniform"].sum() == ranks["rank_load_aware"].sum() == 72
+    assert ranks["rank_uniform"].max() - ranks["rank_uniform"].min() <= 1
+    assert (ranks["energy_kept_load_aware"] <= 1.0).all()
+    assert load_file(str(out / "heads.safetensors")).keys() == load_file(
+        str(root / "models" / "merge" / "heads.safetensors")).keys()
+    assert result.metrics["bits_per_weight"] == pytest.approx(4.25)
+
+
+def test_written_model_reloads_to_the_scored_accuracy(quantized_project):
+    """The packed model on disk, rebuilt without the float weights, scores exactly what the stage
+    reported for its allocation; the float figure equals scoring the merged weights directly."""
+    from tasks.models import resolve_model
+    from tasks.quantize import load_quantized_encoder
+    from tasks.scoring import Scorer
+
+    root, _ = quantized_project
+    m = json.loads((root / "models" / "quantize" / "quantize.json").read_text())
+    heads = load_file(str(root / "models" / "quantize" / "heads.safetensors"))
+    specs = [{"task": t, "head": {"weight": heads[f"{t}.weight"], "bias": heads[f"{t}.bias"]}, "classes": c,
+              "max_length": 32} for t, c in TASKS.items()]
+    tests = {t: pd.read_parquet(root / "data" / t / "test.parquet") for t in TASKS}
+    scorer = Scorer(resolve_model("all-MiniLM-L6-v2"), specs, tests, 64)
+    scorer.load(load_file(str(root / "models" / "merge" / "model.safetensors")))
+    for t in TASKS:
+        assert scorer.accuracy(t) == m["accuracy"]["float"][t]
+    encoder, _ = load_quantized_encoder(root / "models" / "quantize")
+    scorer.use_encoder(encoder)
+    for t in TASKS:
+        assert scorer.accuracy(t) == m["accuracy"]["mxfp4_load_aware"][t]
+
+
+def test_same_inputs_give_the_same_model(quantized_project, tmp_path_factory, project_root, base_state):
+    root, _ = quantized_project
+    again = make_project(tmp_path_factory, project_root, base_state)
+    execute("quantize", None, again)
+    for name in ("model.safetensors", "config.json", "ranks.csv"):
+        assert md5_file(again / "models" / "quantize" / name) == md5_file(root / "models" / "quantize" / name), name
+
+
+@pytest.mark.parametrize("setting, message", [
+    ({"rank_budget": 100000}, r"quantize.rank_budget = 100000 exceeds the total rank 13824 of the 36 matrices"),
+    ({"modules": r"decoder\."}, r"quantize.modules: module regex 'decoder\\.' matches no nn.Linear"),
+])
+def test_bad_params_stop_and_leave_earlier_outputs(quantized_project, setting, message):
+    root, _ = quantized_project
+    out = root / "models" / "quantize"
+    before = {p.name: md5_file(p) for p in out.iterdir()}
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    saved = dict(params["quantize"])
+    params["quantize"].update(setting)
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    try:
+        with pytest.raises(ValueError, match=message):
+            execute("quantize", None, root)
+    finally:
+        params["quantize"] = saved
+        (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    assert {p.name: md5_file(p) for p in out.iterdir()} == before
+
+
+def test_invalid_module_regex_is_a_params_error(tiny_params):
+    from tasks.params import ParamsError, validate_params
+
+    data = tiny_params.model_dump()
+    data["quantize"]["modules"] = r"encoder\.("
+    with pytest.raises(ParamsError, match=r"quantize.modules.*not a valid regular expression"):
+        validate_params(data, "params.yaml")
+
+
+def test_bad_merged_model_is_refused_naming_the_file(tmp_path_factory, project_root, base_state):
+    root = make_project(tmp_path_factory, project_root, base_state)
+    model = root / "models" / "merge" / "model.safetensors"
+    state = load_file(str(model))
+    # a model of another architecture: a hidden size that does not fit
+    save_file({**state, "encoder.layer.0.attention.self.query.weight": torch.zeros(128, 384)}, str(model))
+    with pytest.raises(ValueError, match=r"models/merge/model.safetensors: does not fit the architecture"):
+        execute("quantize", None, root)
+    # NaN in a weight
+    bad = {**state}
+    bad["encoder.layer.2.output.dense.weight"] = bad["encoder.layer.2.output.dense.weight"].clone()
+    bad["encoder.layer.2.output.dense.weight"][3, 4] = float("nan")
+    save_file(bad, str(model))
+    with pytest.raises(ValueError, match=r"model.safetensors: tensor 'encoder.layer.2.output.dense.weight' holds NaN"):
+        execute("quantize", None, root)
+    # truncated
+    data = model.read_bytes()
+    model.write_bytes(data[: len(data) // 3])
+    with pytest.raises(ValueError, match=r"model.safetensors: not a readable safetensors file.*crucible stage merge"):
+        execute("quantize", None, root)
+    # missing
+    shutil.rmtree(root / "models" / "merge")
+    with pytest.raises(FileNotFoundError, match=r"models/merge/model.safetensors: missing"):
+        execute("quantize", None, root)
+    assert not (root / "models" / "quantize").exists()
