@@ -140,12 +140,12 @@ def select_linears(model: nn.Module, pattern: str) -> dict[str, nn.Linear]:
     try:
         rx = re.compile(pattern)
     except re.error as exc:
-        raise ValueError(f"invalid module regex {pattern!r}: {exc}") from None
+        raise ValueError(f"invalid module regex '{pattern}': {exc}") from None
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     chosen = {n: m for n, m in linears.items() if rx.search(n)}
     if not chosen:
         some = ", ".join(list(linears)[:6]) or "none"
-        raise ValueError(f"module regex {pattern!r} matches no nn.Linear of the model; its linear layers are: "
+        raise ValueError(f"module regex '{pattern}' matches no nn.Linear of the model; its linear layers are: "
                          f"{some}{', ...' if len(linears) > 6 else ''}")
     return chosen
 
