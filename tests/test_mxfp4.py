@@ -219,3 +219,24 @@ def test_documented_difference_from_torchao_for_blocks_below_2_pow_minus_125(tor
     assert q.scales.item() == s.item() == 0
     assert v[0, 0].item() == pytest.approx(x[0, 0].item() / 2, rel=0.34)       # torchao halves it
     assert dequantize(q)[0, 0].item() == pytest.approx(x[0, 0].item(), rel=0.34)  # ours keeps it
+
+
+def test_nan_block_codes_come_from_x_itself():
+    # the same bytes on every device: sign bit of x, magnitude 3 for NaN and +-inf, 0 otherwise
+    x = torch.zeros(1, 32)
+    x[0, :6] = torch.tensor([float("nan"), float("inf"), -float("inf"), -float("nan"), -1.0, 2.0])
+    q = quantize(x)
+    assert q.scales.item() == 255
+    assert codes_of(q)[0, :6].tolist() == [3, 3, 11, 11, 8, 0]
+    assert dequantize(q).isnan().all()
+
+
+@pytest.mark.parametrize("mode", ["floor", "ceil"])
+def test_huge_finite_blocks_never_overflow(mode):
+    big = torch.finfo(torch.float32).max
+    x = block(big, -big, 3e38, 2.6e38, 1.0)
+    q = quantize(x, mode=mode)
+    assert q.scales.item() <= 252
+    back = dequantize(q)
+    assert torch.isfinite(back).all()
+    assert back[0, 0].item() == 6 * 2.0 ** 125 and back[0, 1].item() == -6 * 2.0 ** 125

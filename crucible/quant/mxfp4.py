@@ -18,9 +18,11 @@ Scale modes (amax = max |x| over the block, in float32)
   floor(log2) read from the float32 exponent bits. amax / scale lies in [4, 8): elements above 6
   saturate to +-6 (the format's known clipping).
 - "ceil" (never clips; triton_kernels' ROUND_UP): 2^ceil(log2(amax / 6)), amax / 6 rounded to
-  float32 first; amax / scale lies in (3, 6].
+  float32 first; amax / scale lies in (3, 6]. Capped at 2^125 for finite blocks: at 2^126 the
+  grid's 4 and 6 times the scale overflow float32, so a block with amax above 6 * 2^125
+  (about 2.55e38) saturates at 6 * 2^125 rather than rounding to inf.
 - The exponent is clamped to [-127, 127]: b = 0 for an all-zero block, for subnormal-only
-  blocks and anything below 2^-125; a finite amax never reaches b = 255.
+  blocks and anything below 2^-125; a finite amax never reaches b = 255 (floor: b <= 252).
 
 Elements: x / scale (computed as x * 2^-e, which is the same correctly rounded float32 value),
 rounded to the nearest E2M1 value, ties to the even code (0.25 -> 0, 0.75 -> 1, 1.25 -> 1,
@@ -29,12 +31,17 @@ that rounds to zero is code 8 (-0).
 
 Special values, all defined and tested:
 - all-zero block: scale byte 0 and codes 0 (dequantizes to exact zeros);
-- NaN anywhere in a block: scale byte 255, so the whole block dequantizes to NaN; the NaN
-  elements get code 3 | sign and the others code 0 | sign (what torchao's bit-level cast gives);
-- +-inf (no NaN in the block): amax = inf gives b = 253 (2^126), inf saturates to code 7
-  (+-6 * 2^126, which is inf again in float32 and bfloat16) and finite elements of the block
-  flush to +-0: inf round-trips to inf;
-- huge finite values (up to float32 max): b <= 252, no overflow;
+- NaN anywhere in a block: scale byte 255, so the whole block dequantizes to NaN; each element
+  gets code sign(x) << 3 | (3 if x is NaN or +-inf else 0), from x's own sign bit, the same on
+  every device (torchao's cast of x / inf gives the same codes for finite and NaN elements on
+  x86; for +-inf elements it gives the sign of the device's default NaN);
+- +-inf (no NaN in the block): amax = inf gives b = 253 in floor mode (2^126; 254 in ceil
+  mode), inf saturates to code 7 (+-6 * 2^126, which is inf again in float32 and bfloat16):
+  inf round-trips to inf. The block's finite elements are scaled by 2^-126 like any others:
+  below 2^123 they flush to +-0, and from about 2.98e38 they round to 4 * 2^126 = inf (as in
+  torchao);
+- huge finite values (up to float32 max) in a block without inf: floor b <= 252 and ceil
+  b <= 252 (the cap above), no overflow;
 - subnormal float32 inputs: their block gets b = 0 (2^-127); elements are scaled by 2^127 exactly.
 
 Agreement with torchao (`torchao.prototype.mx_formats.mx_tensor.to_mx(x, torch.float4_e2m1fn_x2,
@@ -67,6 +74,7 @@ MODES = ("floor", "ceil")
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 E2M1_MAX = 6.0
 _EMAX = 2  # floor(log2(6))
+_CEIL_EMAX = 125  # the largest scale exponent whose E2M1 grid (up to 6 * 2^e) is finite in float32
 
 
 def _boundaries() -> torch.Tensor:
@@ -139,6 +147,8 @@ def _block_exponent(amax: torch.Tensor, mode: str) -> torch.Tensor:
         # ceil(log2(amax / 6)): round the float32 quotient's bits up to the next power of two
         bits = (amax / E2M1_MAX).view(torch.int32)
         e = (((bits + 0x7FFFFF) >> 23) & 0xFF) - 127
+        # above 2^125 the E2M1 grid's 4 and 6 times the scale overflow float32: cap finite blocks
+        e = torch.where(torch.isinf(amax), e, e.clamp(max=_CEIL_EMAX))
     return e.clamp_(-E8M0_BIAS, E8M0_BIAS)
 
 
@@ -175,7 +185,9 @@ def quantize(x: torch.Tensor, mode: str = "floor", pad: bool = False) -> MXFP4Te
     mag = torch.bucketize(scaled.abs(), _BOUNDS.to(x.device)).to(torch.uint8)
     codes = mag | (torch.signbit(scaled).to(torch.uint8) << 3)
     if nan_block.any():
-        codes = torch.where(torch.isnan(scaled), (codes & 8) | 3, codes)
+        # defined from x itself, not from x * 0 (whose NaN sign differs between devices)
+        special = (torch.signbit(blocks).to(torch.uint8) << 3) | torch.where(torch.isfinite(blocks), 0, 3).to(torch.uint8)
+        codes = torch.where(nan_block.unsqueeze(-1), special, codes)
     codes = codes.view(*lead, -1, 2)
     packed = codes[..., 0] | (codes[..., 1] << 4)
     return MXFP4Tensor(packed.contiguous(), scales.contiguous(), shape, mode)

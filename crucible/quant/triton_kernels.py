@@ -1,0 +1,552 @@
+"""Triton kernels for MXFP4: quantize, dequantize and the fused dequant-matmul ``mx_linear``.
+
+Contract (the torch path ``crucible.quant.mxfp4`` is the definition; its docstring gives the format)
+- ``quantize(x, mode)`` returns the same bytes as ``mxfp4.quantize(x, mode)``: packed uint8
+  [..., K // 2] and scales uint8 [..., K // 32], bit for bit, special values included (zeros, NaN,
+  +-inf, ties, -0.0, subnormal and huge inputs), for both scale modes. It repeats the torch path's
+  arithmetic step by step: amax over the block in float32; the exponent from the integer bits of
+  amax ("floor") or of the correctly rounded amax / 6 (``tl.div_rn``, "ceil"); clamp to
+  [-127, 127] (ceil: finite blocks capped at 2^125); 2^-e built from its bits (0 for a NaN block);
+  elements multiplied by it; E2M1 by comparison with the seven rounding boundaries (ties to the
+  even code); sign from the sign bit of the scaled value. A NaN block's codes come from x itself
+  (sign bit, magnitude 3 for NaN and +-inf, else 0), so they are the same on every device.
+- ``dequantize(packed, scales, k, dtype)`` equals ``mxfp4.dequantize``: each code's value times
+  2^(b - 127) in float32 (NaN for b = 255), then rounded to ``dtype``. bfloat16 is rounded from the
+  float32 bits in the kernel (round to nearest even, NaN -> 0x7FC0), exact here anyway: every MXFP4
+  value fits in bfloat16. float16 uses the device's RNE cast. float32 output is bit-equal NaNs
+  included; in bfloat16 and float16 the NaN bit patterns are each conversion's own (torch's CPU
+  bfloat16 cast gives 0xFFFF vectorised and 0x7FC0 scalar, CUDA 0x7FFF), all other values bit-equal.
+- ``mx_linear(x, packed, scales, k, bias, a, b)`` = x @ dequantize(W)^T (+ bias) (+ (x @ b^T) @ a^T)
+  for W (N, K) stored as packed (N, K // 2) and scales (N, K // 32), a (N, r), b (r, K); x float32
+  or bfloat16 of shape (..., K); the result has x's dtype; all accumulation is float32.
+
+Tiling of ``mx_linear`` (one kernel launch)
+- Programs own BLOCK_M x BLOCK_N output tiles, ordered in groups of GROUP_M row blocks (L2 reuse),
+  and loop over K in BLOCK_K steps (BLOCK_K >= 32: whole MX blocks). Each step loads the x tile
+  (BLOCK_M, BLOCK_K), the packed bytes (BLOCK_N, BLOCK_K // 2) and the scale bytes
+  (BLOCK_N, BLOCK_K // 32) of W as plain 2-D tiles (all three are software-pipelined into shared
+  memory by cp.async), and dequantizes W in registers: each nibble becomes its E2M1 value with a few
+  selects, times its block's scale (broadcast over the block's 16 bytes), and the low and high
+  nibbles are interleaved back into K order (``tl.interleave``). The float W never reaches memory.
+- bfloat16 x on a GPU: the dequantized tile is cast to bfloat16 (lossless: an E2M1 value times a
+  power of two has at most two significant bits and bfloat16 has float32's exponent range) and fed
+  to the tensor cores (wgmma on Hopper) with a float32 accumulator. float32 x: ``precision``
+  "tf32x3" (default: three TF32 products, float32 accuracy on tensor cores; W is exact in TF32),
+  "tf32" (x rounded to TF32) or "ieee" (FMA; slow, small tiles only).
+- Low-rank adapter, computed in the same kernel: in the same K loop the program also accumulates
+  t = x_tile @ b_tile^T (BLOCK_M, R) (R = r padded to a power of two >= 16 by masked loads, no
+  copies), and the epilogue adds t @ a_tile^T (TF32 for bfloat16 x, below bfloat16's resolution;
+  ``precision`` for float32 x) and the bias, then stores. Every column block recomputes its rows' t:
+  R / BLOCK_N extra MACs (1/8 for r <= 16 and BLOCK_N = 128), in exchange for no second launch and
+  no second pass over x. For bfloat16 x, b is rounded to bfloat16 (x @ b^T runs on bf16 tensor cores).
+- Defaults (``default_config``): bfloat16 128 x 128 x 64 tiles, 8 warps, 3 stages (157 registers,
+  no spills, 72 KiB shared memory on sm_90 by ptxas); BLOCK_M 64 when 128-row tiles would leave SMs
+  idle; tiles shrink (powers of two >= 16) for small M or N. float32: BLOCK_K = 32.
+  ``tl.dot`` needs every dimension >= 16. M, N and K need not be multiples of the blocks (masked
+  loads and stores); K must be a multiple of 32, the MX block.
+
+Imported lazily: this module imports without triton (``available()`` says whether it imports).
+The kernels run on CUDA tensors, and on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1
+set before triton is first imported). The interpreter stores bfloat16 as raw uint16 and gets
+bfloat16 arithmetic and casts wrong, so the kernels never compute in bfloat16 there: bfloat16 inputs
+are read as int16 bits and widened to float32 by a shift, outputs are rounded to bfloat16 from the
+float32 bits, and under the interpreter the dots run in float32 (same products: bf16 x bf16 is exact
+in float32). tests/test_mxfp4_triton.py runs all three kernels under the interpreter against the
+torch path (bit equality for quantize and dequantize; mx_linear within 1e-4 of a float64 reference
+for float32 x and 1e-2 for bfloat16 x, and bit-exact on integer data) and checks the wrappers'
+argument validation. The GPU-only branch (bfloat16 x loaded as bfloat16 and multiplied on the
+tensor cores) runs only on a GPU: benchmarks/mxfp4_gpu.py repeats all the checks there and times
+the kernels.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from crucible.quant.mxfp4 import BLOCK, MODES
+
+_KERNELS: dict | None = None
+_MAX_RANK = 128
+_X_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def available() -> bool:
+    """True when triton imports (it may still need a GPU or TRITON_INTERPRET=1 to run)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _interpreting() -> bool:
+    try:
+        import triton
+
+        return bool(triton.knobs.runtime.interpret)
+    except Exception:
+        return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def _build() -> dict:
+    import triton
+    import triton.language as tl
+
+    # Helpers are module globals: jitted functions resolve callees through their module's globals
+    # (the interpreter does not see closures).
+    global _mx_load_f32, _mx_e2m1_code, _mx_special_code, _mx_e2m1_value, _mx_scale_value, _mx_bf16_bits
+
+    @triton.jit
+    def _mx_load_f32(ptr, offs, mask, BF16_BITS: tl.constexpr):
+        # float32 values of x; BF16_BITS: ptr is x viewed as int16, widened exactly by a shift
+        if BF16_BITS:
+            v = tl.load(ptr + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
+            return (v << 16).to(tl.float32, bitcast=True)
+        else:
+            return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _mx_e2m1_code(s):
+        # 4-bit code of float32 s (already divided by the scale): nearest E2M1 magnitude, ties to the
+        # even code, saturating at 6; sign from the sign bit; NaN -> 3 | sign
+        a = tl.abs(s)
+        mag = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+               + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+               + (a > 5.0).to(tl.int32))
+        mag = tl.where(s != s, 3, mag)
+        sign = (s.to(tl.int32, bitcast=True) >> 31) & 1
+        return mag | (sign << 3)
+
+    @triton.jit
+    def _mx_special_code(x):
+        # code of an element of a NaN block: sign bit of x, magnitude 3 for NaN and +-inf, else 0
+        sign = (x.to(tl.int32, bitcast=True) >> 31) & 1
+        finite = tl.abs(x) <= 3.4028234663852886e38
+        return tl.where(finite, 0, 3) | (sign << 3)
+
+    @triton.jit
+    def _mx_e2m1_value(c):
+        # float32 value of the 4-bit code c (int32): 0, .5, 1, 1.5, 2, 3, 4, 6 with sign bit 8
+        m = c & 7
+        mf = m.to(tl.float32)
+        v = tl.where(m < 4, mf * 0.5, tl.where(m < 7, mf - 2.0, 6.0))
+        return tl.where(c >= 8, -v, v)
+
+    @triton.jit
+    def _mx_scale_value(b):
+        # float32 2^(b - 127) of the E8M0 byte b (int32), from its bits; 2^-127 is subnormal; NaN for 255
+        bits = tl.where(b == 0, 0x400000, tl.where(b == 255, 0x7FC00000, b << 23))
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _mx_bf16_bits(v):
+        # bfloat16 bits (int16) of float32 v, round to nearest even, NaN -> 0x7FC0 (torch's CPU rule)
+        u = v.to(tl.uint32, bitcast=True)
+        r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        r = tl.where(v != v, 0x7FC0, r)
+        return (r & 0xFFFF).to(tl.uint16).to(tl.int16, bitcast=True)
+
+    @triton.jit
+    def _quantize_kernel(x_ptr, packed_ptr, scales_ptr, nblocks,
+                         CEIL: tl.constexpr, BF16_BITS: tl.constexpr, BLOCK_B: tl.constexpr):
+        # x viewed as (nblocks, 32): one row per MX block, split into its even and odd elements
+        pid = tl.program_id(0)
+        rb = pid.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
+        rj = tl.arange(0, 16)
+        bmask = rb < nblocks
+        m2 = bmask[:, None]
+        xv = _mx_load_f32(x_ptr, rb[:, None] * 32 + tl.arange(0, 32)[None, :], m2, BF16_BITS)
+        nan = xv != xv
+        has_nan = tl.max(nan.to(tl.int32), axis=1) > 0
+        # amax of the finite and infinite elements (a NaN block's amax is never used)
+        amax = tl.max(tl.where(nan, 0.0, tl.abs(xv)), axis=1)
+        if CEIL:
+            bits = tl.div_rn(amax, 6.0).to(tl.int32, bitcast=True)
+            e = (((bits + 0x7FFFFF) >> 23) & 0xFF) - 127
+            # finite blocks are capped at 2^125 (mxfp4._CEIL_EMAX): at 2^126 the grid overflows float32
+            e = tl.where(amax > 3.4028234663852886e38, e, tl.minimum(e, 125))
+        else:
+            bits = amax.to(tl.int32, bitcast=True)
+            e = ((bits >> 23) & 0xFF) - 129
+        e = tl.minimum(tl.maximum(e, -127), 127)
+        n = -e
+        inv = tl.where(n > -127, (n + 127) << 23, 0x400000).to(tl.float32, bitcast=True)
+        inv = tl.where(has_nan, 0.0, inv)
+        byte = tl.where(has_nan, 255, e + 127)
+        tl.store(scales_ptr + rb, byte.to(tl.uint8), mask=bmask)
+        xe, xo = tl.split(tl.reshape(xv, (BLOCK_B, 16, 2)))
+        ce = _mx_e2m1_code(xe * inv[:, None])
+        co = _mx_e2m1_code(xo * inv[:, None])
+        # a NaN block's codes come from x itself: sign bit, and 3 for NaN and +-inf (mxfp4.quantize)
+        ce = tl.where(has_nan[:, None], _mx_special_code(xe), ce)
+        co = tl.where(has_nan[:, None], _mx_special_code(xo), co)
+        tl.store(packed_ptr + rb[:, None] * 16 + rj[None, :], (ce | (co << 4)).to(tl.uint8), mask=m2)
+
+    @triton.jit
+    def _dequantize_kernel(packed_ptr, scales_ptr, out_ptr, nblocks,
+                           OUT: tl.constexpr, BLOCK_B: tl.constexpr):
+        # OUT: 0 float32, 1 bfloat16 (out viewed as int16), 2 float16
+        pid = tl.program_id(0)
+        rb = pid.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
+        rj = tl.arange(0, 16)
+        bmask = rb < nblocks
+        m2 = bmask[:, None]
+        p = tl.load(packed_ptr + rb[:, None] * 16 + rj[None, :], mask=m2, other=0).to(tl.int32)
+        s = _mx_scale_value(tl.load(scales_ptr + rb, mask=bmask, other=127).to(tl.int32))
+        ve = _mx_e2m1_value(p & 0xF) * s[:, None]
+        vo = _mx_e2m1_value(p >> 4) * s[:, None]
+        offs = rb[:, None] * 32 + tl.arange(0, 32)[None, :]
+        if OUT == 1:
+            tl.store(out_ptr + offs, tl.interleave(_mx_bf16_bits(ve), _mx_bf16_bits(vo)), mask=m2)
+        elif OUT == 2:
+            tl.store(out_ptr + offs, tl.interleave(ve.to(tl.float16), vo.to(tl.float16)), mask=m2)
+        else:
+            tl.store(out_ptr + offs, tl.interleave(ve, vo), mask=m2)
+
+    @triton.jit
+    def _mx_linear_kernel(x_ptr, p_ptr, s_ptr, bias_ptr, a_ptr, b_ptr, y_ptr, M, N, K, r,
+                          HAS_BIAS: tl.constexpr, HAS_LR: tl.constexpr, R: tl.constexpr,
+                          X_BITS: tl.constexpr, DOT_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
+                          PREC: tl.constexpr, EPI_PREC: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          GROUP_M: tl.constexpr):
+        pid = tl.program_id(0)
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        in_group = GROUP_M * num_pid_n
+        first_m = (pid // in_group) * GROUP_M
+        group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % in_group) % group_m
+        pid_n = (pid % in_group) // group_m
+
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mmask = rm < M
+        nmask = rn < N
+        rm64 = rm.to(tl.int64)
+        rn64 = rn.to(tl.int64)
+        kp = K // 2
+        ks = K // 32
+        rr = tl.arange(0, R)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        t = tl.zeros((BLOCK_M, R), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            kmask = rk < K
+            xmask = mmask[:, None] & kmask[None, :]
+            xoffs = rm64[:, None] * K + rk[None, :]
+            if DOT_BF16:
+                xt = tl.load(x_ptr + xoffs, mask=xmask, other=0.0)
+            else:
+                xt = _mx_load_f32(x_ptr, xoffs, xmask, X_BITS)
+            # W tile (BLOCK_N, BLOCK_K), dequantized in registers: packed bytes (BLOCK_N, BLOCK_K // 2),
+            # scales (BLOCK_N, BLOCK_K // 32) broadcast over their 16 bytes, low/high nibbles interleaved
+            jk = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            pb = tl.load(p_ptr + rn64[:, None] * kp + jk[None, :], mask=nmask[:, None] & (jk < kp)[None, :],
+                         other=0).to(tl.int32)
+            sk = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            sb = tl.load(s_ptr + rn64[:, None] * ks + sk[None, :], mask=nmask[:, None] & (sk < ks)[None, :],
+                         other=127).to(tl.int32)
+            sv = _mx_scale_value(sb)
+            sv = tl.reshape(tl.broadcast_to(sv[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)), (BLOCK_N, BLOCK_K // 2))
+            lo = _mx_e2m1_value(pb & 0xF) * sv
+            hi = _mx_e2m1_value(pb >> 4) * sv
+            if DOT_BF16:
+                w = tl.interleave(lo.to(tl.bfloat16), hi.to(tl.bfloat16))
+                acc = tl.dot(xt, tl.trans(w), acc)
+            else:
+                w = tl.interleave(lo, hi)
+                acc = tl.dot(xt, tl.trans(w), acc, input_precision=PREC)
+            if HAS_LR:
+                bt = tl.load(b_ptr + rr[None, :] * K + rk[:, None],
+                             mask=(rr[None, :] < r) & kmask[:, None], other=0.0)
+                if DOT_BF16:
+                    t = tl.dot(xt, bt.to(tl.bfloat16), t)
+                else:
+                    t = tl.dot(xt, bt, t, input_precision=PREC)
+        if HAS_LR:
+            at = tl.load(a_ptr + rn64[None, :] * r + rr[:, None], mask=(rr[:, None] < r) & nmask[None, :], other=0.0)
+            acc = tl.dot(t, at, acc, input_precision=EPI_PREC)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=nmask, other=0.0)[None, :]
+        ymask = mmask[:, None] & nmask[None, :]
+        yoffs = rm64[:, None] * N + rn64[None, :]
+        if OUT_BF16:
+            tl.store(y_ptr + yoffs, _mx_bf16_bits(acc), mask=ymask)
+        else:
+            tl.store(y_ptr + yoffs, acc, mask=ymask)
+
+    return {"quantize": _quantize_kernel, "dequantize": _dequantize_kernel, "mx_linear": _mx_linear_kernel}
+
+
+def _kernels() -> dict:
+    global _KERNELS
+    if not available():
+        raise RuntimeError("the MXFP4 Triton kernels need triton, which is not importable; "
+                           "use crucible.quant.mxfp4 (the torch path)")
+    if _KERNELS is None:
+        _KERNELS = _build()
+    return _KERNELS
+
+
+# ---------------------------------------------------------------------------------------------
+# validation
+
+def _shape(t: torch.Tensor) -> list[int]:
+    return list(t.shape)
+
+
+def _check_tensor(name: str, t, where: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def _check_k(k, where: str) -> int:
+    if isinstance(k, bool) or not isinstance(k, int) or k <= 0 or k % BLOCK:
+        raise ValueError(f"{where}: k must be a positive multiple of {BLOCK}, got {k!r}")
+    return k
+
+
+def _check_devices(where: str, **tensors) -> torch.device:
+    named = [(n, t) for n, t in tensors.items() if t is not None]
+    dev = named[0][1].device
+    for n, t in named[1:]:
+        if t.device != dev:
+            raise ValueError(f"{where}: {n} is on {t.device} but {named[0][0]} is on {dev}; "
+                             f"all tensors must be on one device")
+    if dev.type != "cuda" and not (dev.type == "cpu" and _interpreting()):
+        raise ValueError(f"{where}: tensors on {dev} need a CUDA device, or TRITON_INTERPRET=1 (set "
+                         f"before triton is imported) for CPU tensors; use crucible.quant.mxfp4 otherwise")
+    return dev
+
+
+def _check_packed(where: str, packed, scales, k: int, lead=None) -> tuple[int, ...]:
+    _check_tensor("packed", packed, where)
+    _check_tensor("scales", scales, where)
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"{where}: packed must be torch.uint8, got {packed.dtype} (shape {_shape(packed)})")
+    if scales.dtype != torch.uint8:
+        raise ValueError(f"{where}: scales must be torch.uint8, got {scales.dtype} (shape {_shape(scales)})")
+    if packed.dim() == 0 or packed.shape[-1] != k // 2:
+        raise ValueError(f"{where}: packed must have last dimension k // 2 = {k // 2}, got shape {_shape(packed)}")
+    plead = tuple(packed.shape[:-1])
+    if lead is not None and plead != tuple(lead):
+        raise ValueError(f"{where}: packed must have shape {[*lead, k // 2]}, got {_shape(packed)}")
+    if tuple(scales.shape) != (*plead, k // BLOCK):
+        raise ValueError(f"{where}: scales must have shape {[*plead, k // BLOCK]} (packed is "
+                         f"{_shape(packed)}, k = {k}), got {_shape(scales)}")
+    return plead
+
+
+def _check_block(name: str, v, where: str, lo: int = 16) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or v & (v - 1):
+        why = "tl.dot's minimum" if lo == 16 else "one MX block of 32 per tile at least"
+        raise ValueError(f"{where}: {name} must be a power of two >= {lo} ({why}), got {v!r}")
+    return v
+
+
+def _pow2_at_least(n: int, lo: int, hi: int) -> int:
+    p = lo
+    while p < n and p < hi:
+        p *= 2
+    return p
+
+
+# ---------------------------------------------------------------------------------------------
+# wrappers
+
+def quantize(x: torch.Tensor, mode: str = "floor", *, block_b: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., K) float (float32, bfloat16 and float16 read directly, others cast to float32 first,
+    as the torch path does), K % 32 == 0 -> (packed uint8 (..., K // 2), scales uint8 (..., K // 32)),
+    bit-equal to ``crucible.quant.mxfp4.quantize(x, mode)``'s ``packed`` and ``scales``.
+    block_b: MX blocks (rows of 32) per program. Raises ValueError for bad arguments."""
+    where = "quantize"
+    _check_tensor("x", x, where)
+    if mode not in MODES:
+        raise ValueError(f"{where}: mode must be one of {MODES}, got {mode!r}")
+    if not x.is_floating_point():
+        raise ValueError(f"{where}: x must be a floating-point tensor, got {x.dtype} (shape {_shape(x)})")
+    if x.dim() == 0 or x.shape[-1] == 0 or x.shape[-1] % BLOCK:
+        raise ValueError(f"{where}: the last dimension of x must be a positive multiple of {BLOCK}, "
+                         f"got shape {_shape(x)}")
+    if isinstance(block_b, bool) or not isinstance(block_b, int) or block_b < 1 or block_b & (block_b - 1):
+        raise ValueError(f"{where}: block_b must be a power of two, got {block_b!r}")
+    _check_devices(where, x=x)
+    kern = _kernels()["quantize"]
+    k = x.shape[-1]
+    lead = tuple(x.shape[:-1])
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        x = x.to(torch.float32)
+    x = x.contiguous()
+    packed = torch.empty(*lead, k // 2, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(*lead, k // BLOCK, dtype=torch.uint8, device=x.device)
+    nblocks = scales.numel()
+    if nblocks:
+        bf16 = x.dtype == torch.bfloat16
+        xin = x.view(torch.int16) if bf16 else x
+        grid = (-(-nblocks // block_b),)
+        kern[grid](xin, packed, scales, nblocks, CEIL=mode == "ceil", BF16_BITS=bf16, BLOCK_B=block_b,
+                   num_warps=4)
+    return packed, scales
+
+
+_OUT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def dequantize(packed: torch.Tensor, scales: torch.Tensor, k: int, dtype: torch.dtype = torch.float32,
+               *, block_b: int = 64) -> torch.Tensor:
+    """packed uint8 (..., k // 2), scales uint8 (..., k // 32), k % 32 == 0 -> (..., k) in dtype,
+    equal to ``crucible.quant.mxfp4.dequantize``: float32, bfloat16 and float16 written by the kernel
+    (bit-equal; NaN payloads may differ where the torch path's own conversions do), other float
+    dtypes cast from float32. Raises ValueError for bad arguments."""
+    where = "dequantize"
+    k = _check_k(k, where)
+    lead = _check_packed(where, packed, scales, k)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"{where}: dtype must be a floating-point torch.dtype, got {dtype!r}")
+    if isinstance(block_b, bool) or not isinstance(block_b, int) or block_b < 1 or block_b & (block_b - 1):
+        raise ValueError(f"{where}: block_b must be a power of two, got {block_b!r}")
+    dev = _check_devices(where, packed=packed, scales=scales)
+    kern = _kernels()["dequantize"]
+    kdt = dtype if dtype in _OUT_CODE else torch.float32
+    out = torch.empty(*lead, k, dtype=kdt, device=dev)
+    nblocks = scales.numel()
+    if nblocks:
+        grid = (-(-nblocks // block_b),)
+        dst = out.view(torch.int16) if kdt == torch.bfloat16 else out
+        kern[grid](packed.contiguous(), scales.contiguous(), dst, nblocks, OUT=_OUT_CODE[kdt], BLOCK_B=block_b,
+                   num_warps=4)
+    return out if kdt == dtype else out.to(dtype)
+
+
+_PRECISIONS = ("tf32x3", "tf32", "ieee")
+_SM_COUNT: dict = {}
+
+
+def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16, precision: str = "tf32x3",
+                   device: torch.device | str | None = None) -> dict:
+    """The block sizes, warps and stages ``mx_linear`` uses by default for an (m, k) x (n, k)^T product.
+
+    bfloat16: 128 x 128 x 64 tiles, 8 warps, 3 stages; float32: BLOCK_K = 32 (32 x 32 tiles for the
+    "ieee" FMA dot, which spills registers on bigger tiles). Tiles shrink (powers of two >= 16) to
+    small m or n, and BLOCK_M drops to 64 when 128-row tiles would leave SMs of the GPU idle."""
+    if dtype == torch.float32 and precision == "ieee":
+        top_m, top_n, bk, stages = 32, 32, 32, 2
+    else:
+        top_m, top_n, bk, stages = 128, 128, (64 if dtype == torch.bfloat16 else 32), 3
+    bm = _pow2_at_least(m, 16, top_m)
+    bn = _pow2_at_least(n, 16, top_n)
+    dev = torch.device(device) if device is not None else None
+    if bm == 128 and dev is not None and dev.type == "cuda":
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        if idx not in _SM_COUNT:
+            _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+        if -(-m // 128) * -(-n // bn) < _SM_COUNT[idx]:
+            bm = 64
+    warps = 8 if bm * bn >= 128 * 128 else 4
+    return {"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages}
+
+
+def mx_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, k: int,
+              bias: torch.Tensor | None = None, a: torch.Tensor | None = None, b: torch.Tensor | None = None,
+              *, block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
+              group_m: int = 8, num_warps: int | None = None, num_stages: int | None = None,
+              precision: str = "tf32x3") -> torch.Tensor:
+    """y = x @ dequantize(W)^T (+ bias) (+ (x @ b^T) @ a^T), fused (see the module docstring).
+
+    x: (..., k) float32 or bfloat16; packed: uint8 (N, k // 2); scales: uint8 (N, k // 32), k % 32 == 0;
+    bias: (N,); a: (N, r) and b: (r, k), both or neither, 1 <= r <= 128 (any float dtype; used in
+    float32, b rounded to bfloat16 for bfloat16 x). Returns (..., N) in x's dtype, accumulated in
+    float32. The low-rank term is computed in the same kernel (t = x @ b^T accumulated in the K loop,
+    t @ a^T added in the epilogue). precision (float32 x on a GPU): "tf32x3" (float32-accurate on
+    tensor cores), "tf32" (x rounded to TF32) or "ieee" (FMA). Block sizes: powers of two, >= 16
+    (block_k >= 32); unset ones come from ``default_config``. Raises ValueError for bad arguments,
+    before launching anything.
+    """
+    where = "mx_linear"
+    k = _check_k(k, where)
+    _check_tensor("x", x, where)
+    if x.dtype not in _X_DTYPES:
+        raise ValueError(f"{where}: x must be float32 or bfloat16, got {x.dtype} (shape {_shape(x)})")
+    if x.dim() == 0 or x.shape[-1] != k:
+        raise ValueError(f"{where}: x must have last dimension k = {k}, got shape {_shape(x)}")
+    _check_tensor("packed", packed, where)
+    if packed.dim() != 2:
+        raise ValueError(f"{where}: packed must be 2-D (N, k // 2) = (N, {k // 2}), got shape {_shape(packed)}")
+    n = packed.shape[0]
+    _check_packed(where, packed, scales, k, lead=(n,))
+    if bias is not None:
+        _check_tensor("bias", bias, where)
+        if not bias.is_floating_point() or tuple(bias.shape) != (n,):
+            raise ValueError(f"{where}: bias must be a float tensor of shape [{n}], got {bias.dtype} of "
+                             f"shape {_shape(bias)}")
+    if (a is None) != (b is None):
+        raise ValueError(f"{where}: pass both a (N, r) and b (r, k) or neither, got "
+                         f"a={'None' if a is None else _shape(a)} and b={'None' if b is None else _shape(b)}")
+    r = 0
+    if a is not None:
+        _check_tensor("a", a, where)
+        _check_tensor("b", b, where)
+        if not a.is_floating_point() or not b.is_floating_point():
+            raise ValueError(f"{where}: a and b must be floating point, got {a.dtype} and {b.dtype}")
+        if a.dim() != 2 or a.shape[0] != n:
+            raise ValueError(f"{where}: a must have shape (N, r) with N = {n}, got {_shape(a)}")
+        r = a.shape[1]
+        if b.dim() != 2 or tuple(b.shape) != (r, k):
+            raise ValueError(f"{where}: b must have shape (r, k) = {[r, k]} (a is {_shape(a)}), got {_shape(b)}")
+        if not 1 <= r <= _MAX_RANK:
+            raise ValueError(f"{where}: the adapter rank r = a.shape[1] must be in [1, {_MAX_RANK}], got "
+                             f"a {_shape(a)}")
+    if precision not in _PRECISIONS:
+        raise ValueError(f"{where}: precision must be one of {_PRECISIONS}, got {precision!r}")
+    lead = tuple(x.shape[:-1])
+    m = 1
+    for d in lead:
+        m *= d
+    if block_m is not None:
+        _check_block("block_m", block_m, where)
+    if block_n is not None:
+        _check_block("block_n", block_n, where)
+    if block_k is not None:
+        _check_block("block_k", block_k, where, lo=32)
+    if isinstance(group_m, bool) or not isinstance(group_m, int) or group_m < 1:
+        raise ValueError(f"{where}: group_m must be a positive int, got {group_m!r}")
+    for name, v in (("num_warps", num_warps), ("num_stages", num_stages)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{where}: {name} must be a positive int, got {v!r}")
+    dev = _check_devices(where, x=x, packed=packed, scales=scales, bias=bias, a=a, b=b)
+    kern = _kernels()["mx_linear"]
+
+    y = torch.empty(*lead, n, dtype=x.dtype, device=dev)
+    if m == 0 or n == 0:
+        return y
+    cfg = default_config(m, n, k, x.dtype, precision, dev)
+    bm = block_m or cfg["block_m"]
+    bn = block_n or cfg["block_n"]
+    bk = block_k or cfg["block_k"]
+    warps = num_warps or (8 if bm * bn >= 128 * 128 else 4)
+    stages = num_stages or cfg["num_stages"]
+
+    x2 = x.reshape(m, k).contiguous()
+    bf16 = x.dtype == torch.bfloat16
+    dot_bf16 = bf16 and not _interpreting()
+    f32 = torch.float32
+    bias_c = bias.to(f32).contiguous() if bias is not None else None
+    a_c = a.to(f32).contiguous() if a is not None else None
+    b_c = (b.to(torch.bfloat16) if bf16 else b).to(f32).contiguous() if b is not None else None
+    rp = max(16, 1 << (r - 1).bit_length()) if r else 16
+    grid = (-(-m // bm) * -(-n // bn),)
+    xin = x2.view(torch.int16) if (bf16 and not dot_bf16) else x2
+    yout = y.view(m, n)
+    dummy = torch.empty(1, dtype=f32, device=dev)
+    kern[grid](xin, packed.contiguous(), scales.contiguous(),
+               bias_c if bias_c is not None else dummy, a_c if a_c is not None else dummy,
+               b_c if b_c is not None else dummy,
+               yout.view(torch.int16) if bf16 else yout, m, n, k, max(r, 1),
+               HAS_BIAS=bias is not None, HAS_LR=r > 0, R=rp, X_BITS=bf16 and not dot_bf16,
+               DOT_BF16=dot_bf16, OUT_BF16=bf16, PREC=precision, EPI_PREC="tf32" if bf16 else precision,
+               BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages)
+    return y
