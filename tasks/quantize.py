@@ -149,6 +149,14 @@ def calibration_batches(root: Path, params: Params, tokenizer, max_length: dict,
 
 def run(params: Params, task: str | None, root: Path, log) -> dict:
     import torch
+
+    # scoped, not torch.set_grad_enabled: under the flow, stages share worker threads
+    with torch.no_grad():
+        return _run(params, root, log)
+
+
+def _run(params: Params, root: Path, log) -> dict:
+    import torch
     from tqdm.auto import tqdm
 
     from crucible.quant import CompensationPlan, collect_input_stats, quantize_model, save_quantized, select_linears
@@ -157,7 +165,6 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
 
     cfg = params.quantize
     root = Path(root)
-    torch.set_grad_enabled(False)
     merged = read_merged(root, params.embed.model)
     order = params.merge_order()
     missing = [t for t in order if t not in merged["classes"]]
@@ -182,15 +189,16 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     except ValueError as exc:
         raise ValueError(f"quantize.modules: {exc}") from None
 
+    total_rank = sum(min(m.weight.shape) for m in linears.values())
+    if cfg.rank_budget > total_rank:
+        raise ValueError(f"quantize.rank_budget = {cfg.rank_budget} exceeds the total rank {total_rank} of the "
+                         f"{len(linears)} matrices that quantize.modules selects (sum of min(out, in))")
     batches = calibration_batches(root, params, scorer.tokenizer, merged["max_length"])
     stats = collect_input_stats(float_encoder, linears, batches,
                                 forward=lambda m, b: m(input_ids=b[0], attention_mask=b[1]), masks=lambda b: b[1])
     bar = tqdm(total=len(linears), desc="quantize: error SVDs")
     plan = CompensationPlan.build(linears, stats, cfg.mode, cfg.scaling, cfg.load, progress=lambda _: bar.update())
     bar.close()
-    if cfg.rank_budget > plan.total_rank:
-        raise ValueError(f"quantize.rank_budget = {cfg.rank_budget} exceeds the total rank {plan.total_rank} of the "
-                         f"{len(linears)} matrices that quantize.modules selects (sum of min(out, in))")
     ranks = {a: plan.ranks(cfg.rank_budget, a) for a in ("uniform", "load_aware")}
     zero = {n: 0 for n in linears}
 
