@@ -43,15 +43,22 @@ def main() -> None:
     ap.add_argument("--root", type=Path, default=ROOT)
     ap.add_argument("--budget", type=int, default=None, help="total rank (default: quantize.rank_budget)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument("--mode", choices=["floor", "ceil"], default=None, help="MXFP4 scale mode (default: quantize.mode)")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--configs", nargs="+", type=lambda v: tuple(v.split("/")),
+                    default=[("plain", "unit"), ("plain", "input_energy"), ("qera", "unit"), ("lqer", "unit"),
+                             ("qera", "sensitivity")],
+                    help="scaling/load pairs to compare (default: all)")
+    ap.add_argument("--eval-limit", type=int, default=None,
+                    help="test items per task (default: quantize.eval_limit; 0 = the whole test split)")
     args = ap.parse_args()
     import torch
 
-    from crucible.quant import CompensationPlan, collect_input_stats, quantize_model, save_quantized, select_linears
+    from crucible.quant import CompensationPlan, quantize_model, save_quantized, select_linears
     from tasks.io import read_table
     from tasks.models import resolve_model
     from tasks.params import load_params
-    from tasks.quantize import calibration_batches, read_merged
+    from tasks.quantize import calibrate, calibration_batches, read_merged
     from tasks.scoring import Scorer
 
     if args.threads:
@@ -60,6 +67,8 @@ def main() -> None:
     root = args.root.resolve()
     params = load_params(root / "params.yaml")
     cfg = params.quantize
+    if args.mode:
+        cfg = cfg.model_copy(update={"mode": args.mode})
     budget = cfg.rank_budget if args.budget is None else args.budget
     itemsize = torch.empty((), dtype=getattr(torch, cfg.adapter_dtype)).element_size()
     merged = read_merged(root, params.embed.model)
@@ -69,19 +78,37 @@ def main() -> None:
     tests = {}
     for t in order:
         test = read_table(root / "data" / t / "test.parquet", "test")
-        tests[t] = test.head(cfg.eval_limit) if cfg.eval_limit else test
+        limit = cfg.eval_limit if args.eval_limit is None else args.eval_limit
+        tests[t] = test.head(limit) if limit else test
     scorer = Scorer(resolve_model(params.embed.model), specs, tests, cfg.eval_batch_size)
     scorer.load(merged["state"])
     float_encoder = scorer.encoder
     linears = select_linears(float_encoder, cfg.modules)
     n_weights = sum(m.weight.numel() for m in linears.values())
 
+    reference_logits: dict = {}
+
     def score(encoder) -> dict:
+        """accuracy per task, and (once the float logits are known) agreement with the float model's
+        predictions and the relative logit error, over all tasks' test items"""
         scorer.use_encoder(encoder)
-        return {t: scorer.accuracy(t) for t in order}
+        out, agree, err, n = {}, 0.0, 0.0, 0
+        for t in order:
+            z = scorer.logits(t)
+            out[t] = scorer.accuracy(t, z)
+            if t in reference_logits:
+                ref = reference_logits[t]
+                agree += float((z.argmax(1) == ref.argmax(1)).sum())
+                err += float(((z - ref).norm(dim=1) / ref.norm(dim=1)).sum())
+                n += len(z)
+            else:
+                reference_logits[t] = z
+        if n:
+            out["_agree"], out["_logit_err"] = agree / n, err / n
+        return out
 
     print(f"# quantize_compensation: root={root} tasks={order} budget={budget} seeds={args.seeds} mode={cfg.mode} "
-          f"calibration_per_task={cfg.calibration_per_task} eval_limit={cfg.eval_limit} adapter={cfg.adapter_dtype} "
+          f"calibration_per_task={cfg.calibration_per_task} eval_limit={limit or None} adapter={cfg.adapter_dtype} "
           f"threads={torch.get_num_threads()}")
     print(f"# {len(linears)} matrices, {n_weights / 1e6:.2f} M weights; test items per task: "
           f"{ {t: len(tests[t]) for t in order} }")
@@ -97,24 +124,23 @@ def main() -> None:
     del enc0
     timings = {"score_float_and_mxfp4": time.perf_counter() - t0}
     for seed in args.seeds:
-        batches = calibration_batches(root, params, scorer.tokenizer, merged["max_length"],
+        batches = calibration_batches(root, params, scorer.tokenizer, merged["classes"], merged["max_length"],
                                       seed=None if seed == 0 else seed)
         t1 = time.perf_counter()
-        stats = collect_input_stats(float_encoder, linears, batches,
-                                    forward=lambda m, b: m(input_ids=b[0], attention_mask=b[1]), masks=lambda b: b[1])
+        scorer.use_encoder(float_encoder)
+        stats, sensitivity = calibrate(scorer, linears, batches, sensitivity=True)
         timings["calibration"] = time.perf_counter() - t1
-        configs = [("plain", "unit"), ("plain", "input_energy"), ("qera", "unit"), ("lqer", "unit")]
-        for scaling, load in configs:
+        for scaling, load in args.configs:
             t1 = time.perf_counter()
-            plan = CompensationPlan.build(linears, stats, cfg.mode, scaling, load)
+            plan = CompensationPlan.build(linears, stats, cfg.mode, scaling, load, sensitivity=sensitivity)
             timings[f"svds_{scaling}"] = time.perf_counter() - t1
             ranks = {"uniform": plan.ranks(budget, "uniform"), "load_aware": plan.ranks(budget, "load_aware")}
             uni_bytes = plan.adapter_bytes(ranks["uniform"], itemsize)
             b_same = budget_for_bytes(plan, "load_aware", uni_bytes, itemsize)
             ranks["load_aware_same_bytes"] = plan.ranks(b_same, "load_aware")
             for alloc, r in ranks.items():
-                if load == "input_energy" and alloc == "uniform":
-                    continue  # uniform ignores loads: the same model as (plain, unit, uniform)
+                if load != "unit" and alloc == "uniform" and (scaling, "unit") in args.configs:
+                    continue  # uniform ignores loads: the same model as (scaling, unit, uniform)
                 key = f"{scaling}/{load}/{alloc}"
                 t1 = time.perf_counter()
                 enc = copy.deepcopy(float_encoder)
@@ -128,23 +154,25 @@ def main() -> None:
                     "rel_err": plan.weighted_error(r) / plan.weighted_error(zero)})
                 info[key] = {"model_mb": mx_mb + adapter / 2**20}
                 del enc
-    mean_float, mean_mx = np.mean(list(float_acc.values())), np.mean(list(mx_acc.values()))
+    mean_float, mean_mx = np.mean([float_acc[t] for t in order]), np.mean([mx_acc[t] for t in order])
     lost = mean_float - mean_mx
     head = " ".join(f"{t:>8}" for t in order)
     print()
-    print(f"{'variant':<34} {head} {'mean':>7} {'spread':>7} {'recov.':>7} {'rank':>5} {'bits/w':>6} "
-          f"{'adapt MB':>8} {'rel.err':>7}")
+    print(f"{'variant':<34} {head} {'mean':>7} {'spread':>7} {'recov.':>7} {'agree':>6} {'logit err':>9} "
+          f"{'rank':>5} {'bits/w':>6} {'adapt MB':>8} {'rel.err':>7}")
     print(f"{'float (merged encoder)':<34} " + " ".join(f"{float_acc[t]:8.3f}" for t in order) + f" {mean_float:7.4f}")
     print(f"{'mxfp4':<34} " + " ".join(f"{mx_acc[t]:8.3f}" for t in order)
-          + f" {mean_mx:7.4f} {'':>7} {0.0:7.2f} {0:5d} {4.25:6.2f} {0.0:8.2f} {1.0:7.3f}")
+          + f" {mean_mx:7.4f} {'':>7} {0.0:7.2f} {mx_acc['_agree']:6.3f} {mx_acc['_logit_err']:9.4f} "
+          f"{0:5d} {4.25:6.2f} {0.0:8.2f} {1.0:7.3f}")
     for key, runs in results.items():
         accs = {t: np.mean([r["acc"][t] for r in runs]) for t in order}
-        means = [np.mean(list(r["acc"].values())) for r in runs]
+        means = [np.mean([r["acc"][t] for t in order]) for r in runs]
         m = float(np.mean(means))
         spread = (max(means) - min(means)) if len(means) > 1 else float("nan")
         rec = (m - mean_mx) / lost if lost > 0 else float("nan")
         print(f"{key:<34} " + " ".join(f"{accs[t]:8.3f}" for t in order)
-              + f" {m:7.4f} {spread:7.4f} {rec:7.2f} {runs[0]['rank']:5d} {runs[0]['bpw']:6.2f} "
+              + f" {m:7.4f} {spread:7.4f} {rec:7.2f} {np.mean([r['acc']['_agree'] for r in runs]):6.3f} "
+              f"{np.mean([r['acc']['_logit_err'] for r in runs]):9.4f} {runs[0]['rank']:5d} {runs[0]['bpw']:6.2f} "
               f"{runs[0]['adapter_mb']:8.2f} {np.mean([r['rel_err'] for r in runs]):7.3f}")
     float_mb = merged["paths"]["model.safetensors"].stat().st_size / 2**20
     print()
@@ -152,6 +180,8 @@ def main() -> None:
           f"(quantized matrices {4 * n_weights / 2**20:.1f} MB float32 -> {n_weights * 17 / 32 / 2**20:.1f} MB MXFP4; "
           f"embeddings and LayerNorms stay float32)")
     print("# recov. = (mean - mxfp4 mean) / (float mean - mxfp4 mean): the share of MXFP4's accuracy loss recovered")
+    print("# agree = share of all test items whose predicted label equals the float model's; logit err = mean over "
+          "items of |z - z_float| / |z_float|")
     print("# rel.err = weighted compression error of the allocation / MXFP4's (in that scaling's own units)")
     print("# seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in timings.items() if not k.startswith("score_")
                                     or k == "score_float_and_mxfp4"))

@@ -234,8 +234,9 @@ class QuantizeParams(_Section):
     scaling: Literal["plain", "qera", "lqer"] = Field(
         "qera", description="SVD of the plain error, or of the error scaled by calibration activations "
         "(qera: sqrt(E[x^2]); lqer: mean |x| normalised)")
-    load: Literal["unit", "input_energy"] = Field(
-        "unit", description="load of a dense layer in the allocation: 1, or its calibration inputs' mean energy")
+    load: Literal["unit", "input_energy", "sensitivity"] = Field(
+        "unit", description="load of a dense layer in the allocation: 1, its calibration inputs' mean energy, or "
+        "the mean squared gradient of the task loss at its output")
     adapter_dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="adapters on disk")
     calibration_per_task: int = Field(64, ge=1, description="reference texts per task used as calibration data")
     eval_limit: int | None = Field(200, ge=1, description="test items scored per task (first N); null = all")

@@ -8,7 +8,9 @@ every task's head, classes and max_length), data/<task>/reference.parquet (calib
 first `quantize.calibration_per_task` rows per task) and data/<task>/test.parquet (scoring).
 
 1. Calibration: the float merged encoder runs over the calibration texts; hooks on every layer that
-   `quantize.modules` selects accumulate per-feature E|x| and E[x^2] of its inputs (padding excluded).
+   `quantize.modules` selects accumulate per-feature E|x| and E[x^2] of its inputs (padding
+   excluded), and with `quantize.load: sensitivity` the mean squared gradient of each task's
+   cross-entropy (its head, its reference labels) with respect to each layer's output.
 2. Per layer: W -> MXFP4 (`quantize.mode`), E = W - dequant(Q(W)), one SVD of E diag(s)
    (`quantize.scaling`), computed once for the spectra and every adapter.
 3. Ranks: `quantize.rank_budget` units over all matrices, uniform and load-aware; the model written
@@ -131,20 +133,54 @@ def load_quantized_encoder(folder: Path | str, base_model: str | None = None):
 # the stage
 
 
-def calibration_batches(root: Path, params: Params, tokenizer, max_length: dict, batch_size: int = 32,
-                        seed: int | None = None) -> list:
-    """(input_ids, attention_mask) batches of calibration_per_task reference texts per task: the
-    first rows (the stage), or a seeded random draw of them (`seed`, for benchmarks)."""
+def calibration_batches(root: Path, params: Params, tokenizer, classes: dict, max_length: dict, batch_size: int = 32,
+                        seed: int | None = None) -> list[tuple]:
+    """(input_ids, attention_mask, task, labels) batches of calibration_per_task reference texts
+    per task: the first rows (the stage), or a seeded random draw of them (`seed`, for benchmarks).
+    Each batch holds one task's texts, so its head and labels can give a loss (load: sensitivity)."""
+    import torch
+
     from crucible.train import collate, tokenize
 
-    ids = []
+    out = []
     for t in params.merge_order():
-        ref = read_table(root / "data" / t / "reference.parquet", "reference")
+        path = root / "data" / t / "reference.parquet"
+        ref = read_table(path, "reference")
         n = params.quantize.calibration_per_task
         rows = ref.head(n) if seed is None else ref.sample(n=min(n, len(ref)), random_state=seed)
-        ids += tokenize(tokenizer, rows["text"].tolist(), int(max_length.get(t, 64)))
-    ids.sort(key=len)  # little padding per batch
-    return [collate(ids[i:i + batch_size], tokenizer.pad_token_id or 0) for i in range(0, len(ids), batch_size)]
+        index = {c: i for i, c in enumerate(classes[t])}
+        unknown = sorted(set(rows["label"]) - set(index))
+        if unknown:
+            raise ValueError(f"{path}: column 'label' has {unknown[:3]}, not among the merged head's classes {classes[t]}")
+        ids = tokenize(tokenizer, rows["text"].tolist(), int(max_length.get(t, 64)))
+        labels = rows["label"].map(index).tolist()
+        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # little padding per batch
+        for i in range(0, len(order), batch_size):
+            idx = order[i:i + batch_size]
+            input_ids, mask = collate([ids[j] for j in idx], tokenizer.pad_token_id or 0)
+            out.append((input_ids, mask, t, torch.tensor([labels[j] for j in idx])))
+    return out
+
+
+def calibrate(scorer, linears: dict, batches: list[tuple], sensitivity: bool) -> tuple[dict, dict | None]:
+    """Per-layer input statistics of the scorer's (float) encoder over the calibration batches and,
+    if asked, each layer's output sensitivity to its task's cross-entropy (through the task head)."""
+    import torch
+
+    from crucible.quant import collect_input_stats
+    from crucible.quant.compensate import collect_output_sensitivity
+
+    encoder = scorer.encoder
+    stats = collect_input_stats(encoder, linears, batches, forward=lambda m, b: m(input_ids=b[0], attention_mask=b[1]),
+                                masks=lambda b: b[1])
+    if not sensitivity:
+        return stats, None
+
+    def loss(m, b):
+        logits = scorer.models[b[2]](b[0], b[1])
+        return torch.nn.functional.cross_entropy(logits, b[3])
+
+    return stats, collect_output_sensitivity(encoder, linears, batches, loss, masks=lambda b: b[1])
 
 
 def run(params: Params, task: str | None, root: Path, log) -> dict:
@@ -159,7 +195,7 @@ def _run(params: Params, root: Path, log) -> dict:
     import torch
     from tqdm.auto import tqdm
 
-    from crucible.quant import CompensationPlan, collect_input_stats, quantize_model, save_quantized, select_linears
+    from crucible.quant import CompensationPlan, quantize_model, save_quantized, select_linears
     from crucible.quant.linear import mx_layers
     from tasks.scoring import Scorer
 
@@ -193,11 +229,11 @@ def _run(params: Params, root: Path, log) -> dict:
     if cfg.rank_budget > total_rank:
         raise ValueError(f"quantize.rank_budget = {cfg.rank_budget} exceeds the total rank {total_rank} of the "
                          f"{len(linears)} matrices that quantize.modules selects (sum of min(out, in))")
-    batches = calibration_batches(root, params, scorer.tokenizer, merged["max_length"])
-    stats = collect_input_stats(float_encoder, linears, batches,
-                                forward=lambda m, b: m(input_ids=b[0], attention_mask=b[1]), masks=lambda b: b[1])
+    batches = calibration_batches(root, params, scorer.tokenizer, merged["classes"], merged["max_length"])
+    stats, sensitivity = calibrate(scorer, linears, batches, cfg.load == "sensitivity")
     bar = tqdm(total=len(linears), desc="quantize: error SVDs")
-    plan = CompensationPlan.build(linears, stats, cfg.mode, cfg.scaling, cfg.load, progress=lambda _: bar.update())
+    plan = CompensationPlan.build(linears, stats, cfg.mode, cfg.scaling, cfg.load, progress=lambda _: bar.update(),
+                                  sensitivity=sensitivity)
     bar.close()
     ranks = {a: plan.ranks(cfg.rank_budget, a) for a in ("uniform", "load_aware")}
     zero = {n: 0 for n in linears}

@@ -78,9 +78,14 @@ class Scorer:
         for model in self.models.values():
             model.encoder = encoder
 
-    def accuracy(self, task: str) -> float:
+    def logits(self, task: str):
+        """(n_test, n_classes) logits of the current encoder with the task's head."""
         from crucible.train import predict
 
-        ids, labels = self.data[task]
-        logits = predict(self.models[task], ids, self.batch_size, self.pad_id)
-        return float((logits.argmax(1) == labels).float().mean())
+        ids, _ = self.data[task]
+        return predict(self.models[task], ids, self.batch_size, self.pad_id)
+
+    def accuracy(self, task: str, logits=None) -> float:
+        """Test accuracy of the current encoder (or of precomputed `logits`) on the task."""
+        logits = self.logits(task) if logits is None else logits
+        return float((logits.argmax(1) == self.data[task][1]).float().mean())

@@ -201,3 +201,31 @@ def test_plan_needs_statistics_for_scaled_errors():
         CompensationPlan.build(lin, None, scaling="qera")
     with pytest.raises(ValueError, match="scaling must be one of"):
         CompensationPlan.build(lin, None, scaling="svd")
+
+
+def test_output_sensitivity_closed_form_and_no_side_effects():
+    from crucible.quant import collect_output_sensitivity
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    c = torch.tensor([1.0, -2.0])
+    x = torch.randn(5, 4)
+    # L = sum_rows c . y2  ->  dL/dy2 = c per row, dL/dy1 = W2^T c per row
+    sens = collect_output_sensitivity(model, ["0", "1"], [x], lambda m, b: (m(b) * c).sum())
+    assert sens["1"] == pytest.approx(float(c @ c) / 2)
+    w2c = model[1].weight.detach().T @ c
+    assert sens["0"] == pytest.approx(float(w2c @ w2c) / 3)
+    assert all(p.requires_grad for p in model.parameters()) and all(p.grad is None for p in model.parameters())
+    # masked tokens do not count: a (b, t, k) input with half the positions masked out
+    seq = torch.randn(2, 4, 4)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]])
+    sens = collect_output_sensitivity(model, ["1"], [seq], lambda m, b: (m(b) * c * mask[..., None]).sum(),
+                                      masks=lambda b: mask)
+    assert sens["1"] == pytest.approx(float(c @ c) / 2)  # every counted token has gradient c
+    with pytest.raises(ValueError, match="the loss is nan"):
+        collect_output_sensitivity(model, ["1"], [x], lambda m, b: m(b).sum() * float("nan"))
+    with pytest.raises(ValueError, match="needs each layer's output sensitivity"):
+        CompensationPlan.build({"0": nn.Linear(32, 4)}, None, scaling="plain", load="sensitivity")
+    plan = CompensationPlan.build({"a": nn.Linear(32, 4), "b": nn.Linear(32, 4)}, None, scaling="plain",
+                                  load="sensitivity", sensitivity={"a": 2.0, "b": 0.5})
+    assert plan.layers["a"].load == 2.0 and plan.layers["b"].load == 0.5

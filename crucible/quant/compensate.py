@@ -20,7 +20,11 @@ Loads (the weight of a matrix in the allocation, `allocate_ranks`' load_i):
 - "unit" (default): 1 for every dense layer. With qera scaling the spectra already measure the
   output error each rank removes, so equal loads compare layers on that common scale;
 - "input_energy": the mean squared norm of the layer's calibration inputs, E||x||^2 / in. With
-  plain scaling this turns the plain spectrum into an output-error estimate for isotropic inputs.
+  plain scaling this turns the plain spectrum into an output-error estimate for isotropic inputs;
+- "sensitivity": the mean squared gradient of a task loss with respect to the layer's output
+  (`collect_output_sensitivity`, the diagonal empirical Fisher). With qera scaling,
+  load x sigma^2 then estimates the loss increase that each rank unit removes, so layers whose
+  output errors the rest of the network amplifies get more rank.
 For MoE experts the load is the share of tokens routed to each expert (the MoE stage).
 
 `allocation`: "uniform" spreads the budget evenly over the matrices (`uniform_ranks`);
@@ -39,7 +43,7 @@ from torch import nn
 from crucible.quant import lowrank, mxfp4
 
 SCALINGS = ("plain", "qera", "lqer")
-LOADS = ("unit", "input_energy")
+LOADS = ("unit", "input_energy", "sensitivity")
 ALLOCATIONS = ("uniform", "load_aware")
 
 
@@ -82,6 +86,64 @@ def collect_input_stats(model: nn.Module, names: Iterable[str], batches: Iterabl
     return stats
 
 
+def collect_output_sensitivity(model: nn.Module, names: Iterable[str], batches: Iterable,
+                               loss_fn: Callable[[nn.Module, object], torch.Tensor],
+                               masks: Callable[[object], torch.Tensor] | None = None) -> dict[str, float]:
+    """Mean squared gradient of a loss with respect to each named module's output, per output
+    element and counted token: g_l = E ||dL/dy_l||^2 / out_features (the empirical Fisher of the
+    layer's output, diagonal and isotropic). A perturbation e of the layer's output then changes
+    the loss by about g_l * E||e||^2 to second order, which makes g_l the layer's load when the
+    spectra are in output-error units (qera scaling). `loss_fn(model, batch)` returns a scalar;
+    `masks(batch)` a (b, t) 0/1 tensor of the tokens to count. The model's parameters get no
+    gradient (their requires_grad is restored)."""
+    names = list(names)
+    energy = {n: 0.0 for n in names}
+    count = {n: 0 for n in names}
+    current: dict = {"mask": None}
+
+    def hook(name):
+        def fwd(module, args, out):
+            m = current["mask"]
+
+            def grad_hook(g):
+                rows = g[m.bool()] if m is not None and g.dim() == 3 and g.shape[:2] == m.shape else g.reshape(-1, g.shape[-1])
+                energy[name] += float((rows.double() ** 2).sum()) / g.shape[-1]
+                count[name] += rows.shape[0]
+            out.register_hook(grad_hook)
+        return fwd
+
+    flags = {p: p.requires_grad for p in model.parameters()}
+    handles = [model.get_submodule(n).register_forward_hook(hook(n)) for n in names]
+    was_training = model.training
+    model.eval()
+    try:
+        # only the named layers' weights require grad, so their outputs carry the hooks' gradients
+        watched = [model.get_submodule(n).weight for n in names]
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for w in watched:
+            w.requires_grad_(True)
+        with torch.enable_grad():
+            for batch in batches:
+                current["mask"] = masks(batch) if masks is not None else None
+                loss = loss_fn(model, batch)
+                if not torch.isfinite(loss):
+                    raise ValueError(f"collect_output_sensitivity: the loss is {float(loss.detach())}")
+                loss.backward()
+                for w in watched:
+                    w.grad = None
+    finally:
+        for h in handles:
+            h.remove()
+        for p, f in flags.items():
+            p.requires_grad_(f)
+        model.train(was_training)
+    empty = [n for n in names if count[n] == 0]
+    if empty:
+        raise ValueError(f"no gradient reached {empty[:3]}; does the loss depend on them?")
+    return {n: energy[n] / count[n] for n in names}
+
+
 @dataclass
 class LayerError:
     """One quantized matrix: its shape, the SVD of its (scaled) quantization error, its load."""
@@ -110,14 +172,20 @@ class CompensationPlan:
     @classmethod
     def build(cls, linears: dict[str, nn.Linear], stats: dict[str, lowrank.InputStats] | None = None,
               mode: str = "floor", scaling: str = "qera", load: str = "unit",
-              progress: Callable[[str], None] | None = None) -> "CompensationPlan":
+              progress: Callable[[str], None] | None = None,
+              sensitivity: dict[str, float] | None = None) -> "CompensationPlan":
         """Quantize each layer's weight, factorize its error (see the module docstring).
-        `stats` is needed unless scaling is "plain" and load is "unit"."""
+        `stats` is needed unless scaling is "plain" and load is "unit"; load "sensitivity" takes
+        each layer's load from `sensitivity` (collect_output_sensitivity)."""
         if scaling not in SCALINGS:
             raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
         if load not in LOADS:
             raise ValueError(f"load must be one of {LOADS}, got {load!r}")
-        needs_stats = scaling != "plain" or load != "unit"
+        needs_stats = scaling != "plain" or load == "input_energy"
+        if load == "sensitivity":
+            absent = [n for n in linears if sensitivity is None or n not in sensitivity]
+            if absent:
+                raise ValueError(f"load 'sensitivity' needs each layer's output sensitivity; none for {absent[:3]}")
         missing = [n for n in linears if needs_stats and (stats is None or n not in stats)]
         if missing:
             raise ValueError(f"scaling {scaling!r} / load {load!r} need calibration statistics; none for {missing[:3]}")
@@ -132,6 +200,8 @@ class CompensationPlan:
             if load == "input_energy":
                 st = stats[name]
                 weight = float(st.sum_sq.sum() / (st.count * st.in_features))
+            elif load == "sensitivity":
+                weight = float(sensitivity[name])
             layers[name] = LayerError(name, tuple(w.shape), lowrank.factorize(err, s), weight)
             if progress is not None:
                 progress(name)
