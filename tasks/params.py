@@ -235,7 +235,7 @@ class QuantizeParams(_Section):
         "qera", description="SVD of the plain error, or of the error scaled by calibration activations "
         "(qera: sqrt(E[x^2]); lqer: mean |x| normalised)")
     load: Literal["unit", "input_energy", "sensitivity"] = Field(
-        "unit", description="load of a dense layer in the allocation: 1, its calibration inputs' mean energy, or "
+        "sensitivity", description="load of a dense layer in the allocation: 1, its calibration inputs' mean energy, or "
         "the mean squared gradient of the task loss at its output")
     adapter_dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="adapters on disk")
     calibration_per_task: int = Field(64, ge=1, description="reference texts per task used as calibration data")
