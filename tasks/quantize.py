@@ -285,11 +285,13 @@ def _run(params: Params, root: Path, log) -> dict:
         "ranks": chosen,
     }
     metrics["relative_weighted_error"] = {k: v / err0 if err0 > 0 else 0.0 for k, v in metrics["weighted_error"].items()}
+    metrics = _rounded(metrics)
     rank_rows = [{"matrix": n, "layer": _layer_index(n), "out": l.shape[0], "in": l.shape[1], "load": l.load,
                   "rank_uniform": ranks["uniform"][n], "rank_load_aware": ranks["load_aware"][n],
                   "energy_kept_uniform": _energy_kept(l.spectrum, ranks["uniform"][n]),
                   "energy_kept_load_aware": _energy_kept(l.spectrum, ranks["load_aware"][n])}
                  for n, l in plan.layers.items()]
+    rank_rows = _rounded(rank_rows)
     acc_rows = [{"variant": v, "task": t, "accuracy": a} for v, accs in accuracy.items() for t, a in accs.items()]
     config = {"base_model": params.embed.model, "order": order, "modules": cfg.modules, "mode": cfg.mode,
               "scaling": cfg.scaling, "allocation": cfg.allocation, "load": cfg.load, "rank_budget": cfg.rank_budget,
@@ -313,6 +315,18 @@ def _run(params: Params, root: Path, log) -> dict:
     log.log_artifact(out / "quantize.png")
     log.log_artifact(out / "quantize.json")
     return flat
+
+
+def _rounded(obj, digits: int = 6):
+    """Floats to `digits` significant digits, recursively: sums reduced over a different number of
+    threads differ in the last bits, and the metrics and plot files should not."""
+    if isinstance(obj, dict):
+        return {k: _rounded(v, digits) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_rounded(v, digits) for v in obj]
+    if isinstance(obj, float) and obj == obj and abs(obj) != float("inf"):
+        return float(f"{obj:.{digits}g}")
+    return obj
 
 
 def _layer_index(name: str) -> int:
