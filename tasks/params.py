@@ -238,13 +238,17 @@ class QuantizeParams(_Section):
         "sensitivity", description="load of a dense layer in the allocation: 1, its calibration inputs' mean energy, or "
         "the mean squared gradient of the task loss at its output")
     adapter_dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="adapters on disk")
+    embeddings: str | None = Field("word_embeddings", min_length=1, description="regex on the encoder's "
+                                   "nn.Embedding names to store in MXFP4 too; null = embeddings stay float32")
     calibration_per_task: int = Field(64, ge=1, description="reference texts per task used as calibration data")
     eval_limit: int | None = Field(200, ge=1, description="test items scored per task (first N); null = all")
     eval_batch_size: int = Field(64, ge=1, le=4096)
 
-    @field_validator("modules")
+    @field_validator("modules", "embeddings")
     @classmethod
-    def _regex(cls, pattern: str) -> str:
+    def _regex(cls, pattern: str | None) -> str | None:
+        if pattern is None:
+            return pattern
         try:
             re.compile(pattern)
         except re.error as exc:

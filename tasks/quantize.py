@@ -20,7 +20,8 @@ first `quantize.calibration_per_task` rows per task) and data/<task>/test.parque
 
 Outputs (all published together) under models/quantize/:
 - model.safetensors: the quantized encoder (packed MXFP4 codes and E8M0 scales, adapters, biases;
-  the other tensors, embeddings and LayerNorms, in float32); `load_quantized_encoder` rebuilds it
+  the other tensors in float32: LayerNorms, and the embeddings unless `quantize.embeddings` puts
+  them in MXFP4 too); `load_quantized_encoder` rebuilds it
   without the float weights;
 - heads.safetensors: the merge stage's task heads, unchanged;
 - config.json: base model, quantized layers with their ranks, mode, scaling, allocation, classes,
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -196,7 +198,7 @@ def _run(params: Params, root: Path, log) -> dict:
     from tqdm.auto import tqdm
 
     from crucible.quant import CompensationPlan, quantize_model, save_quantized, select_linears
-    from crucible.quant.linear import mx_layers
+    from crucible.quant.linear import MXEmbedding, mx_layers, quantize_embeddings
     from tasks.scoring import Scorer
 
     cfg = params.quantize
@@ -225,6 +227,11 @@ def _run(params: Params, root: Path, log) -> dict:
     except ValueError as exc:
         raise ValueError(f"quantize.modules: {exc}") from None
 
+    if cfg.embeddings:
+        embs = [n for n, m in float_encoder.named_modules() if isinstance(m, torch.nn.Embedding)]
+        if not any(re.search(cfg.embeddings, n) for n in embs):
+            raise ValueError(f"quantize.embeddings: embedding regex '{cfg.embeddings}' matches no nn.Embedding of the "
+                             f"model; its embeddings are: {', '.join(embs)}")
     total_rank = sum(min(m.weight.shape) for m in linears.values())
     if cfg.rank_budget > total_rank:
         raise ValueError(f"quantize.rank_budget = {cfg.rank_budget} exceeds the total rank {total_rank} of the "
@@ -241,6 +248,11 @@ def _run(params: Params, root: Path, log) -> dict:
     def quantized(r: dict) -> torch.nn.Module:
         enc = copy.deepcopy(float_encoder)
         quantize_model(enc, cfg.modules, cfg.mode, plan.adapters(r), cfg.adapter_dtype)
+        if cfg.embeddings:
+            try:
+                quantize_embeddings(enc, cfg.embeddings, cfg.mode)
+            except ValueError as exc:
+                raise ValueError(f"quantize.embeddings: {exc}") from None
         return enc
 
     accuracy: dict[str, dict[str, float]] = {}
@@ -259,6 +271,7 @@ def _run(params: Params, root: Path, log) -> dict:
     layer_bytes = [m.nbytes() for m in mx_layers(main).values()]
     mx_bytes = sum(b["packed"] + b["scales"] for b in layer_bytes)
     adapter_bytes = sum(b["adapter"] for b in layer_bytes)
+    emb_bytes = sum(m.nbytes() for m in main.modules() if isinstance(m, MXEmbedding))
     data = save_quantized(main, metadata={"base_model": params.embed.model, "method": "mxfp4",
                                           "order": json.dumps(order)})
     float_bytes = merged["paths"]["model.safetensors"].stat().st_size
@@ -275,6 +288,7 @@ def _run(params: Params, root: Path, log) -> dict:
         "quantized_matrices_mb": {"float32": 4 * n_weights / 2**20, "mxfp4": mx_bytes / 2**20,
                                   "adapters": adapter_bytes / 2**20},
         "model_mb": {"float": float_bytes / 2**20, "quantized": len(data) / 2**20},
+        "embeddings_mxfp4_mb": emb_bytes / 2**20,
         "accuracy": accuracy, "mean_accuracy": mean,
         "accuracy_lost_by_mxfp4": lost,
         "recovered_share": {a: (mean[f"mxfp4_{a}"] - mean["mxfp4"]) / lost if lost > 0 else None
@@ -293,7 +307,8 @@ def _run(params: Params, root: Path, log) -> dict:
                  for n, l in plan.layers.items()]
     rank_rows = _rounded(rank_rows)
     acc_rows = [{"variant": v, "task": t, "accuracy": a} for v, accs in accuracy.items() for t, a in accs.items()]
-    config = {"base_model": params.embed.model, "order": order, "modules": cfg.modules, "mode": cfg.mode,
+    config = {"base_model": params.embed.model, "order": order, "modules": cfg.modules, "embeddings": cfg.embeddings,
+              "mode": cfg.mode,
               "scaling": cfg.scaling, "allocation": cfg.allocation, "load": cfg.load, "rank_budget": cfg.rank_budget,
               "adapter_dtype": cfg.adapter_dtype, "ranks": chosen, "classes": merged["classes"],
               "max_length": merged["max_length"], "merged_from": merged["config"].get("main")}
@@ -330,8 +345,6 @@ def _rounded(obj, digits: int = 6):
 
 
 def _layer_index(name: str) -> int:
-    import re
-
     m = re.search(r"\.(\d+)\.", name)
     return int(m.group(1)) if m else -1
 

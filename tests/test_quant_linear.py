@@ -229,3 +229,31 @@ def test_output_sensitivity_closed_form_and_no_side_effects():
     plan = CompensationPlan.build({"a": nn.Linear(32, 4), "b": nn.Linear(32, 4)}, None, scaling="plain",
                                   load="sensitivity", sensitivity={"a": 2.0, "b": 0.5})
     assert plan.layers["a"].load == 2.0 and plan.layers["b"].load == 0.5
+
+
+def test_mx_embeddings_dequantize_looked_up_rows_and_round_trip(tmp_path):
+    from crucible.quant.linear import MXEmbedding, quantize_embeddings
+
+    model = tiny_bert()
+    ids, mask = batch()
+    table = model.embeddings.word_embeddings.weight.detach().clone()
+    with pytest.raises(ValueError, match="matches no nn.Embedding.*word_embeddings"):
+        quantize_embeddings(model, r"^decoder")
+    quantize_model(model, PATTERN)
+    layers = quantize_embeddings(model, r"word_embeddings")
+    emb = layers["embeddings.word_embeddings"]
+    assert isinstance(model.embeddings.word_embeddings, MXEmbedding) and emb.padding_idx == 0
+    assert torch.equal(emb(ids), dequantize(quantize(table))[ids])
+    assert emb.nbytes() * 8 / table.numel() == 4.25
+    out = hidden(model, ids, mask)
+    path = tmp_path / "q.safetensors"
+    save_quantized(model, path)
+    loaded = load_quantized(path, tiny_bert(seed=5))
+    assert isinstance(loaded.embeddings.word_embeddings, MXEmbedding)
+    assert torch.equal(hidden(loaded, ids, mask), out)
+    from transformers import BertConfig, BertModel
+
+    other = BertModel(BertConfig(vocab_size=60, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                 intermediate_size=128, max_position_embeddings=32))
+    with pytest.raises(ValueError, match=r"embedding 'embeddings.word_embeddings' is 50 x 64 in the file"):
+        load_quantized(path, other)

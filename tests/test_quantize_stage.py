@@ -82,7 +82,8 @@ def test_outputs_and_metrics(quantized_project):
     assert m["matrices"] == 36 and m["bits_per_weight"] == pytest.approx(4.25)
     assert 4.25 < m["bits_per_weight_all_in"] < 5.0
     assert sum(m["ranks"].values()) == 72
-    assert m["model_mb"]["quantized"] < 0.65 * m["model_mb"]["float"]
+    # the word embeddings are in MXFP4 too (quantize.embeddings): the file is under a fifth of the float one
+    assert m["model_mb"]["quantized"] < 0.2 * m["model_mb"]["float"] and m["embeddings_mxfp4_mb"] > 5
     assert set(m["accuracy"]) == {"float", "mxfp4", "mxfp4_uniform", "mxfp4_load_aware"}
     assert set(m["accuracy"]["float"]) == set(TASKS)
     we = m["weighted_error"]
@@ -130,6 +131,8 @@ def test_same_inputs_give_the_same_model(quantized_project, tmp_path_factory, pr
 @pytest.mark.parametrize("setting, message", [
     ({"rank_budget": 100000}, r"quantize.rank_budget = 100000 exceeds the total rank 13824 of the 36 matrices"),
     ({"modules": r"decoder\."}, r"quantize.modules: module regex 'decoder\\.' matches no nn.Linear"),
+    ({"embeddings": "token_embed"}, r"quantize.embeddings: embedding regex 'token_embed' matches no nn.Embedding.*"
+                                    r"word_embeddings"),
 ])
 def test_bad_params_stop_and_leave_earlier_outputs(quantized_project, setting, message):
     root, _ = quantized_project

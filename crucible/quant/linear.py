@@ -126,6 +126,59 @@ class MXLinear(nn.Module):
                 f"rank={self.rank}, bias={self.bias is not None}")
 
 
+class MXEmbedding(nn.Module):
+    """nn.Embedding with an MXFP4 table: each looked-up row is dequantized on the fly (blocks of 32
+    along the embedding dimension), so the float table is never materialised."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, packed: torch.Tensor, scales: torch.Tensor,
+                 padding_idx: int | None = None, mode: str = "floor"):
+        super().__init__()
+        mxfp4.check_packed(packed, scales, (num_embeddings, embedding_dim), where="MXEmbedding")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padding_idx, self.mode = padding_idx, mode
+        self.register_buffer("packed", packed.contiguous())
+        self.register_buffer("scales", scales.contiguous())
+
+    @classmethod
+    def from_embedding(cls, emb: nn.Embedding, mode: str = "floor", name: str = "embedding") -> "MXEmbedding":
+        w = emb.weight.detach()
+        if not torch.isfinite(w).all():
+            bad = (~torch.isfinite(w)).nonzero()[0].tolist()
+            raise ValueError(f"{name}.weight: non-finite value {w[tuple(bad)].item()} at {bad}; cannot quantize")
+        if w.shape[1] % mxfp4.BLOCK:
+            raise ValueError(f"{name}.weight: embedding_dim = {w.shape[1]} is not a multiple of {mxfp4.BLOCK}")
+        q = mxfp4.quantize(w, mode=mode)
+        return cls(w.shape[0], w.shape[1], q.packed, q.scales, emb.padding_idx, mode)
+
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scales.numel()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        q = mxfp4.MXFP4Tensor(self.packed[ids], self.scales[ids], (*ids.shape, self.embedding_dim), self.mode)
+        return mxfp4.dequantize(q)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, mode={self.mode}"
+
+
+def quantize_embeddings(model: nn.Module, pattern: str, mode: str = "floor") -> dict[str, MXEmbedding]:
+    """Replace, in place, every nn.Embedding whose name matches `pattern` (re.search) by an
+    MXEmbedding; all-or-nothing like quantize_model. ValueError for a regex matching none."""
+    try:
+        rx = re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(f"invalid embedding regex '{pattern}': {exc}") from None
+    embs = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
+    chosen = {n: m for n, m in embs.items() if rx.search(n)}
+    if not chosen:
+        raise ValueError(f"embedding regex '{pattern}' matches no nn.Embedding of the model; its embeddings are: "
+                         f"{', '.join(embs) or 'none'}")
+    built = {n: MXEmbedding.from_embedding(m, mode, name=n) for n, m in chosen.items()}
+    for n, layer in built.items():
+        _set_module(model, n, layer)
+    return built
+
+
 def _triton_ok() -> bool:
     try:
         from crucible.quant import triton_kernels
@@ -200,6 +253,11 @@ def quantized_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[s
     for name, m in layers.items():
         info[name] = {"in": m.in_features, "out": m.out_features, "mode": m.mode, "rank": m.rank}
     meta = {"crucible.mx": json.dumps(info, sort_keys=True), "crucible.adapter_dtype": next(iter(layers.values())).adapter_dtype}
+    embs = {n: m for n, m in model.named_modules() if isinstance(m, MXEmbedding)}
+    if embs:
+        meta["crucible.mx_embeddings"] = json.dumps(
+            {n: {"num": m.num_embeddings, "dim": m.embedding_dim, "mode": m.mode, "padding_idx": m.padding_idx}
+             for n, m in embs.items()}, sort_keys=True)
     return tensors, meta
 
 
@@ -233,6 +291,22 @@ def load_quantized(path: Path | str, skeleton: nn.Module) -> nn.Module:
     info = json.loads(meta["crucible.mx"])
     adapter_dtype = meta.get("crucible.adapter_dtype", "bfloat16")
     layers = {}
+    for name, spec in json.loads(meta.get("crucible.mx_embeddings", "{}")).items():
+        try:
+            old = skeleton.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"{path}: quantized embedding {name!r} does not exist in the model architecture") from None
+        if not isinstance(old, nn.Embedding) or (old.num_embeddings, old.embedding_dim) != (spec["num"], spec["dim"]):
+            raise ValueError(f"{path}: embedding {name!r} is {spec['num']} x {spec['dim']} in the file but "
+                             f"{type(old).__name__} {tuple(getattr(old, 'weight', torch.empty(0)).shape)} in the architecture")
+        for leaf in ("packed", "scales"):
+            if f"{name}.{leaf}" not in tensors:
+                raise ValueError(f"{path}: tensor '{name}.{leaf}' is missing")
+        try:
+            layers[name] = MXEmbedding(spec["num"], spec["dim"], tensors.pop(f"{name}.packed"),
+                                       tensors.pop(f"{name}.scales"), spec["padding_idx"], spec["mode"])
+        except ValueError as exc:
+            raise ValueError(f"{path}: embedding {name!r}: {exc}") from None
     for name, spec in info.items():
         try:
             old = skeleton.get_submodule(name)
