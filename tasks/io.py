@@ -56,6 +56,18 @@ def read_stage_output(path: Path | str, what: str, columns, stage: str) -> pd.Da
     return df
 
 
+def figure_png(fig, dpi: int = 110) -> bytes:
+    """A matplotlib figure as PNG bytes (for AtomicOutputs.bytes); closes the figure."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    plt.close(fig)
+    return buf.getvalue()
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

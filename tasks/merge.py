@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from tasks.io import AtomicOutputs, read_table
+from tasks.io import AtomicOutputs, figure_png, read_table
 from tasks.models import resolve_model
 from tasks.params import Params
 from tasks.scoring import Scorer, read_task_model
@@ -318,8 +318,6 @@ def _json_safe(obj):
 def plot_accuracy(rows: list[dict], order: list[str], summary: dict) -> bytes:
     """PNG: one panel per task (accuracy after each arrival, a line per method; fine-tune dashed, base
     dotted), and a panel of the average over the arrived tasks."""
-    import io
-
     import matplotlib
 
     matplotlib.use("Agg")
@@ -365,10 +363,7 @@ def plot_accuracy(rows: list[dict], order: list[str], summary: dict) -> bytes:
         extra.axis("off")
     (spare[0] if spare else ax).legend(handles, labels, fontsize=8, loc="center" if spare else "best")
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    return buf.getvalue()
+    return figure_png(fig)
 
 
 if __name__ == "__main__":

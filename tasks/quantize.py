@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from tasks.io import AtomicOutputs, read_table
+from tasks.io import AtomicOutputs, figure_png, read_table
 from tasks.models import resolve_model
 from tasks.params import Params
 
@@ -198,7 +198,7 @@ def _run(params: Params, root: Path, log) -> dict:
     from tqdm.auto import tqdm
 
     from crucible.quant import CompensationPlan, quantize_model, save_quantized, select_linears
-    from crucible.quant.linear import MXEmbedding, mx_layers, quantize_embeddings
+    from crucible.quant.linear import MXEmbedding, mx_layers, quantize_embeddings, select_modules
     from tasks.scoring import Scorer
 
     cfg = params.quantize
@@ -228,10 +228,10 @@ def _run(params: Params, root: Path, log) -> dict:
         raise ValueError(f"quantize.modules: {exc}") from None
 
     if cfg.embeddings:
-        embs = [n for n, m in float_encoder.named_modules() if isinstance(m, torch.nn.Embedding)]
-        if not any(re.search(cfg.embeddings, n) for n in embs):
-            raise ValueError(f"quantize.embeddings: embedding regex '{cfg.embeddings}' matches no nn.Embedding of the "
-                             f"model; its embeddings are: {', '.join(embs)}")
+        try:
+            select_modules(float_encoder, cfg.embeddings, torch.nn.Embedding, "embedding")
+        except ValueError as exc:
+            raise ValueError(f"quantize.embeddings: {exc}") from None
     total_rank = sum(min(m.weight.shape) for m in linears.values())
     if cfg.rank_budget > total_rank:
         raise ValueError(f"quantize.rank_budget = {cfg.rank_budget} exceeds the total rank {total_rank} of the "
@@ -358,8 +358,6 @@ def _energy_kept(spectrum, r: int) -> float:
 def plot_quantize(rank_rows: list[dict], accuracy: dict, order: list[str]) -> bytes:
     """PNG: the rank of every matrix (uniform vs load-aware), and each variant's accuracy change
     against the float model per task."""
-    import io
-
     import matplotlib
 
     matplotlib.use("Agg")
@@ -389,10 +387,7 @@ def plot_quantize(rank_rows: list[dict], accuracy: dict, order: list[str]) -> by
     ax2.set_title("accuracy change against the float merged model", fontsize=10)
     ax2.legend(fontsize=7)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    return buf.getvalue()
+    return figure_png(fig)
 
 
 if __name__ == "__main__":

@@ -164,15 +164,7 @@ class MXEmbedding(nn.Module):
 def quantize_embeddings(model: nn.Module, pattern: str, mode: str = "floor") -> dict[str, MXEmbedding]:
     """Replace, in place, every nn.Embedding whose name matches `pattern` (re.search) by an
     MXEmbedding; all-or-nothing like quantize_model. ValueError for a regex matching none."""
-    try:
-        rx = re.compile(pattern)
-    except re.error as exc:
-        raise ValueError(f"invalid embedding regex '{pattern}': {exc}") from None
-    embs = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
-    chosen = {n: m for n, m in embs.items() if rx.search(n)}
-    if not chosen:
-        raise ValueError(f"embedding regex '{pattern}' matches no nn.Embedding of the model; its embeddings are: "
-                         f"{', '.join(embs) or 'none'}")
+    chosen = select_modules(model, pattern, nn.Embedding, "embedding")
     built = {n: MXEmbedding.from_embedding(m, mode, name=n) for n, m in chosen.items()}
     for n, layer in built.items():
         _set_module(model, n, layer)
@@ -187,20 +179,25 @@ def _triton_ok() -> bool:
     return triton_kernels.available()
 
 
-def select_linears(model: nn.Module, pattern: str) -> dict[str, nn.Linear]:
-    """The nn.Linear modules whose qualified name matches `pattern` (re.search), in module order.
-    Raises ValueError for an invalid regex or one that matches no nn.Linear (listing some names)."""
+def select_modules(model: nn.Module, pattern: str, kind: type = nn.Linear, what: str = "module") -> dict:
+    """The `kind` modules whose qualified name matches `pattern` (re.search), in module order.
+    Raises ValueError for an invalid regex or one that matches none (listing some names)."""
     try:
         rx = re.compile(pattern)
     except re.error as exc:
-        raise ValueError(f"invalid module regex '{pattern}': {exc}") from None
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    chosen = {n: m for n, m in linears.items() if rx.search(n)}
+        raise ValueError(f"invalid {what} regex '{pattern}': {exc}") from None
+    found = {n: m for n, m in model.named_modules() if isinstance(m, kind)}
+    chosen = {n: m for n, m in found.items() if rx.search(n)}
     if not chosen:
-        some = ", ".join(list(linears)[:6]) or "none"
-        raise ValueError(f"module regex '{pattern}' matches no nn.Linear of the model; its linear layers are: "
-                         f"{some}{', ...' if len(linears) > 6 else ''}")
+        some = ", ".join(list(found)[:6]) or "none"
+        raise ValueError(f"{what} regex '{pattern}' matches no nn.{kind.__name__} of the model; its "
+                         f"{kind.__name__} modules are: {some}{', ...' if len(found) > 6 else ''}")
     return chosen
+
+
+def select_linears(model: nn.Module, pattern: str) -> dict[str, nn.Linear]:
+    """The nn.Linear modules whose name matches `pattern` (select_modules)."""
+    return select_modules(model, pattern, nn.Linear, "module")
 
 
 def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
