@@ -12,7 +12,8 @@ each arriving task, load theta_t, turn it into its task vector in place, `merger
 it, then build the merged weights. Recorded per arrival: seconds in add and in merged(), the peak
 RSS above the RSS with theta_0 loaded (sampled every 5 ms over load + add + merged, saving
 excluded), the bytes of the merger's state, and the rank held per matrix (GS3R). When
-`merge.evaluate`, the parent then scores each arrival's merged model on every task arrived so far,
+`merge.evaluate`, the parent then scores each arrival's merged model on every task arrived so far
+(keeping its features for the evaluate stage),
 each task with its own head (heads are kept per task, never merged), beside the base model and
 each task's own fine-tune; crucible.continual turns the accuracy matrix into average accuracy,
 accuracy normalised by the fine-tunes, and backward transfer.
@@ -21,6 +22,10 @@ Outputs (all published together) under models/merge/:
 - model.safetensors: the `merge.main` method's final merged encoder (the base model's keys);
 - heads.safetensors: `<task>.weight`, `<task>.bias` per task; metadata `classes` (JSON per task);
 - config.json: order, methods and their arguments, main, base model, classes and max_length per task;
+- features.safetensors: the frozen features (what the heads see) of the base encoder, each fine-tune
+  and every method's merged model after every arrival, on each arrived task's test rows and probe
+  rows (`evaluate.probe_rows`), for the evaluate stage (tasks.scoring.FeatureStore; empty of
+  variants when `merge.evaluate` is off);
 - merge.json: metrics (main method at top level, every method under `methods`);
 - accuracy.csv: method, arrival, task, accuracy (long format, for `dvc plots`), incl. base/finetuned;
 - ranks.csv: method, arrival, param, rank, budget (methods that hold a low-rank state);
@@ -40,10 +45,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from tasks.io import AtomicOutputs, figure_png, read_table
+from tasks.io import AtomicOutputs, figure_png
 from tasks.models import resolve_model
 from tasks.params import Params
-from tasks.scoring import Scorer, read_task_model
+from tasks.scoring import FeatureStore, Scorer, read_probe_rows, read_task_model, read_tests
 
 OUT = Path("models") / "merge"
 
@@ -53,12 +58,14 @@ def inputs(params: Params, task: str | None = None) -> list[Path]:
     for t in params.merge_order():
         base = Path("data") / t
         out += [base / "finetune" / "model.safetensors", base / "finetune" / "head.safetensors",
-                base / "finetune" / "config.json", base / "test.parquet"]
+                base / "finetune" / "config.json", base / "test.parquet",
+                base / ("reference.parquet" if params.evaluate.probe_rows == "reference" else "labeled.parquet")]
     return out
 
 
 def outputs(params: Params, task: str | None = None) -> list[Path]:
-    return [OUT / name for name in ("model.safetensors", "heads.safetensors", "config.json", "merge.json",
+    return [OUT / name for name in ("model.safetensors", "heads.safetensors", "config.json", "features.safetensors",
+                                    "merge.json",
                                     "accuracy.csv", "ranks.csv", "accuracy.png")]
 
 
@@ -175,17 +182,19 @@ def run_method(method: str, kwargs: dict, theta0: Path, models: list[Path], out_
 
 
 def merge_method(method: str, kwargs: dict, theta0_file: Path, specs: list[dict], out_dir: Path,
-                 scorer: Scorer | None, finetuned: dict[str, float], threads: int) -> tuple[dict, list, list]:
+                 store: FeatureStore | None, finetuned: dict[str, float], threads: int) -> tuple[dict, list, list]:
     """One method over the sequence `specs` (arrival order): its worker's time/memory records and, with
-    a scorer, the accuracy matrix R[j, i] (task i after arrival j, i <= j) and its summaries.
-    Returns (summary entry, accuracy rows, rank rows); the merged weights stay in `out_dir`."""
+    a feature store, the accuracy matrix R[j, i] (task i after arrival j, i <= j) and its summaries;
+    the features of every arrival's merged model on the arrived tasks go into the store (variant
+    `<method>@<j>`). Returns (summary entry, accuracy rows, rank rows); the merged weights stay in
+    `out_dir`."""
     from safetensors.torch import load_file
 
     from crucible.continual import accuracy_curve, average_accuracy, backward_transfer, normalised_accuracy
 
     order = [s["task"] for s in specs]
     result = run_method(method, kwargs, theta0_file, [s["model"] for s in specs], out_dir,
-                        "each" if scorer is not None else "final", threads)
+                        "each" if store is not None else "final", threads)
     recs = result["records"]
     ranks = [{"method": method, **r} for r in result["ranks"]]
     entry = {"merge_seconds": sum(r["add_seconds"] + r["merged_seconds"] for r in recs),
@@ -199,12 +208,13 @@ def merge_method(method: str, kwargs: dict, theta0_file: Path, specs: list[dict]
         entry["rank_mean"] = float(np.mean([r["rank"] for r in last]))
         entry["rank_max"] = int(max(r["rank"] for r in last))
     rows = []
-    if scorer is not None:
+    if store is not None:
         R = np.full((len(specs), len(specs)), np.nan)
         for j in range(len(specs)):
-            scorer.load(load_file(str(out_dir / f"{j}.safetensors")))
+            store.scorer.load(load_file(str(out_dir / f"{j}.safetensors")))
+            acc = store.add(f"{method}@{j}", "merge", method, j, order[:j + 1])
             for i in range(j + 1):
-                R[j, i] = scorer.accuracy(order[i])
+                R[j, i] = acc[order[i]]
                 rows.append({"method": method, "arrival": j, "task": order[i], "accuracy": R[j, i]})
         entry.update({"avg_accuracy": average_accuracy(R),
                       "normalised_accuracy": normalised_accuracy(R, [finetuned[t] for t in order]),
@@ -213,17 +223,20 @@ def merge_method(method: str, kwargs: dict, theta0_file: Path, specs: list[dict]
     return entry, rows, ranks
 
 
-def reference_accuracy(scorer: Scorer, specs: list[dict]) -> tuple[dict, dict]:
-    """(base model accuracy, own fine-tune accuracy) per task."""
+def reference_accuracy(store: FeatureStore, specs: list[dict]) -> tuple[dict, dict]:
+    """(base model accuracy, own fine-tune accuracy) per task. Into the store go the base encoder's
+    features on every task (variant `base`) and each fine-tune's on the tasks arrived up to it
+    (variant `finetune:<task>`, for evaluate's swap-in-the-latest-fine-tune baseline)."""
     from safetensors.torch import load_file
 
-    base, finetuned = {}, {}
-    for spec in specs:
+    order = [s["task"] for s in specs]
+    store.scorer.load(store.scorer.theta_0)
+    base = store.add("base", "base", "base", -1, order)
+    finetuned = {}
+    for j, spec in enumerate(specs):
         t = spec["task"]
-        scorer.load(scorer.theta_0)
-        base[t] = scorer.accuracy(t)
-        scorer.load(load_file(str(spec["model"])))
-        finetuned[t] = scorer.accuracy(t)
+        store.scorer.load(load_file(str(spec["model"])))
+        finetuned[t] = store.add(f"finetune:{t}", "finetune", "finetune", j, order[:j + 1])[t]
     return base, finetuned
 
 
@@ -242,12 +255,11 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     root = Path(root)
     order = params.merge_order()
     specs = [read_task_model(root, t, params.embed.model) for t in order]
-    tests = {}
-    for t in order:
-        test = read_table(root / "data" / t / "test.parquet", "test")
-        tests[t] = test.head(cfg.eval_limit) if cfg.eval_limit else test
+    tests = read_tests(root, params, cfg.eval_limit)
     model_path = resolve_model(params.embed.model)
-    scorer = Scorer(model_path, specs, tests, cfg.eval_batch_size)
+    scorer = Scorer(model_path, specs, tests, cfg.eval_batch_size,
+                    probes=read_probe_rows(root, params) if cfg.evaluate else None)
+    store = FeatureStore(scorer)
     threads = torch.get_num_threads()
 
     rows: list[dict] = []    # accuracy.csv
@@ -259,12 +271,12 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
         theta0_file = tmp / "theta0.safetensors"
         save_file({k: v.contiguous() for k, v in scorer.theta_0.items()}, str(theta0_file))
         if cfg.evaluate:
-            base_acc, finetuned = reference_accuracy(scorer, specs)
+            base_acc, finetuned = reference_accuracy(store, specs)
             rows += [{"method": ref, "arrival": None, "task": t, "accuracy": acc[t]}
                      for t in order for ref, acc in (("base", base_acc), ("finetuned", finetuned))]
         for method, kwargs in tqdm(cfg.methods.items(), desc="merge: methods", total=len(cfg.methods)):
             entry, method_rows, method_ranks = merge_method(method, kwargs or {}, theta0_file, specs, tmp / method,
-                                                            scorer if cfg.evaluate else None, finetuned, threads)
+                                                            store if cfg.evaluate else None, finetuned, threads)
             summary[method] = entry
             rows += method_rows
             ranks += method_ranks
@@ -287,6 +299,7 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
                      out / "model.safetensors")
         atomic.bytes(safetensors_bytes(heads, {"classes": json.dumps(config["classes"])}), out / "heads.safetensors")
         atomic.json(config, out / "config.json")
+        atomic.bytes(store.to_bytes(), out / "features.safetensors")
         atomic.json(metrics, out / "merge.json")
         atomic.bytes(pd.DataFrame(rows, columns=["method", "arrival", "task", "accuracy"]).to_csv(index=False).encode(),
                      out / "accuracy.csv")

@@ -26,6 +26,8 @@ Outputs (all published together) under models/quantize/:
 - heads.safetensors: the merge stage's task heads, unchanged;
 - config.json: base model, quantized layers with their ranks, mode, scaling, allocation, classes,
   max_length per task;
+- features.safetensors: the frozen features of the three MXFP4 variants on every task's test and
+  probe rows (`evaluate.probe_rows`), for the evaluate stage (tasks.scoring.FeatureStore);
 - quantize.json: sizes and bits per weight, accuracy per task of every variant, the share of the
   MXFP4 loss the compensation recovers, weighted compression errors, ranks (a DVC metric);
 - ranks.csv: per matrix its shape, load, uniform and load-aware rank, spectrum energy kept;
@@ -57,11 +59,14 @@ def inputs(params: Params, task: str | None = None) -> list[Path]:
     out = [MERGE / n for n in ("model.safetensors", "heads.safetensors", "config.json")]
     for t in params.merge_order():
         out += [Path("data") / t / "reference.parquet", Path("data") / t / "test.parquet"]
+        if params.evaluate.probe_rows == "labeled":
+            out.append(Path("data") / t / "labeled.parquet")
     return out
 
 
 def outputs(params: Params, task: str | None = None) -> list[Path]:
-    return [OUT / n for n in ("model.safetensors", "heads.safetensors", "config.json", "quantize.json",
+    return [OUT / n for n in ("model.safetensors", "heads.safetensors", "config.json", "features.safetensors",
+                              "quantize.json",
                               "ranks.csv", "accuracy.csv", "quantize.png")]
 
 
@@ -178,9 +183,11 @@ def calibrate(scorer, linears: dict, batches: list[tuple], sensitivity: bool) ->
     if not sensitivity:
         return stats, None
 
+    from crucible.embed import mean_pool
+
     def loss(m, b):
-        logits = scorer.models[b[2]](b[0], b[1])
-        return torch.nn.functional.cross_entropy(logits, b[3])
+        pooled = mean_pool(m(input_ids=b[0], attention_mask=b[1]).last_hidden_state, b[1])
+        return torch.nn.functional.cross_entropy(scorer.head_logits(b[2], pooled), b[3])
 
     return stats, collect_output_sensitivity(encoder, linears, batches, loss, masks=lambda b: b[1])
 
@@ -199,7 +206,7 @@ def _run(params: Params, root: Path, log) -> dict:
 
     from crucible.quant import CompensationPlan, quantize_model, save_quantized, select_linears
     from crucible.quant.linear import MXEmbedding, mx_layers, quantize_embeddings, select_modules
-    from tasks.scoring import Scorer
+    from tasks.scoring import FeatureStore, Scorer, read_probe_rows, read_tests
 
     cfg = params.quantize
     root = Path(root)
@@ -211,11 +218,10 @@ def _run(params: Params, root: Path, log) -> dict:
                          f"{_rebuild_hint()}")
     specs = [{"task": t, "head": merged["heads"][t], "classes": merged["classes"][t],
               "max_length": int(merged["max_length"].get(t, 64))} for t in order]
-    tests = {}
-    for t in order:
-        test = read_table(root / "data" / t / "test.parquet", "test")
-        tests[t] = test.head(cfg.eval_limit) if cfg.eval_limit else test
-    scorer = Scorer(resolve_model(params.embed.model), specs, tests, cfg.eval_batch_size)
+    tests = read_tests(root, params, cfg.eval_limit)
+    scorer = Scorer(resolve_model(params.embed.model), specs, tests, cfg.eval_batch_size,
+                    probes=read_probe_rows(root, params))
+    store = FeatureStore(scorer)
     try:
         scorer.load(merged["state"])
     except RuntimeError as exc:
@@ -261,7 +267,10 @@ def _run(params: Params, root: Path, log) -> dict:
                             ("mxfp4_load_aware", ranks["load_aware"])], desc="quantize: scoring"):
         enc = float_encoder if r is None else quantized(r)
         scorer.use_encoder(enc)
-        accuracy[variant] = {t: scorer.accuracy(t) for t in order}
+        if r is None:  # the merge stage keeps the float model's features
+            accuracy[variant] = {t: scorer.accuracy(t) for t in order}
+        else:
+            accuracy[variant] = store.add(f"quantize:{variant}", "quantize", variant, -1, order)
         models[variant] = enc
     main = models[f"mxfp4_{cfg.allocation}"]
     chosen = ranks[cfg.allocation]
@@ -317,6 +326,7 @@ def _run(params: Params, root: Path, log) -> dict:
         atomic.bytes(data, out / "model.safetensors")
         atomic.bytes(merged["paths"]["heads.safetensors"].read_bytes(), out / "heads.safetensors")
         atomic.json(config, out / "config.json")
+        atomic.bytes(store.to_bytes(), out / "features.safetensors")
         atomic.json(metrics, out / "quantize.json")
         atomic.bytes(pd.DataFrame(rank_rows).to_csv(index=False).encode(), out / "ranks.csv")
         atomic.bytes(pd.DataFrame(acc_rows, columns=["variant", "task", "accuracy"]).to_csv(index=False).encode(),

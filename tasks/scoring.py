@@ -38,36 +38,45 @@ def read_task_model(root: Path, task: str, base_model: str) -> dict:
 
 
 class Scorer:
-    """Accuracy of encoder weights on each task's test split, with the task's own head."""
+    """Each task's test split (and optionally its probe rows) tokenised once; any encoder weights, or
+    any encoder module of the same architecture, scored on them with the task's own head, and their
+    frozen features (masked mean pooling, what the head sees) kept for the evaluate stage.
 
-    def __init__(self, model_path: str, tasks: list[dict], tests: dict[str, pd.DataFrame], batch_size: int):
+    probes: task -> DataFrame(text, label) of the rows a fresh probe is fitted on (evaluate)."""
+
+    def __init__(self, model_path: str, tasks: list[dict], tests: dict[str, pd.DataFrame], batch_size: int,
+                 probes: dict[str, pd.DataFrame] | None = None):
         import torch
 
         from crucible.embed import load_encoder
-        from crucible.train import EncoderClassifier, tokenize
+        from crucible.train import tokenize
 
         self.encoder, tokenizer = load_encoder(model_path)
+        self.encoder.eval()
         self.tokenizer = tokenizer
         self.theta_0 = {k: v.detach().clone() for k, v in self.encoder.state_dict().items()}
         self.pad_id = tokenizer.pad_token_id or 0
         self.batch_size = batch_size
-        self.models, self.data = {}, {}
+        self.heads, self.classes, self.data = {}, {}, {}
+        splits = {"test": tests, **({"probe": probes} if probes is not None else {})}
         for spec in tasks:
             t = spec["task"]
-            model = EncoderClassifier(self.encoder, len(spec["classes"]), dropout=0.0)
-            with torch.no_grad():
-                model.head.weight.copy_(spec["head"]["weight"])
-                model.head.bias.copy_(spec["head"]["bias"])
-            model.eval()
+            self.heads[t] = (spec["head"]["weight"].float(), spec["head"]["bias"].float())
+            self.classes[t] = list(spec["classes"])
             index = {c: i for i, c in enumerate(spec["classes"])}
-            test = tests[t]
-            unknown = sorted(set(test["label"]) - set(index))
-            if unknown:
-                raise ValueError(f"data/{t}/test.parquet: column 'label' has {unknown[:3]}, not among the head's "
-                                 f"classes {spec['classes']}")
-            ids = tokenize(tokenizer, test["text"].tolist(), spec["max_length"])
-            self.models[t] = model
-            self.data[t] = (ids, torch.tensor(test["label"].map(index).to_numpy(), dtype=torch.long))
+            for split, frames in splits.items():
+                df = frames[t]
+                unknown = sorted(set(df["label"]) - set(index))
+                if unknown:
+                    source = "test.parquet" if split == "test" else "probe rows"
+                    raise ValueError(f"data/{t}/{source}: column 'label' has {unknown[:3]}, not among the head's "
+                                     f"classes {spec['classes']}")
+                ids = tokenize(tokenizer, df["text"].tolist(), spec["max_length"])
+                self.data[t, split] = (ids, torch.tensor(df["label"].map(index).to_numpy(), dtype=torch.long))
+
+    @property
+    def tasks(self) -> list[str]:
+        return list(self.heads)
 
     def load(self, state: dict) -> None:
         self.encoder.load_state_dict(state, strict=True)
@@ -75,17 +84,130 @@ class Scorer:
     def use_encoder(self, encoder) -> None:
         """Score `encoder` (e.g. a quantized copy) from now on; `load` then loads into it."""
         self.encoder = encoder
-        for model in self.models.values():
-            model.encoder = encoder
+        self.encoder.eval()
+
+    def labels(self, task: str, split: str = "test"):
+        """(n,) int64 class indices of the task's rows in `split`."""
+        return self.data[task, split][1]
+
+    def features(self, task: str, split: str = "test"):
+        """(n, hidden) float32 masked-mean-pooled features of the current encoder, in row order."""
+        import torch
+
+        from crucible.embed import mean_pool
+        from crucible.train import collate
+
+        ids, _ = self.data[task, split]
+        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # little padding per batch
+        out = torch.empty(len(ids), self.encoder.config.hidden_size)
+        with torch.inference_mode():
+            for start in range(0, len(ids), self.batch_size):
+                idx = order[start:start + self.batch_size]
+                input_ids, mask = collate([ids[i] for i in idx], self.pad_id)
+                hidden = self.encoder(input_ids=input_ids, attention_mask=mask).last_hidden_state
+                out[torch.tensor(idx)] = mean_pool(hidden, mask).float()
+        return out
+
+    def head_logits(self, task: str, features):
+        """(n, n_classes) logits of the task's head on `features`."""
+        import torch
+
+        weight, bias = self.heads[task]
+        return torch.nn.functional.linear(features, weight, bias)
 
     def logits(self, task: str):
         """(n_test, n_classes) logits of the current encoder with the task's head."""
-        from crucible.train import predict
-
-        ids, _ = self.data[task]
-        return predict(self.models[task], ids, self.batch_size, self.pad_id)
+        return self.head_logits(task, self.features(task))
 
     def accuracy(self, task: str, logits=None) -> float:
         """Test accuracy of the current encoder (or of precomputed `logits`) on the task."""
         logits = self.logits(task) if logits is None else logits
-        return float((logits.argmax(1) == self.data[task][1]).float().mean())
+        return float((logits.argmax(1) == self.labels(task)).float().mean())
+
+
+class FeatureStore:
+    """Frozen features of model variants, for the evaluate stage: the stage that runs an encoder over
+    the texts keeps what it computed, so no encoder runs twice over the same texts.
+
+    On disk (safetensors): `<variant>/<task>/<split>` (n, hidden) float32 and `labels/<task>/<split>`
+    (n,) int64; metadata `variants` (JSON list of {name, family, method, arrival}), `classes` and
+    `tasks`. Variant names: `base`, `finetune:<task>`, `<method>@<arrival>`, `quantize:<variant>`."""
+
+    def __init__(self, scorer: Scorer):
+        self.scorer = scorer
+        self.tensors: dict[str, object] = {}
+        self.variants: list[dict] = []
+        for (t, split), (_, labels) in scorer.data.items():
+            self.tensors[f"labels/{t}/{split}"] = labels
+
+    def add(self, name: str, family: str, method: str, arrival: int, tasks: list[str]) -> dict[str, float]:
+        """Features of the scorer's current encoder on `tasks` (test and, if any, probe rows) under
+        variant `name`; returns the head's test accuracy per task."""
+        acc = {}
+        for t in tasks:
+            for split in ("test", "probe"):
+                if (t, split) in self.scorer.data:
+                    self.tensors[f"{name}/{t}/{split}"] = self.scorer.features(t, split)
+            logits = self.scorer.head_logits(t, self.tensors[f"{name}/{t}/test"])
+            acc[t] = self.scorer.accuracy(t, logits)
+        self.variants.append({"name": name, "family": family, "method": method, "arrival": arrival, "tasks": list(tasks)})
+        return acc
+
+    def to_bytes(self) -> bytes:
+        from crucible.serialize import safetensors_bytes
+
+        return safetensors_bytes({k: v.contiguous() for k, v in self.tensors.items()},
+                                 {"variants": json.dumps(self.variants), "classes": json.dumps(self.scorer.classes),
+                                  "tasks": json.dumps(self.scorer.tasks)})
+
+
+def read_features(path: Path, stage: str) -> tuple[dict, dict]:
+    """(tensors, metadata with `variants`, `classes`, `tasks` decoded) of a FeatureStore file; each
+    error names the file and the stage that makes it."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: features not found; run the {stage} stage first "
+                                f"(`crucible stage {stage}` or `dvc repro {stage}`)")
+    try:
+        with safe_open(str(path), "pt") as fh:
+            meta = fh.metadata() or {}
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not a readable safetensors file ({exc}); rerun the {stage} stage") from None
+    try:
+        meta = {k: json.loads(meta[k]) for k in ("variants", "classes", "tasks")}
+    except (KeyError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: metadata lacks {exc}; expected variants, classes, tasks (rerun {stage})") from None
+    return tensors, meta
+
+
+def read_tests(root: Path, params, limit: int | None) -> dict[str, pd.DataFrame]:
+    """Each task's clean test split (first `limit` rows; all when None), in merge order."""
+    from tasks.io import read_table
+
+    tests = {}
+    for t in params.merge_order():
+        test = read_table(Path(root) / "data" / t / "test.parquet", "test")
+        tests[t] = test.head(limit) if limit else test
+    return tests
+
+
+def read_probe_rows(root: Path, params) -> dict[str, pd.DataFrame]:
+    """Per task the rows (text, label) that evaluate's fresh probe is fitted on: the clean reference,
+    or labeled.parquet (reference + audited members + selected pseudo-labels), per
+    `evaluate.probe_rows`, the first `evaluate.probe_limit` of them."""
+    from tasks.io import read_stage_output, read_table
+
+    cfg = params.evaluate
+    out = {}
+    for t in params.merge_order():
+        if cfg.probe_rows == "reference":
+            df = read_table(Path(root) / "data" / t / "reference.parquet", "reference")
+        else:
+            df = read_stage_output(Path(root) / "data" / t / "labeled.parquet", "labeled", ("text", "label"),
+                                   "pseudolabel")
+        df = df[["text", "label"]]
+        out[t] = df.head(cfg.probe_limit) if cfg.probe_limit else df
+    return out

@@ -43,6 +43,10 @@ def fake_finetunes(root, theta_0: dict, seed: int = 0) -> None:
                              "text": [" ".join(rng.choice(words, 6)) for _ in range(24)],
                              "label": [classes[i % len(classes)] for i in range(24)]})
         test.to_parquet(root / "data" / task / "test.parquet", index=False)
+        reference = pd.DataFrame({"id": [f"r{i}" for i in range(16)],
+                                  "text": [" ".join(rng.choice(words, 6)) for _ in range(16)],
+                                  "label": [classes[i % len(classes)] for i in range(16)]})
+        reference.to_parquet(root / "data" / task / "reference.parquet", index=False)
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +78,8 @@ def merged_project(tmp_path_factory, project_root, base_state):
 def test_outputs_and_metrics(merged_project):
     root, result = merged_project
     out = root / "models" / "merge"
-    for name in ("model.safetensors", "heads.safetensors", "config.json", "merge.json", "accuracy.csv",
-                 "ranks.csv", "accuracy.png"):
+    for name in ("model.safetensors", "heads.safetensors", "config.json", "features.safetensors", "merge.json",
+                 "accuracy.csv", "ranks.csv", "accuracy.png"):
         assert (out / name).is_file(), name
     config = json.loads((out / "config.json").read_text())
     assert config["order"] == ["rotten", "bbc", "tweets"] and config["main"] == "gs3r"
@@ -127,6 +131,43 @@ def test_accuracy_matrix_matches_a_direct_evaluation(merged_project, base_state)
     assert gs3r_first == pytest.approx(metrics["finetuned_accuracy"]["rotten"])
     avg_first = acc[(acc["method"] == "weight_average") & (acc["arrival"] == 0)]["accuracy"].iloc[0]
     assert avg_first == pytest.approx(metrics["finetuned_accuracy"]["rotten"])
+
+
+def test_features_are_those_of_the_scored_models(merged_project):
+    """features.safetensors holds, per variant, the pooled features the heads see on the test and probe
+    rows of the arrived tasks: the head on them gives the stage's accuracy, and recomputing them from
+    the final merged model gives the same numbers."""
+    from tasks.models import resolve_model
+    from tasks.scoring import Scorer, read_features, read_task_model
+
+    root, _ = merged_project
+    order = ["rotten", "bbc", "tweets"]
+    tensors, meta = read_features(root / "models" / "merge" / "features.safetensors", "merge")
+    names = [v["name"] for v in meta["variants"]]
+    assert names[:4] == ["base", "finetune:rotten", "finetune:bbc", "finetune:tweets"]
+    assert {f"{m}@{j}" for m in METHODS for j in range(3)} <= set(names)
+    assert meta["tasks"] == order
+    arrived = {v["name"]: v["tasks"] for v in meta["variants"]}
+    assert arrived["finetune:bbc"] == ["rotten", "bbc"] and arrived["base"] == order
+    acc = pd.read_csv(root / "models" / "merge" / "accuracy.csv")
+    heads = load_file(str(root / "models" / "merge" / "heads.safetensors"))
+    for j in range(3):
+        for t in order[:j + 1]:
+            x = tensors[f"gs3r@{j}/{t}/test"]
+            y = tensors[f"labels/{t}/test"]
+            assert tensors[f"gs3r@{j}/{t}/probe"].shape == (16, 384)
+            head_acc = float(((x @ heads[f"{t}.weight"].T + heads[f"{t}.bias"]).argmax(1) == y).float().mean())
+            row = acc[(acc["method"] == "gs3r") & (acc["arrival"] == j) & (acc["task"] == t)]
+            assert head_acc == pytest.approx(float(row["accuracy"].iloc[0]), abs=1e-6)
+    assert "gs3r@0/bbc/test" not in tensors  # bbc had not arrived yet
+    specs = [read_task_model(root, t, "all-MiniLM-L6-v2") for t in order]
+    tests = {t: pd.read_parquet(root / "data" / t / "test.parquet") for t in order}
+    probes = {t: pd.read_parquet(root / "data" / t / "reference.parquet") for t in order}
+    scorer = Scorer(resolve_model("all-MiniLM-L6-v2"), specs, tests, 64, probes=probes)
+    scorer.load(load_file(str(root / "models" / "merge" / "model.safetensors")))
+    for t in order:
+        torch.testing.assert_close(scorer.features(t, "probe"), tensors[f"gs3r@2/{t}/probe"], atol=1e-5, rtol=1e-5)
+        assert torch.equal(scorer.labels(t, "probe"), tensors[f"labels/{t}/probe"])
 
 
 def test_main_model_is_the_gs3r_merge_and_loads_into_the_base_architecture(merged_project, base_state):
