@@ -57,8 +57,12 @@ def git_commit(root: Path) -> str:
 class StageRun:
     """Logging handle of one stage run; every call is serialised through the process-wide lock."""
 
-    def __init__(self, client, run_id: str):
-        self.client, self.run_id = client, run_id
+    def __init__(self, client, run_id: str, parent_run_id: str | None = None):
+        self.client, self.run_id, self.parent_run_id = client, run_id, parent_run_id
+
+    def parent(self) -> "StageRun | None":
+        """A handle on the pipeline's parent run (None when the stage runs on its own, e.g. under dvc repro)."""
+        return StageRun(self.client, self.parent_run_id) if self.parent_run_id else None
 
     def log_params(self, params: dict) -> None:
         from mlflow.entities import Param
@@ -117,7 +121,7 @@ def stage_run(root: Path, experiment: str, stage: str, task: str | None = None,
         tags["mlflow.parentRunId"] = parent
     with _WRITE_LOCK:
         run = client.create_run(experiment_id, tags=tags, run_name=name)
-    handle = StageRun(client, run.info.run_id)
+    handle = StageRun(client, run.info.run_id, parent)
     try:
         yield handle
     except BaseException:

@@ -55,4 +55,6 @@ def make_workspace(source: Path | str, dest: Path | str, profile: str | None = N
         dvc = Path(sys.executable).with_name("dvc")
         _run([str(dvc) if dvc.exists() else "dvc", "init", "-q"], dest)
         _run([str(dvc) if dvc.exists() else "dvc", "config", "core.analytics", "false"], dest)
+    if (source / ".dvc" / "plots").is_dir():  # the plot templates that dvc.yaml's views name
+        shutil.copytree(source / ".dvc" / "plots", dest / ".dvc" / "plots", dirs_exist_ok=True)
     return dest
