@@ -1,0 +1,358 @@
+"""Stage `evaluate` (once): every model variant through three interfaces, the continual metrics at
+each, and one report a person can read (METHODS.md sec. 6; crucible.evaluation, crucible.continual).
+
+    crucible stage evaluate
+
+Variants, in the order of arrival: the base encoder; each task's own fine-tune (on the tasks arrived
+up to it); every merge method after every arrival (on the arrived tasks); the quantized merged
+model in each MXFP4 form (alone, uniform and load-aware compensation; on every task). No encoder
+runs here: the merge and quantize stages keep the frozen features (masked mean pooling, what the
+heads see) of every variant on each task's test rows and probe rows (models/*/features.safetensors,
+tasks.scoring.FeatureStore), so each encoder ran once over the texts.
+
+Interfaces, per variant and task (`evaluate` params):
+- head: test accuracy through the task's own trained head;
+- probe: test accuracy of a fresh logistic-regression probe fitted on the variant's features of the
+  task's probe rows (`probe_rows`: the reference, or labeled.parquet), never on the test rows;
+- separability: each `clustering` algorithm (k = number of classes) on the test features, scored
+  against the labels by NMI (the headline) and ARI, with no classifier.
+Continual metrics per method and interface over the arrival order, from the matrix R[j, i] (task i
+after arrival j): ACC = mean_i R[T-1, i], BWT = mean_{i<T-1} (R[T-1, i] - R[i, i]) (GEM's
+definition), and the curve of the mean over the arrived tasks after each arrival. Besides the merge
+methods: `latest_finetune` (after arrival j, the newest task's fine-tune alone: forgetting without
+merging), `base` (the base encoder: nothing learned, nothing forgotten) and `<main>+<quantized
+variant>` (the main method's matrix with its final row from the quantized model).
+
+Outputs (all published together):
+- metrics/evaluate.json: per method and interface ACC and BWT; `deployable` (head accuracy per task
+  and mean of the quantize stage's written model and of the float merged model: the register
+  stage's gate); a DVC metric;
+- metrics/variants.json: every variant x task x metric (DVC metric);
+- reports/plots/{summary,curves,matrix,curation}.csv: plot data (views in dvc.yaml);
+- reports/figures/*.png and reports/index.html: the report, figures inlined, no network needed.
+Everything is logged to the stage's MLflow run and, under the flow, to the pipeline's parent run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from tasks.io import AtomicOutputs
+from tasks.params import Params
+
+MERGE = Path("models") / "merge"
+QUANTIZE = Path("models") / "quantize"
+METRICS = Path("metrics")
+REPORTS = Path("reports")
+PLOTS = ("summary", "curves", "matrix", "curation")
+
+
+def inputs(params: Params, task: str | None = None) -> list[Path]:
+    out = [MERGE / n for n in ("features.safetensors", "heads.safetensors", "config.json", "merge.json")]
+    out += [QUANTIZE / n for n in ("features.safetensors", "config.json", "quantize.json")]
+    for t in params.merge_order():
+        out += [Path("data") / t / n for n in ("ingest.json", "curate.json", "pseudolabel.json", "finetune.json")]
+    return out
+
+
+def outputs(params: Params, task: str | None = None, root: Path | None = None) -> list[Path]:
+    """The fixed files, and the report's figures that exist (a section without data has none)."""
+    figures = sorted(p.relative_to(root) for p in (root / REPORTS / "figures").glob("*.png")) if root else []
+    return ([METRICS / "evaluate.json", METRICS / "variants.json", REPORTS / "index.html"]
+            + [REPORTS / "plots" / f"{n}.csv" for n in PLOTS] + figures)
+
+
+# ---------------------------------------------------------------------------------------------------
+# reading the features
+
+
+def _rerun(stage: str) -> str:
+    return f"rerun it with `crucible stage {stage}` (or `dvc repro {stage}`)"
+
+
+def read_inputs(root: Path, params: Params) -> dict:
+    """Both stages' features, checked against each other and params; heads and configs."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from tasks.scoring import read_features
+
+    order = params.merge_order()
+    merged, merge_meta = read_features(root / MERGE / "features.safetensors", "merge")
+    quant, quant_meta = read_features(root / QUANTIZE / "features.safetensors", "quantize")
+    for path, meta, stage in ((MERGE, merge_meta, "merge"), (QUANTIZE, quant_meta, "quantize")):
+        if meta["tasks"] != order:
+            raise ValueError(f"{root / path / 'features.safetensors'}: made for tasks {meta['tasks']}, but the "
+                             f"arrival order is {order}; {_rerun(stage)}")
+    if not any(v["family"] == "merge" for v in merge_meta["variants"]):
+        raise ValueError(f"{root / MERGE / 'features.safetensors'}: holds no merged variants because "
+                         f"merge.evaluate is off; set merge.evaluate: true and {_rerun('merge')}")
+    for key, labels in merged.items():
+        if key.startswith("labels/"):
+            other = quant.get(key)
+            if other is None or not np.array_equal(other.numpy(), labels.numpy()):
+                raise ValueError(f"{root / QUANTIZE / 'features.safetensors'}: its rows for {key[7:]!r} differ from "
+                                 f"the merge stage's ({root / MERGE / 'features.safetensors'}); both must score the "
+                                 f"same test and probe rows: {_rerun('quantize')}")
+    path = root / MERGE / "heads.safetensors"
+    try:
+        heads = load_file(str(path))
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"{path}: not a readable safetensors file ({exc}); {_rerun('merge')}") from None
+    missing = [t for t in order if f"{t}.weight" not in heads or f"{t}.bias" not in heads]
+    if missing:
+        raise ValueError(f"{path}: no head for tasks {missing}; {_rerun('merge')}")
+    quant_config = json.loads((root / QUANTIZE / "config.json").read_text())
+    return {"order": order, "tensors": {**merged, **quant}, "variants": merge_meta["variants"] + quant_meta["variants"],
+            "classes": merge_meta["classes"], "heads": heads, "quantize_config": quant_config}
+
+
+# ---------------------------------------------------------------------------------------------------
+# the interfaces and the continual metrics
+
+
+def score_variants(data: dict, params: Params, progress=None) -> pd.DataFrame:
+    """Long table: variant, family, method, arrival, task, metric, value (every interface)."""
+    from crucible.evaluation import interface_scores
+
+    cfg = params.evaluate
+    T, heads = data["tensors"], data["heads"]
+    rows = []
+    for v in data["variants"]:
+        for t in v["tasks"]:
+            scores = interface_scores(
+                T[f"{v['name']}/{t}/test"].numpy(), T[f"labels/{t}/test"].numpy(),
+                heads[f"{t}.weight"].numpy(), heads[f"{t}.bias"].numpy(),
+                T[f"{v['name']}/{t}/probe"].numpy(), T[f"labels/{t}/probe"].numpy(),
+                C=cfg.probe_C, algorithms=tuple(cfg.clustering), normalize=cfg.normalize, seed=params.pipeline.seed)
+            rows += [{"variant": v["name"], "family": v["family"], "method": v["method"], "arrival": v["arrival"],
+                      "task": t, "metric": k, "value": round(float(x), 6)} for k, x in scores.items()]
+            if progress is not None:
+                progress()
+    return pd.DataFrame(rows, columns=["variant", "family", "method", "arrival", "task", "metric", "value"])
+
+
+def interfaces(params: Params) -> list[str]:
+    """Headline metric per interface: head and probe accuracy, each clustering algorithm's NMI."""
+    return ["head", "probe", *params.evaluate.clustering]
+
+
+def _metric(interface: str) -> str:
+    return interface if interface in ("head", "probe") else f"{interface}_nmi"
+
+
+def continual_matrices(cells: pd.DataFrame, order: list[str], methods: list[str], main: str,
+                       quantized: list[str], ifaces: list[str]) -> dict[str, dict[str, np.ndarray]]:
+    """R[j, i] per continual method and interface (NaN above the diagonal)."""
+    value = {(r.variant, r.task, r.metric): r.value for r in cells.itertuples()}
+    n = len(order)
+
+    def matrix(variant_at) -> dict[str, np.ndarray]:
+        out = {}
+        for iface in ifaces:
+            R = np.full((n, n), np.nan)
+            for j in range(n):
+                for i in range(j + 1):
+                    R[j, i] = value[variant_at(j), order[i], _metric(iface)]
+            out[iface] = R
+        return out
+
+    mats = {m: matrix(lambda j, m=m: f"{m}@{j}") for m in methods}
+    mats["latest_finetune"] = matrix(lambda j: f"finetune:{order[j]}")
+    mats["base"] = matrix(lambda j: "base")
+    for q in quantized:
+        mats[f"{main}+{q}"] = {}
+        for iface in ifaces:
+            R = mats[main][iface].copy()
+            R[n - 1] = [value[f"quantize:{q}", t, _metric(iface)] for t in order]
+            mats[f"{main}+{q}"][iface] = R
+    return mats
+
+
+def _family(method: str, methods: list[str]) -> str:
+    if method in methods:
+        return "merge"
+    if method in ("base", "latest_finetune"):
+        return "base" if method == "base" else "finetune"
+    return "quantize"
+
+
+def summarise(mats: dict, methods: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(summary: method, family, interface, acc, bwt; curves: method, interface, arrival, acc)."""
+    from crucible.continual import accuracy_curve, average_accuracy, backward_transfer
+
+    summary, curves = [], []
+    for method, by_iface in mats.items():
+        for iface, R in by_iface.items():
+            bwt = backward_transfer(R) if len(R) > 1 else float("nan")
+            summary.append({"method": method, "family": _family(method, methods), "interface": iface,
+                            "acc": round(average_accuracy(R), 6), "bwt": round(bwt, 6)})
+            curves += [{"method": method, "interface": iface, "arrival": j, "acc": round(a, 6)}
+                       for j, a in enumerate(accuracy_curve(R))]
+    return pd.DataFrame(summary), pd.DataFrame(curves)
+
+
+def deployable(cells: pd.DataFrame, data: dict, main: str, n_test: dict) -> dict:
+    """Head accuracy per task (and mean) of the two models register can deploy."""
+    qc = data["quantize_config"]
+    variants = {"quantized": f"quantize:mxfp4_{qc.get('allocation', 'load_aware')}",
+                "float": f"{main}@{len(data['order']) - 1}"}
+    out = {}
+    for kind, variant in variants.items():
+        head = cells[(cells["variant"] == variant) & (cells["metric"] == "head")]
+        if head.empty:
+            raise ValueError(f"no features for the deployable {kind} model {variant!r}; rerun merge and quantize")
+        acc = {r.task: r.value for r in head.itertuples()}
+        out[kind] = {"variant": variant, "accuracy": acc, "mean_accuracy": round(float(np.mean(list(acc.values()))), 6),
+                     "n_test": n_test}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# the other stages' figures, for the report
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def stage_summaries(root: Path, order: list[str]) -> dict[str, pd.DataFrame]:
+    """Curation, pseudo-label and fine-tune figures per task (rows with what each stage recorded)."""
+    cur, pl, ft = [], [], []
+    for t in order:
+        c = _read_json(root / "data" / t / "curate.json") or {}
+        ing = _read_json(root / "data" / t / "ingest.json") or {}
+        if c:
+            cur.append({"task": t, "eps_true": c.get("eps_true", ing.get("eps_true")), "eps_hat": c.get("eps_hat"),
+                        "ccmmd": c.get("ccmmd_value"), "ccmmd_ci_low": c.get("ccmmd_ci_low"),
+                        "ccmmd_ci_high": c.get("ccmmd_ci_high"), "naive": c.get("naive"),
+                        "audit_only": c.get("audit_only"), "oracle": c.get("oracle"),
+                        "keep_precision": c.get("keep_precision"), "keep_recall": c.get("keep_recall"),
+                        "n_keep": c.get("n_keep"), "n_pool": c.get("n_pool")})
+        p = _read_json(root / "data" / t / "pseudolabel.json") or {}
+        if p:
+            pl.append({"task": t, **{k: p.get(k) for k in ("accuracy", "accuracy_ci_low", "accuracy_ci_high",
+                                                           "accuracy_true", "naive_accuracy", "n_selected")}})
+        f = _read_json(root / "data" / t / "finetune.json") or {}
+        if f:
+            ft.append({"task": t, **{k: f.get(k) for k in ("test_accuracy", "dev_accuracy", "steps", "train_seconds")}})
+    cols = {"curation": ["task", "eps_true", "eps_hat", "ccmmd", "ccmmd_ci_low", "ccmmd_ci_high", "naive", "audit_only",
+                         "oracle", "keep_precision", "keep_recall", "n_keep", "n_pool"],
+            "pseudolabel": ["task", "accuracy", "accuracy_ci_low", "accuracy_ci_high", "accuracy_true",
+                            "naive_accuracy", "n_selected"],
+            "finetune": ["task", "test_accuracy", "dev_accuracy", "steps", "train_seconds"]}
+    frames = {"curation": pd.DataFrame(cur, columns=cols["curation"]),
+              "pseudolabel": pd.DataFrame(pl, columns=cols["pseudolabel"]),
+              "finetune": pd.DataFrame(ft, columns=cols["finetune"])}
+    for df in frames.values():  # None -> NaN, so the columns stay numeric
+        for c in df.columns[1:]:
+            df[c] = pd.to_numeric(df[c], errors="coerce")
+    return frames
+
+
+# ---------------------------------------------------------------------------------------------------
+# the stage
+
+
+def _json_safe(obj):
+    if isinstance(obj, dict):
+        return {str(k): _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    if isinstance(obj, (float, np.floating)):
+        return None if not math.isfinite(float(obj)) else float(obj)
+    if isinstance(obj, np.integer):
+        return int(obj)
+    return obj
+
+
+def _csv(df: pd.DataFrame) -> bytes:
+    return df.to_csv(index=False, float_format="%.6g").encode()
+
+
+def run(params: Params, task: str | None, root: Path, log) -> dict:
+    from tqdm.auto import tqdm
+
+    from tasks.report import build_report
+
+    root = Path(root)
+    data = read_inputs(root, params)
+    order, main = data["order"], params.merge.main
+    methods = [m for m in params.merge.methods if any(v["name"] == f"{m}@0" for v in data["variants"])]
+    quantized = [v["method"] for v in data["variants"] if v["family"] == "quantize"]
+    ifaces = interfaces(params)
+
+    pairs = sum(len(v["tasks"]) for v in data["variants"])
+    with tqdm(total=pairs, desc="evaluate: variants x tasks") as bar:
+        cells = score_variants(data, params, progress=bar.update)
+    mats = continual_matrices(cells, order, methods, main, quantized, ifaces)
+    summary, curves = summarise(mats, methods)
+    T = data["tensors"]
+    n_test = {t: int(T[f"labels/{t}/test"].shape[0]) for t in order}
+    n_probe = {t: int(T[f"labels/{t}/probe"].shape[0]) for t in order}
+    deploy = deployable(cells, data, main, n_test)
+
+    table = {m: {r.interface: {"acc": r.acc, "bwt": r.bwt} for r in summary[summary["method"] == m].itertuples()}
+             for m in mats}
+    metrics = _json_safe({"order": order, "main": main, "interfaces": ifaces, "methods": table,
+                          "deployable": deploy, "n_test": n_test, "n_probe": n_probe})
+    variants = {}
+    for r in cells.itertuples():
+        variants.setdefault(r.variant, {}).setdefault(r.task, {})[r.metric] = r.value
+    matrix_rows = [{"method": m, "interface": iface, "arrival": j, "task": order[i], "value": round(float(R[j, i]), 6)}
+                   for m, by in mats.items() for iface, R in by.items()
+                   for j in range(len(order)) for i in range(j + 1)]
+    summaries = stage_summaries(root, order)
+
+    from tasks.tracking import git_commit
+
+    results = {
+        "order": order, "interfaces": ifaces, "main": main, "cells": cells, "summary": summary, "curves": curves,
+        "matrices": {m: {i: R.tolist() for i, R in by.items()} for m, by in mats.items()},
+        **summaries,
+        "quantize": _read_json(root / QUANTIZE / "quantize.json"),
+        "moe": _read_json(root / "models" / "moe" / "moe.json"),
+        "figures": {name: (root / path).read_bytes() for name, path in
+                    (("merge", MERGE / "accuracy.png"), ("quantize", QUANTIZE / "quantize.png"))
+                    if (root / path).is_file()},
+        "meta": {"git_commit": git_commit(root), "params": {"evaluate": params.evaluate.model_dump()},
+                 "n_test": n_test, "n_probe": n_probe},
+    }
+    report = build_report(results)
+
+    with AtomicOutputs() as atomic:
+        atomic.json(metrics, root / METRICS / "evaluate.json")
+        atomic.json(_json_safe(variants), root / METRICS / "variants.json")
+        atomic.bytes(_csv(summary), root / REPORTS / "plots" / "summary.csv")
+        atomic.bytes(_csv(curves), root / REPORTS / "plots" / "curves.csv")
+        atomic.bytes(_csv(pd.DataFrame(matrix_rows)), root / REPORTS / "plots" / "matrix.csv")
+        atomic.bytes(_csv(summaries["curation"]), root / REPORTS / "plots" / "curation.csv")
+        for name, content in sorted(report.items()):
+            atomic.bytes(content, root / REPORTS / name)
+    for stale in (root / REPORTS / "figures").glob("*.png"):  # a figure this report no longer has
+        if f"figures/{stale.name}" not in report:
+            stale.unlink()
+
+    flat = {f"{m.replace('+', ':')}.{iface}.{k}": v for m, by in table.items() for iface, d in by.items() for k, v in d.items()
+            if v == v}
+    flat.update({f"deployable.{k}.mean_accuracy": d["mean_accuracy"] for k, d in deploy.items()})
+    for handle in (log, log.parent() if hasattr(log, "parent") else None):
+        if handle is None:
+            continue
+        handle.log_metrics(flat if handle is log else {f"evaluate.{k}": v for k, v in flat.items()})
+        handle.log_artifact(root / REPORTS / "index.html", "report")
+        handle.log_artifacts(root / REPORTS / "figures", "report/figures")
+        handle.log_artifact(root / METRICS / "evaluate.json", "report")
+    out = {f"{main}.{iface}.acc": table[main][iface]["acc"] for iface in ifaces}
+    out.update({f"{main}.{iface}.bwt": table[main][iface]["bwt"] for iface in ifaces
+                if table[main][iface]["bwt"] == table[main][iface]["bwt"]})
+    out.update({f"deployable.{k}.mean_accuracy": d["mean_accuracy"] for k, d in deploy.items()})
+    return out

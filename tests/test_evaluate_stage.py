@@ -1,0 +1,193 @@
+"""The evaluate stage on synthetic features (what the merge and quantize stages keep): the continual
+metrics against a hand computation from the per-variant scores, the interfaces' independence in the
+stage, the deployable entry, the report and plot data, and bad input that writes nothing."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import yaml
+
+from crucible.serialize import safetensors_bytes
+from tasks.io import md5_file
+from tasks.stage import execute
+
+ORDER = ["rotten", "bbc"]
+CLASSES = {"rotten": ["fresh", "rotten"], "bbc": ["business", "sport", "tech"]}
+METHODS = {"gs3r": {"energy": 0.9, "rank_budget": 0.5}, "weight_average": {}}
+D = 8
+
+
+def _cluster_features(rng, labels, means, noise):
+    return torch.tensor(means[labels] + noise * rng.standard_normal((len(labels), D)), dtype=torch.float32)
+
+
+def write_features(root, *, probe_rows: int = 30, seed: int = 0, merged: bool = True):
+    """models/merge/ and models/quantize/ as the two stages leave them, with features whose quality
+    falls with a variant-specific noise level (so the interfaces have something to measure)."""
+    rng = np.random.default_rng(seed)
+    means = {t: 3.0 * rng.standard_normal((len(c), D)) for t, c in CLASSES.items()}
+    labels = {(t, s): np.arange(n) % len(CLASSES[t]) for t in ORDER for s, n in (("test", 24), ("probe", probe_rows))}
+    heads = {}
+    for t in ORDER:
+        heads[f"{t}.weight"] = torch.tensor(means[t], dtype=torch.float32)
+        heads[f"{t}.bias"] = torch.tensor(-0.5 * (means[t] ** 2).sum(1), dtype=torch.float32)
+    merge_variants = [("base", "base", "base", -1, ORDER, 4.0)]
+    merge_variants += [(f"finetune:{t}", "finetune", "finetune", j, ORDER[:j + 1], 0.5) for j, t in enumerate(ORDER)]
+    merge_variants += [(f"{m}@{j}", "merge", m, j, ORDER[:j + 1], 1.0 + j + k) for k, m in enumerate(METHODS)
+                       for j in range(len(ORDER)) if merged]
+    quant_variants = [(f"quantize:{q}", "quantize", q, -1, ORDER, n)
+                      for q, n in (("mxfp4", 2.5), ("mxfp4_uniform", 2.2), ("mxfp4_load_aware", 2.1))]
+
+    def store(variants):
+        tensors = {f"labels/{t}/{s}": torch.tensor(y, dtype=torch.long) for (t, s), y in labels.items()}
+        meta = []
+        for name, family, method, arrival, tasks, noise in variants:
+            for t in tasks:
+                for s in ("test", "probe"):
+                    tensors[f"{name}/{t}/{s}"] = _cluster_features(rng, labels[t, s], means[t], noise)
+            meta.append({"name": name, "family": family, "method": method, "arrival": arrival, "tasks": list(tasks)})
+        return safetensors_bytes(tensors, {"variants": json.dumps(meta), "classes": json.dumps(CLASSES),
+                                           "tasks": json.dumps(ORDER)})
+
+    for folder, variants in (("merge", merge_variants), ("quantize", quant_variants)):
+        out = root / "models" / folder
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "features.safetensors").write_bytes(store(variants))
+        (out / "config.json").write_text(json.dumps({"base_model": "all-MiniLM-L6-v2", "classes": CLASSES,
+                                                     "order": ORDER, "allocation": "load_aware", "main": "gs3r"}))
+    (root / "models" / "merge" / "heads.safetensors").write_bytes(
+        safetensors_bytes(heads, {"classes": json.dumps(CLASSES)}))
+    for t in ORDER:
+        d = root / "data" / t
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "curate.json").write_text(json.dumps({"eps_true": 0.3, "eps_hat": 0.28, "ccmmd_value": 0.001,
+                                                   "ccmmd_ci_low": -0.001, "ccmmd_ci_high": 0.003, "naive": 0.004,
+                                                   "audit_only": 0.0008, "oracle": 0.0005, "keep_precision": 0.9,
+                                                   "keep_recall": 0.5, "n_keep": 50, "n_pool": 120}))
+        (d / "pseudolabel.json").write_text(json.dumps({"accuracy": 0.9, "accuracy_ci_low": 0.85,
+                                                        "accuracy_ci_high": 0.95, "accuracy_true": 0.92,
+                                                        "naive_accuracy": 0.8, "n_selected": 70}))
+        (d / "finetune.json").write_text(json.dumps({"test_accuracy": 0.9, "dev_accuracy": 0.88, "steps": 6,
+                                                     "train_seconds": 3.0}))
+
+
+@pytest.fixture
+def project(tmp_path, project_root):
+    from tasks.workspace import make_workspace
+
+    root = make_workspace(project_root, tmp_path / "ws", "tiny")
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["pipeline"]["tasks"] = {t: params["pipeline"]["tasks"][t] for t in ORDER}  # in arrival order
+    params["merge"]["methods"] = METHODS
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    write_features(root)
+    return root
+
+
+def test_metrics_follow_from_the_per_variant_scores(project):
+    result = execute("evaluate", None, project)
+    metrics = json.loads((project / "metrics" / "evaluate.json").read_text())
+    variants = json.loads((project / "metrics" / "variants.json").read_text())
+    assert metrics["interfaces"] == ["head", "probe", "kmeans", "agglomerative"]
+    expected = {"base", "finetune:rotten", "finetune:bbc", "gs3r@0", "gs3r@1", "weight_average@0",
+                "weight_average@1", "quantize:mxfp4", "quantize:mxfp4_uniform", "quantize:mxfp4_load_aware"}
+    assert set(variants) == expected
+    assert set(variants["gs3r@0"]) == {"rotten"} and set(variants["gs3r@1"]) == {"rotten", "bbc"}
+    assert set(variants["base"]["bbc"]) == {"head", "probe", "kmeans_nmi", "kmeans_ari", "agglomerative_nmi",
+                                            "agglomerative_ari"}
+    # ACC and BWT by hand from the cells: R[j, i] = variant after arrival j on task i
+    for method in METHODS:
+        for iface, metric in (("head", "head"), ("probe", "probe"), ("kmeans", "kmeans_nmi")):
+            r00 = variants[f"{method}@0"]["rotten"][metric]
+            r10, r11 = (variants[f"{method}@1"][t][metric] for t in ORDER)
+            got = metrics["methods"][method][iface]
+            assert got["acc"] == pytest.approx((r10 + r11) / 2, abs=1e-6)
+            assert got["bwt"] == pytest.approx(r10 - r00, abs=1e-6)
+    lf = metrics["methods"]["latest_finetune"]["head"]
+    assert lf["acc"] == pytest.approx((variants["finetune:bbc"]["rotten"]["head"]
+                                       + variants["finetune:bbc"]["bbc"]["head"]) / 2, abs=1e-6)
+    assert lf["bwt"] == pytest.approx(variants["finetune:bbc"]["rotten"]["head"]
+                                      - variants["finetune:rotten"]["rotten"]["head"], abs=1e-6)
+    assert metrics["methods"]["base"]["probe"]["bwt"] == 0.0  # the base model neither learns nor forgets
+    # the quantized model replaces the main method's final row; its diagonal start stays gs3r's
+    q = metrics["methods"]["gs3r+mxfp4_load_aware"]["head"]
+    assert q["bwt"] == pytest.approx(variants["quantize:mxfp4_load_aware"]["rotten"]["head"]
+                                     - variants["gs3r@0"]["rotten"]["head"], abs=1e-6)
+    dep = metrics["deployable"]
+    assert dep["quantized"]["variant"] == "quantize:mxfp4_load_aware" and dep["float"]["variant"] == "gs3r@1"
+    assert dep["quantized"]["accuracy"] == {t: variants["quantize:mxfp4_load_aware"][t]["head"] for t in ORDER}
+    assert dep["float"]["mean_accuracy"] == pytest.approx(np.mean([variants["gs3r@1"][t]["head"] for t in ORDER]))
+    assert dep["float"]["n_test"] == {"rotten": 24, "bbc": 24} and metrics["n_probe"] == {"rotten": 30, "bbc": 30}
+    assert result.metrics["deployable.quantized.mean_accuracy"] == dep["quantized"]["mean_accuracy"]
+    # plot data and report
+    summary = pd.read_csv(project / "reports" / "plots" / "summary.csv")
+    assert set(summary["method"]) == {"gs3r", "weight_average", "latest_finetune", "base", "gs3r+mxfp4",
+                                      "gs3r+mxfp4_uniform", "gs3r+mxfp4_load_aware"}
+    matrix = pd.read_csv(project / "reports" / "plots" / "matrix.csv")
+    assert len(matrix) == len(summary) * 3  # three cells (i <= j) per 2x2 matrix
+    html = (project / "reports" / "index.html").read_text()
+    for name in expected:
+        assert name in html, name
+    for figure in ("interfaces", "curves", "matrices", "ccmmd", "pseudolabel"):
+        assert (project / "reports" / "figures" / f"{figure}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_same_inputs_give_the_same_artifacts(project):
+    execute("evaluate", None, project)
+    first = {p: md5_file(p) for p in sorted((project / "metrics").glob("*.json")) + sorted(
+        (project / "reports").rglob("*.*"))}
+    execute("evaluate", None, project)
+    assert first == {p: md5_file(p) for p in first}
+
+
+def test_a_permuted_head_fails_only_the_head_interface(project):
+    """Permute the rows of bbc's head (the label mapping): through the head every variant looks
+    broken on bbc; the probe and the clusterings see the same features and do not move."""
+    execute("evaluate", None, project)
+    before = json.loads((project / "metrics" / "variants.json").read_text())
+    from safetensors.torch import load_file
+
+    path = project / "models" / "merge" / "heads.safetensors"
+    heads = load_file(str(path))
+    perm = torch.tensor([1, 2, 0])
+    heads["bbc.weight"], heads["bbc.bias"] = heads["bbc.weight"][perm], heads["bbc.bias"][perm]
+    path.write_bytes(safetensors_bytes(heads, {"classes": json.dumps(CLASSES)}))
+    execute("evaluate", None, project)
+    after = json.loads((project / "metrics" / "variants.json").read_text())
+    assert before["finetune:bbc"]["bbc"]["head"] > 0.9 and after["finetune:bbc"]["bbc"]["head"] < 0.1
+    for variant, tasks in before.items():
+        for t, scores in tasks.items():
+            for metric, value in scores.items():
+                if metric != "head" or t != "bbc":
+                    assert after[variant][t][metric] == value, (variant, t, metric)
+
+
+def test_rows_that_differ_between_merge_and_quantize_are_refused_and_nothing_is_written(project):
+    execute("evaluate", None, project)
+    outputs = {p: md5_file(p) for p in (project / "metrics").glob("*.json")}
+    # quantize scored other probe rows (e.g. evaluate.probe_limit changed and only quantize reran)
+    keep = (project / "models" / "merge" / "features.safetensors").read_bytes()
+    write_features(project, probe_rows=20, seed=0)
+    (project / "models" / "merge" / "features.safetensors").write_bytes(keep)
+    with pytest.raises(ValueError, match=r"quantize/features\.safetensors: its rows for '\w+/probe' differ"):
+        execute("evaluate", None, project)
+    assert outputs == {p: md5_file(p) for p in outputs}
+
+
+def test_missing_and_corrupt_features_name_the_file_and_the_fix(project):
+    path = project / "models" / "quantize" / "features.safetensors"
+    path.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=r"quantize/features\.safetensors: not a readable safetensors file.*quantize"):
+        execute("evaluate", None, project)
+    path.unlink()
+    with pytest.raises(FileNotFoundError, match=r"features not found; run the quantize stage first"):
+        execute("evaluate", None, project)
+
+
+def test_merge_features_without_merged_models_say_to_turn_merge_evaluate_on(project):
+    write_features(project, merged=False)
+    with pytest.raises(ValueError, match=r"no merged variants because merge.evaluate is off"):
+        execute("evaluate", None, project)
