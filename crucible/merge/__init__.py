@@ -2,7 +2,7 @@
 
     from crucible.merge import make_merger, merge_sequence, task_vector
     merger = make_merger("gs3r", energy=0.9, rank_budget=0.5)
-    tvs = (task_vector(load(path), theta_0) for path in finetuned_paths)   # lazy: one at a time
+    tvs = (task_vector(load(p), theta_0, source=p) for p in finetuned_paths)  # lazy, one at a time
     for t, merged in enumerate(merge_sequence(theta_0, tvs, merger)):
         evaluate(merged)                                                      # forgetting curve
 
@@ -10,6 +10,9 @@ Methods (one file each): task_arithmetic, weight_average (arithmetic.py), ties (
 (magmax.py), opcm (opcm.py), gs3r (gs3r.py). The shared contract is `ContinualMerger` (base.py).
 State dicts map parameter names to float tensors (e.g. a Hugging Face encoder's state_dict or a
 safetensors file of the same keys); heads are task-specific and are not merged here.
+`task_vector`, `ContinualMerger.add` and `.merged` refuse a NaN or inf, or keys and shapes that do
+not match, with a ValueError naming the parameter (and the `source` file when given); a refused or
+failed `add` leaves the merger exactly as it was.
 """
 
 from __future__ import annotations

@@ -6,6 +6,10 @@ Weight average (model soup of the fine-tunes, Wortsman et al. 2022):
     theta = theta_0 + (1/t) sum_{s<=t} tau_s  (= mean_s theta_s).
 Both are exact in the continual setting: the state is one running sum (or mean) per parameter,
 the size of one model, whatever the number of tasks. Every parameter is treated alike.
+
+All-or-nothing `add` at no memory cost: the first arrival builds the state in a new dict and
+assigns it at the end; a later one updates it with in-place `add_` / `lerp_` on validated tensors
+of the state's own shape, dtype and device, which allocate nothing and cannot fail part way.
 """
 
 from __future__ import annotations
@@ -26,11 +30,11 @@ class TaskArithmetic(ContinualMerger):
         self.total: dict[str, Tensor] = {}
 
     def _add(self, tv: StateDict) -> None:
+        if not self.total:
+            self.total = {k: v.clone() for k, v in tv.items()}
+            return
         for k, v in tv.items():
-            if k in self.total:
-                self.total[k].add_(v)
-            else:
-                self.total[k] = v.clone()
+            self.total[k].add_(v)
 
     def _delta(self, name: str) -> Tensor:
         return self.total[name] * self.lam
@@ -42,7 +46,7 @@ class TaskArithmetic(ContinualMerger):
 class WeightAverage(ContinualMerger):
     """theta_0 + mean of all task vectors so far (the uniform average of the fine-tuned models).
 
-    State: the running mean, updated as mean += (tau_t - mean) / t.
+    State: the running mean, updated as mean += (tau_t - mean) / t (`lerp_`, in place).
     """
 
     name = "weight_average"
@@ -52,12 +56,12 @@ class WeightAverage(ContinualMerger):
         self.mean: dict[str, Tensor] = {}
 
     def _add(self, tv: StateDict) -> None:
-        t = self.num_tasks + 1
+        if not self.mean:
+            self.mean = {k: v.clone() for k, v in tv.items()}
+            return
+        weight = 1.0 / (self.num_tasks + 1)
         for k, v in tv.items():
-            if k in self.mean:
-                self.mean[k].add_(v - self.mean[k], alpha=1.0 / t)
-            else:
-                self.mean[k] = v.clone()
+            self.mean[k].lerp_(v, weight)
 
     def _delta(self, name: str) -> Tensor:
         return self.mean[name].clone()

@@ -4,8 +4,9 @@ A task vector is tau_t = theta_t - theta_0: a dict from parameter name to a floa
 same keys and shapes for every task. Tasks arrive one at a time:
 
     merger = make_merger("gs3r", rank_budget=0.5)       # crucible.merge.make_merger
-    for theta_t in finetuned_state_dicts():              # loaded lazily, one at a time
-        merger.add(task_vector(theta_t, theta_0))        # the merger may drop tau_t afterwards
+    for path in finetuned_paths:                          # loaded lazily, one at a time
+        tau = task_vector(load(path), theta_0, source=path)
+        merger.add(tau, source=path)                     # the merger may drop tau_t afterwards
         merged = merger.merged(theta_0)                  # current merged weights
 
 A merger holds only its own state (`state_tensors()`); it never keeps a reference to a task vector
@@ -17,6 +18,12 @@ matched by the `exclude` regex, default: embeddings) or *other* (biases, norms, 
 subspace methods (OPCM, GS3R) act on matrices only and give the others a simple rule, stated in
 each method's docstring; the element-wise methods (task arithmetic, average, TIES, MagMax) treat
 every parameter alike.
+
+Inputs are checked before anything is changed: `task_vector`, `add` and `merged` raise ValueError
+naming the parameter (and the `source` file when the caller passes one) for a NaN or inf, a
+missing or extra key, a shape, dtype or device that differs from the earlier arrivals, or a
+non-floating tensor. `add` is all-or-nothing: when it raises, for any reason (a refused input, an
+SVD that fails, running out of memory), the merger's state is exactly what it was before the call.
 """
 
 from __future__ import annotations
@@ -36,27 +43,69 @@ type embeddings are 2-D but a row is a token, not an input direction)."""
 StateDict = Mapping[str, Tensor]
 
 
-def task_vector(theta_t: StateDict, theta_0: StateDict, inplace: bool = False) -> dict[str, Tensor]:
+def nonfinite_report(x: Tensor) -> str | None:
+    """None when every entry of x is finite, else e.g. '3 non-finite values (2 NaN, 1 inf) of 12'.
+    """
+    if x.numel() == 0:
+        return None
+    # one reduction, no mask: min and max propagate NaN, and an inf is one of them (~25x faster
+    # than isfinite(x).all() on CPU, which matters at one pass per model per arrival)
+    lo, hi = torch.aminmax(x.detach())
+    if math.isfinite(float(lo)) and math.isfinite(float(hi)):
+        return None
+    n_nan, n_inf = int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
+    return f"{n_nan + n_inf} non-finite values ({n_nan} NaN, {n_inf} inf) of {x.numel()}"
+
+
+def check_finite(tensors: StateDict, where: str) -> None:
+    """Raise ValueError naming every parameter of `tensors` holding a NaN or inf (and how many).
+
+    `where` starts the message: the function and the file or task the tensors come from.
+    """
+    bad = [(k, r) for k, v in tensors.items() if (r := nonfinite_report(v)) is not None]
+    if not bad:
+        return
+    listed = "; ".join(f"{k!r} has {r}" for k, r in bad[:5])
+    more = f"; and {len(bad) - 5} more parameters" if len(bad) > 5 else ""
+    raise ValueError(f"{where}: non-finite weights: parameter {listed}{more}. Weights must be "
+                     f"finite: a NaN or inf usually means the fine-tuning diverged or the file "
+                     f"is corrupt")
+
+
+def _label(where: str, source: str | None) -> str:
+    return f"{where} ({source})" if source else where
+
+
+def task_vector(theta_t: StateDict, theta_0: StateDict, inplace: bool = False, *,
+                source: str | None = None, base_source: str | None = None) -> dict[str, Tensor]:
     """tau = theta_t - theta_0 over the floating tensors of theta_0, in float32.
 
     Non-floating entries (e.g. a BERT `position_ids` buffer) are left out: they are not weights.
     With `inplace`, float32 tensors of theta_t are overwritten by their difference (no second copy
     of the model: the incoming model becomes its task vector; pre-merge flushing for the caller).
-    Raises ValueError when theta_t lacks a floating key of theta_0, has an extra floating key, or
-    a shape differs; then nothing has been modified.
+    `source` and `base_source` (e.g. the files theta_t and theta_0 were loaded from) are named in
+    error messages. Raises ValueError when theta_t lacks a floating key of theta_0, has an extra
+    floating key, a shape differs, a tensor of theta_t is not floating, or a tensor of either
+    holds a NaN or inf; then nothing has been modified.
     """
+    fine, base = _label("task_vector: fine-tuned model", source), \
+        _label("task_vector: base model", base_source)
     keys = [k for k, v in theta_0.items() if v.is_floating_point()]
     extra = sorted(k for k, v in theta_t.items() if v.is_floating_point() and k not in theta_0)
     missing = sorted(k for k in keys if k not in theta_t)
     if missing or extra:
-        raise ValueError(f"task_vector: fine-tuned state dict does not match the base: missing "
+        raise ValueError(f"{fine} does not match the base: missing "
                          f"{missing[:5]}{'...' if len(missing) > 5 else ''}, extra "
                          f"{extra[:5]}{'...' if len(extra) > 5 else ''}")
-    out = {}
     for k in keys:
         if theta_t[k].shape != theta_0[k].shape:
-            raise ValueError(f"task_vector: shape of {k!r} is {tuple(theta_t[k].shape)} in the "
+            raise ValueError(f"{fine}: shape of {k!r} is {tuple(theta_t[k].shape)} in the "
                              f"fine-tuned model but {tuple(theta_0[k].shape)} in the base")
+        if not theta_t[k].is_floating_point():
+            raise ValueError(f"{fine}: {k!r} must be a floating tensor, got {theta_t[k].dtype}")
+    check_finite({k: theta_t[k] for k in keys}, fine)
+    check_finite({k: theta_0[k] for k in keys}, base)
+    out = {}
     for k in keys:
         if inplace and theta_t[k].dtype == torch.float32:
             out[k] = theta_t[k].sub_(theta_0[k].float())
@@ -72,7 +121,13 @@ def global_norm(tensors: Iterable[Tensor]) -> float:
 
 def thin_svd(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Thin SVD; when LAPACK does not converge (ill-conditioned input, many repeated singular
-    values: it happens on real task vectors in float32) retry in float64, results in x's dtype."""
+    values: it happens on real task vectors in float32) retry in float64, results in x's dtype.
+
+    Raises ValueError when x holds a NaN or inf (no SVD exists; LAPACK would only say it failed).
+    """
+    report = nonfinite_report(x)
+    if report is not None:
+        raise ValueError(f"thin_svd: the {tuple(x.shape)} matrix has {report}")
     try:
         return torch.linalg.svd(x, full_matrices=False)
     except torch.linalg.LinAlgError:
@@ -86,26 +141,44 @@ def energy_rank(s: Tensor, energy: float) -> int:
     """Smallest k with sum_{i<k} s_i^2 >= energy * sum_i s_i^2, for singular values s (descending).
 
     Capped at the numerical rank (s_i > max(s) * len(s) * eps), so an exactly low-rank matrix
-    never takes noise directions even at energy = 1. Returns 0 for a zero matrix. Raises
-    ValueError unless 0 < energy <= 1.
+    never takes noise directions even at energy = 1. Returns 0 for an empty or all-zero spectrum
+    (a zero matrix). Raises ValueError unless 0 < energy <= 1, and unless s is a 1-D tensor of
+    finite, non-negative values in descending order (what an SVD returns for a finite matrix).
     """
     if not 0.0 < energy <= 1.0:
         raise ValueError(f"energy must be in (0, 1], got {energy}")
-    if s.numel() == 0 or float(s[0]) <= 0.0:
+    if s.ndim != 1:
+        raise ValueError(f"energy_rank: singular values must be a 1-D tensor, got shape "
+                         f"{tuple(s.shape)}")
+    if s.numel() == 0:
+        return 0
+    report = nonfinite_report(s)
+    if report is not None:
+        raise ValueError(f"energy_rank: singular values must be finite, got {report} (the "
+                         f"decomposed matrix had non-finite entries)")
+    if float(s.min()) < 0.0 or bool((s[1:] > s[:-1]).any()):
+        raise ValueError(f"energy_rank: singular values must be non-negative and descending, got "
+                         f"{s[:8].tolist()}{'...' if s.numel() > 8 else ''}")
+    if float(s[0]) == 0.0:
         return 0
     tol = float(s[0]) * len(s) * torch.finfo(s.dtype).eps
-    numerical = int((s > tol).sum())
+    numerical = max(1, int((s > tol).sum()))  # s[0] > tol unless len(s) * eps >= 1
     e = s[:numerical].double().pow(2).cumsum(0)
     k = int((e < energy * float(e[-1]) * (1 - 1e-12)).sum()) + 1
     return min(k, numerical)
+
+
+Spec = tuple[torch.Size, torch.dtype, torch.device]
 
 
 class ContinualMerger(ABC):
     """Base class: validates inputs, counts tasks, assembles merged weights.
 
     Subclasses implement `_add(task_vector)` (update the state from the next task vector; it must
-    not keep references to the given tensors), `_delta(name)` (the current merged task vector of
-    one parameter) and `state_tensors()`.
+    not keep references to the given tensors, and when it raises it must leave the state exactly
+    as it found it), `_delta(name)` (the current merged task vector of one parameter) and
+    `state_tensors()`. `_add` runs only on validated input (keys, shapes, dtypes, devices as
+    fixed by the first arrival, every value finite), with `self._spec` already describing it.
     """
 
     name = "base"
@@ -113,20 +186,30 @@ class ContinualMerger(ABC):
     def __init__(self, *, exclude: str | None = DEFAULT_EXCLUDE):
         self.exclude = re.compile(exclude) if exclude else None
         self.num_tasks = 0
-        self._spec: dict[str, tuple[torch.Size, torch.dtype]] = {}
+        self._spec: dict[str, Spec] = {}
 
     # -- public interface ---------------------------------------------------------------------
 
-    def add(self, task_vector: StateDict) -> None:
+    def add(self, task_vector: StateDict, *, source: str | None = None) -> None:
         """Merge the next task's task vector (theta_t - theta_0) into the state.
 
-        The first call fixes the keys, shapes and dtypes; later calls must match them exactly.
-        Raises ValueError on an empty dict, a non-floating tensor, or a key/shape/dtype mismatch.
-        The caller may delete the task vector as soon as this returns.
+        The first call fixes the keys, shapes, dtypes and devices; later calls must match them
+        exactly. `source` (e.g. the file theta_t came from) is named in error messages beside the
+        arrival index. Raises ValueError on an empty dict, a non-floating tensor, a NaN or inf, or
+        a key/shape/dtype/device mismatch. All-or-nothing: on any exception the state is
+        unchanged. The caller may delete the task vector as soon as this returns.
         """
-        self._check(task_vector, "task vector")
-        with torch.no_grad():
-            self._add(task_vector)
+        spec = self._check(task_vector, source)
+        first = not self._spec
+        if first:
+            self._spec = spec  # _add may need it (is_matrix, budgets); withdrawn if _add fails
+        try:
+            with torch.no_grad():
+                self._add(task_vector)
+        except BaseException:
+            if first:
+                self._spec = {}
+            raise
         self.num_tasks += 1
 
     def merged_task_vector(self) -> dict[str, Tensor]:
@@ -135,29 +218,34 @@ class ContinualMerger(ABC):
         with torch.no_grad():
             return {k: self._delta(k) for k in self._spec}
 
-    def merged(self, theta_0: StateDict) -> dict[str, Tensor]:
+    def merged(self, theta_0: StateDict, *, source: str | None = None) -> dict[str, Tensor]:
         """theta_0 + the current merged task vector, in theta_0's key order and dtypes.
 
-        theta_0 must hold every merged key with the same shape; extra non-floating entries
-        (buffers such as `position_ids`) are passed through unchanged. Raises ValueError before
-        any task was added, on a missing key or shape mismatch, or on an extra floating key.
+        theta_0 must hold every merged key as a finite floating tensor of the same shape; extra
+        non-floating entries (buffers such as `position_ids`) are passed through unchanged.
+        `source` (theta_0's file) is named in error messages. Raises ValueError before any task
+        was added, on a missing key, a shape mismatch, a non-floating or non-finite merged
+        tensor, or an extra floating key.
         """
         self._require_tasks()
+        where = _label(f"{self.name}.merged: theta_0", source)
         missing = [k for k in self._spec if k not in theta_0]
         extra = [k for k, v in theta_0.items() if k not in self._spec and v.is_floating_point()]
         if missing or extra:
-            raise ValueError(f"{self.name}.merged: theta_0 does not match the task vectors: "
-                             f"missing {missing[:5]}, extra floating {extra[:5]}")
+            raise ValueError(f"{where} does not match the task vectors: missing {missing[:5]}, "
+                             f"extra floating {extra[:5]}")
+        for k, (shape, _, _) in self._spec.items():
+            w = theta_0[k]
+            if w.shape != shape:
+                raise ValueError(f"{where}: {k!r} has shape {tuple(w.shape)}, the task vectors "
+                                 f"{tuple(shape)}")
+            if not w.is_floating_point():
+                raise ValueError(f"{where}: {k!r} must be a floating tensor, got {w.dtype}")
+        check_finite({k: theta_0[k] for k in self._spec}, where)
         out = {}
         with torch.no_grad():
             for k, w in theta_0.items():
-                if k not in self._spec:
-                    out[k] = w
-                    continue
-                if w.shape != self._spec[k][0]:
-                    raise ValueError(f"{self.name}.merged: theta_0[{k!r}] has shape "
-                                     f"{tuple(w.shape)}, task vectors {tuple(self._spec[k][0])}")
-                out[k] = (w + self._delta(k).to(w.dtype)).to(w.dtype)
+                out[k] = w if k not in self._spec else (w + self._delta(k).to(w.dtype)).to(w.dtype)
         return out
 
     @abstractmethod
@@ -179,7 +267,8 @@ class ContinualMerger(ABC):
 
     @abstractmethod
     def _add(self, task_vector: StateDict) -> None:
-        """Fold one validated task vector into the state (every method defines its own rule)."""
+        """Fold one validated task vector into the state (every method defines its own rule);
+        all-or-nothing: if it raises, the state must be exactly as before."""
 
     @abstractmethod
     def _delta(self, name: str) -> Tensor:
@@ -189,26 +278,37 @@ class ContinualMerger(ABC):
         if self.num_tasks == 0:
             raise ValueError(f"{self.name}: no task vector added yet")
 
-    def _check(self, tv: StateDict, what: str) -> None:
+    def _check(self, tv: StateDict, source: str | None) -> dict[str, Spec]:
+        """Validate one arrival against the spec of the earlier ones; return its spec. Changes
+        nothing."""
+        where = _label(f"{self.name}.add: task {self.num_tasks}", source)
         if not tv:
-            raise ValueError(f"{self.name}.add: empty {what}")
+            raise ValueError(f"{where}: empty task vector")
         for k, v in tv.items():
             if not isinstance(v, Tensor) or not v.is_floating_point():
-                raise ValueError(f"{self.name}.add: {what}[{k!r}] must be a floating tensor, got "
+                raise ValueError(f"{where}: parameter {k!r} must be a floating tensor, got "
                                  f"{getattr(v, 'dtype', type(v))}")
-        if not self._spec:
-            self._spec = {k: (v.shape, v.dtype) for k, v in tv.items()}
-            return
-        missing = sorted(set(self._spec) - set(tv))
-        extra = sorted(set(tv) - set(self._spec))
-        if missing or extra:
-            raise ValueError(f"{self.name}.add: keys of task {self.num_tasks} differ from task 0: "
-                             f"missing {missing[:5]}, extra {extra[:5]}")
-        for k, v in tv.items():
-            shape, dtype = self._spec[k]
-            if v.shape != shape or v.dtype != dtype:
-                raise ValueError(f"{self.name}.add: {what}[{k!r}] of task {self.num_tasks} is "
-                                 f"{tuple(v.shape)} {v.dtype}, task 0 had {tuple(shape)} {dtype}")
+        spec = {k: (v.shape, v.dtype, v.device) for k, v in tv.items()}
+        if self._spec:
+            missing = sorted(set(self._spec) - set(tv))
+            extra = sorted(set(tv) - set(self._spec))
+            if missing or extra:
+                raise ValueError(f"{where}: keys differ from task 0: missing {missing[:5]}"
+                                 f"{'...' if len(missing) > 5 else ''}, extra {extra[:5]}"
+                                 f"{'...' if len(extra) > 5 else ''}")
+            for k, (shape, dtype, device) in spec.items():
+                shape_0, dtype_0, device_0 = self._spec[k]
+                if shape != shape_0:
+                    raise ValueError(f"{where}: parameter {k!r} has shape {tuple(shape)}, task 0 "
+                                     f"had {tuple(shape_0)}")
+                if dtype != dtype_0:
+                    raise ValueError(f"{where}: parameter {k!r} has dtype {dtype}, task 0 had "
+                                     f"{dtype_0}")
+                if device != device_0:
+                    raise ValueError(f"{where}: parameter {k!r} is on {device}, task 0 was on "
+                                     f"{device_0}")
+        check_finite(tv, where)
+        return spec
 
 
 def merge_sequence(theta_0: StateDict, task_vectors: Iterable[StateDict],

@@ -33,6 +33,15 @@ owner (r,) the task each component belongs to, r <= the rank budget K. On arriva
    parameter) + the low-rank state, whose size (m + n + 2) K per parameter does not depend on the
    number of tasks once the budget is full.
 
+All-or-nothing `add`, without doubling the state: each matrix is updated in turn, and its undo
+record keeps only what the update threw away, the components re-truncation dropped (at most as
+many as the new task brought in; the kept old ones are still in the new factors, first, in their
+order). If anything raises (an SVD, a check, memory), the matrices already updated are rebuilt
+exactly from their new factors and those records, in reverse order. The other parameters are
+added last, in place (nothing allocated, nothing can fail). A snapshot, or staging every matrix's
+new factors before committing, would instead hold the low-rank state twice, up to (m + n) K per
+matrix; the records hold at most the incoming task's share of it.
+
 Other parameters (not 2-D, or matching `exclude`: biases, norms, embeddings): task arithmetic,
 theta_0 + lam * sum tau with lam = `other_lambda`, or 1/t (the mean) when None, so the merge of one
 task is that task.
@@ -179,41 +188,85 @@ class GS3R(ContinualMerger):
 
     def _add(self, tv: StateDict) -> None:
         t = self.num_tasks
-        self._model_balance = None
+        first_other = {k: tau.clone() for k, tau in tv.items()
+                       if not self.is_matrix(k) and k not in self.other_sum}
+        undo: list[tuple] = []
+        try:
+            for name, tau in tv.items():
+                if self.is_matrix(name):
+                    record = self._add_matrix(name, tau.to(self.dtype), t)
+                    if record is not None:
+                        undo.append(record)
+        except BaseException:
+            for record in reversed(undo):
+                self._undo_matrix(*record)
+            raise
+        # commit of the other parameters: in-place sums on validated tensors cannot fail
         for name, tau in tv.items():
-            if not self.is_matrix(name):
-                if name in self.other_sum:
-                    self.other_sum[name].add_(tau)
-                else:
-                    self.other_sum[name] = tau.clone()
-                continue
-            m, n = tau.shape
-            if name not in self.U:
-                self.U[name] = torch.zeros(m, 0, dtype=self.dtype, device=tau.device)
-                self.V[name] = torch.zeros(n, 0, dtype=self.dtype, device=tau.device)
-                self.sigma[name] = torch.zeros(0, dtype=self.dtype, device=tau.device)
-                self.owner[name] = torch.zeros(0, dtype=torch.int32, device=tau.device)
-            self._add_matrix(name, tau.to(self.dtype), t)
+            if name in first_other:
+                self.other_sum[name] = first_other[name]
+            elif not self.is_matrix(name):
+                self.other_sum[name].add_(tau)
+        self._model_balance = None
 
-    def _add_matrix(self, name: str, tau: Tensor, t: int) -> None:
-        U, V = self.U[name], self.V[name]
+    def _add_matrix(self, name: str, tau: Tensor, t: int) -> tuple | None:
+        """Merge task t's components of one matrix into the state; return the undo record for
+        `_undo_matrix` (None when the state was left as it was)."""
+        existed = name in self.U
+        if existed:
+            U, V, sigma, owner = self.U[name], self.V[name], self.sigma[name], self.owner[name]
+        else:
+            m, n = tau.shape
+            U = torch.zeros(m, 0, dtype=self.dtype, device=tau.device)
+            V = torch.zeros(n, 0, dtype=self.dtype, device=tau.device)
+            sigma = torch.zeros(0, dtype=self.dtype, device=tau.device)
+            owner = torch.zeros(0, dtype=torch.int32, device=tau.device)
+        held, r = (U, V, sigma, owner), sigma.numel()
+        dropped = torch.zeros(0, dtype=torch.long, device=sigma.device)
         U_t, V_t = separate(tau, U, V, self.energy, self.sep_tol)
-        if U_t.shape[1] == 0 or V_t.shape[1] == 0:
-            return  # nothing of this task left outside the held subspaces
-        R = restoration(tau, U_t, V_t)  # pre-merge restoration: from tau_t, before it is merged
-        a, s, bh = thin_svd(R)
-        keep = s > (float(s[0]) * max(R.shape) * torch.finfo(s.dtype).eps if s.numel() else 0)
-        U_t, V_t, s = U_t @ a[:, keep], V_t @ bh[keep].T, s[keep]
-        U = torch.cat([U, U_t], 1)
-        V = torch.cat([V, V_t], 1)
-        sigma = torch.cat([self.sigma[name], s])
-        owner = torch.cat([self.owner[name],
-                           torch.full((s.numel(),), t, dtype=torch.int32, device=s.device)])
-        if sigma.numel() > self.budget(name):
-            idx = retruncate(sigma.cpu(), owner.cpu(), self.budget(name)).to(sigma.device)
-            U, V, sigma, owner = U[:, idx], V[:, idx], sigma[idx], owner[idx]
-        self.U[name], self.V[name] = U.contiguous(), V.contiguous()
-        self.sigma[name], self.owner[name] = sigma, owner
+        if U_t.shape[1] and V_t.shape[1]:  # else nothing of it is outside the held bases
+            R = restoration(tau, U_t, V_t)  # pre-merge restoration: from tau_t, before merging
+            a, s, bh = thin_svd(R)
+            tol = float(s[0]) * max(R.shape) * torch.finfo(s.dtype).eps if s.numel() else 0.0
+            keep = s > tol
+            U_t, V_t, s = U_t @ a[:, keep], V_t @ bh[keep].T, s[keep]
+            cand_sigma = torch.cat([sigma, s])
+            cand_owner = torch.cat([owner, torch.full((s.numel(),), t, dtype=torch.int32,
+                                                      device=s.device)])
+            idx = torch.arange(cand_sigma.numel(), device=sigma.device)
+            if cand_sigma.numel() > self.budget(name):
+                idx = retruncate(cand_sigma.cpu(), cand_owner.cpu(),
+                                 self.budget(name)).to(sigma.device)
+            old_kept, new_kept = idx[idx < r], idx[idx >= r] - r
+            dropped = torch.ones(r, dtype=torch.bool, device=sigma.device)
+            dropped[old_kept] = False
+            dropped = dropped.nonzero().squeeze(1)
+            # the kept old components first, in their order: what _undo_matrix relies on
+            U = torch.cat([U[:, old_kept], U_t[:, new_kept]], 1).contiguous()
+            V = torch.cat([V[:, old_kept], V_t[:, new_kept]], 1).contiguous()
+            sigma, owner = cand_sigma[idx], cand_owner[idx]
+        elif existed:
+            return None
+        record = (name, existed, r, dropped, *(x[..., dropped] for x in held))  # copies
+        self.U[name], self.V[name], self.sigma[name], self.owner[name] = U, V, sigma, owner
+        return record
+
+    def _undo_matrix(self, name: str, existed: bool, r: int, dropped: Tensor,
+                     *dropped_parts: Tensor) -> None:
+        """Restore one matrix's factors as they were before `_add_matrix` (exact copies)."""
+        if not existed:
+            for part in (self.U, self.V, self.sigma, self.owner):
+                del part[name]
+            return
+        kept = torch.ones(r, dtype=torch.bool, device=dropped.device)
+        kept[dropped] = False
+        kept = kept.nonzero().squeeze(1)
+        for part, gone in zip((self.U, self.V, self.sigma, self.owner), dropped_parts):
+            new = part[name]
+            old = new.new_empty(*new.shape[:-1], r)
+            old[..., kept] = new[..., :kept.numel()]
+            old[..., dropped] = gone
+            part[name] = old
 
     # -- merge ----------------------------------------------------------------------------------
 

@@ -6,6 +6,11 @@ ECCV 2024): per element, the task-vector entry of largest magnitude over all tas
 ties going to the later task (an arrival replaces the held entry when |tau_t[i]| >= |held[i]|).
 Continual by construction: the state is the held entry per element (one model), every parameter
 treated alike.
+
+All-or-nothing `add`: the replacement masks of every parameter are computed first (one byte per
+element, a quarter of the float32 state, freed on return), then written with `torch.where(...,
+out=held)`, which allocates nothing and cannot fail part way. Snapshotting the state instead
+would cost a whole model.
 """
 
 from __future__ import annotations
@@ -27,12 +32,13 @@ class MagMax(ContinualMerger):
         self.best: dict[str, Tensor] = {}
 
     def _add(self, tv: StateDict) -> None:
+        if not self.best:
+            self.best = {k: v.clone() for k, v in tv.items()}
+            return
+        replace = {k: v.abs() >= self.best[k].abs() for k, v in tv.items()}
         for k, v in tv.items():
-            if k not in self.best:
-                self.best[k] = v.clone()
-            else:
-                held = self.best[k]
-                held.copy_(torch.where(v.abs() >= held.abs(), v, held))
+            held = self.best[k]
+            torch.where(replace[k], v, held, out=held)
 
     def _delta(self, name: str) -> Tensor:
         return self.best[name] * self.lam

@@ -16,6 +16,12 @@ So the state is P, N (float) and n_plus, n_minus (int16) per element: 12 bytes p
 whatever the number of tasks, and after T arrivals the merge equals batch TIES on all T tasks.
 An exact tie P + N = 0 with non-zero entries elects +. Trimming keeps |x| >= the k-th largest
 magnitude, so ties at the threshold may keep slightly more than the share.
+
+All-or-nothing `add`: the trim (the only data-dependent step, and the largest allocation) runs
+before the state is touched; the accumulation then writes through `out=` into two scratch
+buffers the size of the largest parameter (6 bytes per element of it) and in-place `add_`, so it
+allocates nothing and cannot fail part way. Snapshotting the state instead would cost 12 bytes
+per weight of the whole model.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import math
 import torch
 from torch import Tensor
 
-from crucible.merge.base import DEFAULT_EXCLUDE, ContinualMerger, StateDict
+from crucible.merge.base import DEFAULT_EXCLUDE, ContinualMerger, StateDict, check_finite
 
 _MAX_COUNT = torch.iinfo(torch.int16).max
 
@@ -34,12 +40,14 @@ def ties_trim(tv: StateDict, density: float, scope: str = "global") -> dict[str,
     """Step 1: keep the entries with the top `density` share of magnitudes, zero the rest.
 
     scope="global": one threshold over all entries of the task vector; "tensor": one per tensor.
-    Raises ValueError unless 0 < density <= 1 and scope is one of the two.
+    Raises ValueError unless 0 < density <= 1 and scope is one of the two, and when a tensor holds
+    a NaN or inf (a NaN magnitude would be silently trimmed away, an inf kept forever).
     """
     if not 0.0 < density <= 1.0:
         raise ValueError(f"TIES density must be in (0, 1], got {density}")
     if scope not in ("global", "tensor"):
         raise ValueError(f"TIES trim scope must be 'global' or 'tensor', got {scope!r}")
+    check_finite(tv, "ties_trim")
 
     def threshold(mags: Tensor) -> Tensor:
         k = max(1, math.ceil(density * mags.numel()))
@@ -86,18 +94,28 @@ class TIES(ContinualMerger):
     def _add(self, tv: StateDict) -> None:
         if self.num_tasks >= _MAX_COUNT:
             raise ValueError(f"ties: at most {_MAX_COUNT} tasks (int16 counts)")
-        trimmed = ties_trim(tv, self.density, self.scope)
+        trimmed = ties_trim(tv, self.density, self.scope)  # ours: consumed in place below
+        if self.pos_sum:
+            parts = (self.pos_sum, self.neg_sum, self.n_pos, self.n_neg)
+        else:  # first arrival: a fresh state, assigned only once it is complete
+            parts = tuple({k: torch.zeros(x.shape, dtype=x.dtype if dt is None else dt,
+                                          device=x.device) for k, x in trimmed.items()}
+                          for dt in (None, None, torch.int16, torch.int16))
+        pos_sum, neg_sum, n_pos, n_neg = parts
+        size: dict[tuple, int] = {}
+        for x in trimmed.values():
+            for key in ((x.dtype, x.device), (torch.int16, x.device)):
+                size[key] = max(size.get(key, 0), x.numel())
+        scratch = {key: torch.empty(n, dtype=key[0], device=key[1]) for key, n in size.items()}
+        # from here on nothing allocates: in-place arithmetic on validated tensors cannot fail
         for k, x in trimmed.items():
-            if k not in self.pos_sum:
-                self.pos_sum[k] = torch.zeros_like(x)
-                self.neg_sum[k] = torch.zeros_like(x)
-                self.n_pos[k] = torch.zeros(x.shape, dtype=torch.int16, device=x.device)
-                self.n_neg[k] = torch.zeros(x.shape, dtype=torch.int16, device=x.device)
-            self.pos_sum[k].add_(x.clamp(min=0))
-            self.neg_sum[k].add_(x.clamp(max=0))
-            self.n_pos[k].add_((x > 0).to(torch.int16))
-            self.n_neg[k].add_((x < 0).to(torch.int16))
-            del x
+            f = scratch[(x.dtype, x.device)][:x.numel()].view(x.shape)
+            c = scratch[(torch.int16, x.device)][:x.numel()].view(x.shape)
+            n_pos[k].add_(torch.gt(x, 0, out=c))
+            n_neg[k].add_(torch.lt(x, 0, out=c))
+            neg_sum[k].add_(torch.clamp(x, max=0, out=f))
+            pos_sum[k].add_(x.clamp_(min=0))
+        self.pos_sum, self.neg_sum, self.n_pos, self.n_neg = parts
 
     def _delta(self, name: str) -> Tensor:
         p, n = self.pos_sum[name], self.neg_sum[name]
