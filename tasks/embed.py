@@ -37,20 +37,19 @@ def ids_digest(ids) -> str:
 
 
 def load_embeddings(root: Path, task: str, frames: dict) -> dict[str, torch.Tensor]:
-    """The task's embeddings, checked row for row against the tables they were computed from."""
-    from safetensors import safe_open
+    """The task's embeddings, checked row for row against the tables they were computed from; a
+    missing, truncated or non-finite file is an error naming it and the command that rebuilds it."""
+    from tasks.io import read_safetensors
 
     path = Path(root) / "data" / task / "embeddings.safetensors"
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: embeddings not found; run `crucible stage embed --task {task}` first")
+    rebuild = f"rebuild it with `crucible stage embed --task {task}` (or `dvc repro embed@{task}`)"
+    tensors, meta = read_safetensors(path, "embeddings", rebuild)
     out = {}
-    with safe_open(str(path), framework="pt") as fh:
-        meta = fh.metadata() or {}
-        for name, df in frames.items():
-            if meta.get(f"{name}_ids_md5") != ids_digest(df["id"]):
-                raise ValueError(f"{path}: embeddings of '{name}' were computed for other rows than "
-                                 f"data/{task}/{name}.parquet; rerun the embed stage (dvc repro)")
-            out[name] = fh.get_tensor(name)
+    for name, df in frames.items():
+        if name not in tensors or meta.get(f"{name}_ids_md5") != ids_digest(df["id"]):
+            raise ValueError(f"{path}: embeddings of '{name}' were computed for other rows than "
+                             f"data/{task}/{name}.parquet; {rebuild}")
+        out[name] = tensors[name]
     return out
 
 

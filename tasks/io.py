@@ -56,6 +56,33 @@ def read_stage_output(path: Path | str, what: str, columns, stage: str) -> pd.Da
     return df
 
 
+def read_safetensors(path: Path | str, what: str, rebuild: str, finite: bool = True) -> tuple[dict, dict]:
+    """(tensors, metadata) of a safetensors file written by an earlier stage. A missing, truncated or
+    corrupt file, or (with `finite`) a tensor holding NaN or inf, is an error naming the file, the
+    tensor and `rebuild` (the command that remakes it)."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: {what} not found; {rebuild}")
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            meta = fh.metadata() or {}
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"{path}: {what} is not a readable safetensors file (truncated or corrupt: {exc}); "
+                         f"{rebuild}") from None
+    if finite:
+        import torch
+
+        for name, t in tensors.items():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                bad = int((~torch.isfinite(t)).sum())
+                raise ValueError(f"{path}: tensor {name!r} of the {what} has {bad} NaN or inf values of {t.numel()}; "
+                                 f"{rebuild}")
+    return tensors, meta
+
+
 def figure_png(fig, dpi: int = 110) -> bytes:
     """A matplotlib figure as PNG bytes (for AtomicOutputs.bytes); closes the figure."""
     import io

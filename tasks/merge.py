@@ -135,12 +135,12 @@ def merge_worker(spec: dict) -> dict:
     for j, path in enumerate(spec["models"]):
         with sampler.window():
             t0 = time.perf_counter()
-            tau = task_vector(load_file(path), theta_0, inplace=True)
+            tau = task_vector(load_file(path), theta_0, inplace=True, source=str(path), base_source=spec["theta0"])
             t1 = time.perf_counter()
-            merger.add(tau)
+            merger.add(tau, source=str(path))
             del tau
             t2 = time.perf_counter()
-            merged = merger.merged(theta_0)
+            merged = merger.merged(theta_0, source=spec["theta0"])
             t3 = time.perf_counter()
         records.append({"arrival": j, "load_seconds": t1 - t0, "add_seconds": t2 - t1, "merged_seconds": t3 - t2,
                         "peak_rss_mb": (sampler.peak - base) / 2**20, "state_mb": merger.state_bytes() / 2**20})

@@ -12,27 +12,31 @@ import pandas as pd
 
 
 def read_task_model(root: Path, task: str, base_model: str) -> dict:
-    """A task's fine-tune: paths, head tensors, classes, max_length; checks it was made from base_model."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
+    """A task's fine-tune: paths, head tensors, classes, max_length; checks it was made from base_model
+    and that its files are readable and finite (each error names the file and the command that
+    rebuilds it)."""
+    from tasks.io import read_safetensors
 
     folder = root / "data" / task / "finetune"
     paths = {name: folder / name for name in ("model.safetensors", "head.safetensors", "config.json")}
+    rebuild = f"rebuild it with `crucible stage finetune --task {task}` (or `dvc repro finetune@{task}`)"
     for path in paths.values():
         if not path.is_file():
-            raise FileNotFoundError(f"{path}: missing; the merge stage needs every task's fine-tune "
-                                    f"(run `crucible stage finetune --task {task}` or `dvc repro finetune@{task}`)")
-    config = json.loads(paths["config.json"].read_text())
+            raise FileNotFoundError(f"{path}: missing; the merge stage needs every task's fine-tune ({rebuild})")
+    try:
+        config = json.loads(paths["config.json"].read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{paths['config.json']}: not valid JSON ({exc}); {rebuild}") from None
     if config.get("base_model") != base_model:
         raise ValueError(f"{paths['config.json']}: field 'base_model' = {config.get('base_model')!r}, but "
                          f"embed.model is {base_model!r}; every task model must be fine-tuned from the same base "
                          f"(rerun finetune@{task})")
-    head = load_file(str(paths["head.safetensors"]))
-    with safe_open(str(paths["head.safetensors"]), "pt") as f:
-        classes = json.loads((f.metadata() or {}).get("classes", "null"))
+    read_safetensors(paths["model.safetensors"], f"fine-tuned encoder of task {task!r}", rebuild)
+    head, meta = read_safetensors(paths["head.safetensors"], f"head of task {task!r}", rebuild)
+    classes = json.loads(meta.get("classes", "null"))
     if set(head) != {"weight", "bias"} or classes is None or head["weight"].shape[0] != len(classes):
         raise ValueError(f"{paths['head.safetensors']}: expected tensors 'weight' (n_classes, hidden) and 'bias' "
-                         f"and metadata 'classes'; got tensors {sorted(head)}, classes {classes}")
+                         f"and metadata 'classes'; got tensors {sorted(head)}, classes {classes}; {rebuild}")
     return {"task": task, "model": paths["model.safetensors"], "head": head, "classes": classes,
             "max_length": int(config.get("max_length", 64))}
 
