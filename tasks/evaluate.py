@@ -77,9 +77,7 @@ def _rerun(stage: str) -> str:
 
 def read_inputs(root: Path, params: Params) -> dict:
     """Both stages' features, checked against each other and params; heads and configs."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
+    from tasks.io import read_safetensors
     from tasks.scoring import read_features
 
     order = params.merge_order()
@@ -100,10 +98,7 @@ def read_inputs(root: Path, params: Params) -> dict:
                                  f"the merge stage's ({root / MERGE / 'features.safetensors'}); both must score the "
                                  f"same test and probe rows: {_rerun('quantize')}")
     path = root / MERGE / "heads.safetensors"
-    try:
-        heads = load_file(str(path))
-    except (SafetensorError, OSError) as exc:
-        raise ValueError(f"{path}: not a readable safetensors file ({exc}); {_rerun('merge')}") from None
+    heads, _ = read_safetensors(path, "task heads", _rerun("merge"))
     missing = [t for t in order if f"{t}.weight" not in heads or f"{t}.bias" not in heads]
     if missing:
         raise ValueError(f"{path}: no head for tasks {missing}; {_rerun('merge')}")

@@ -95,6 +95,15 @@ def figure_png(fig, dpi: int = 110) -> bytes:
     return buf.getvalue()
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _umask()  # read once at import: os.umask is process-wide and racy between threads
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -118,9 +127,11 @@ class AtomicOutputs:
     def file(self, dest: Path | str, write: Callable[[Path], None]) -> Path:
         dest = Path(dest)
         dest.parent.mkdir(parents=True, exist_ok=True)
-        for stale in dest.parent.glob(f".{dest.name}.*.tmp"):  # left by a killed earlier run
-            stale.unlink(missing_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+        from tasks.scratch import owner_tag, sweep_files
+
+        sweep_files(dest.parent)  # a killed earlier run's temporary files; never a live run's
+        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.{owner_tag()}.", suffix=".tmp", dir=dest.parent)
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; outputs get the usual mode
         os.close(fd)
         tmp = Path(tmp)
         try:

@@ -38,7 +38,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -48,6 +47,7 @@ import pandas as pd
 from tasks.io import AtomicOutputs, figure_png
 from tasks.models import resolve_model
 from tasks.params import Params
+from tasks.scratch import scratch
 from tasks.scoring import FeatureStore, Scorer, read_probe_rows, read_task_model, read_tests
 
 OUT = Path("models") / "merge"
@@ -266,8 +266,7 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     ranks: list[dict] = []   # ranks.csv
     summary: dict[str, dict] = {}
     finetuned, base_acc = {}, {}
-    with tempfile.TemporaryDirectory(prefix="crucible-merge-") as tmp:
-        tmp = Path(tmp)
+    with scratch(root, "merge") as tmp:  # in the workspace; a killed run's folder goes at the next start
         theta0_file = tmp / "theta0.safetensors"
         save_file({k: v.contiguous() for k, v in scorer.theta_0.items()}, str(theta0_file))
         if cfg.evaluate:

@@ -114,7 +114,11 @@ def stage_run(root: Path, experiment: str, stage: str, task: str | None = None,
     experiment_id = ensure_experiment(root, experiment)
     parent = parent_run_id or os.environ.get(PARENT_ENV)
     name = stage if task is None else f"{stage}@{task}"
-    tags = {"crucible.stage": stage, "crucible.git_commit": git_commit(root), "mlflow.runName": name}
+    from tasks.scratch import owner_tag
+
+    fail_orphaned_runs(root, experiment_id)
+    tags = {"crucible.stage": stage, "crucible.git_commit": git_commit(root), "mlflow.runName": name,
+            "crucible.owner": owner_tag()}
     if task is not None:
         tags["crucible.task"] = task
     if parent:
@@ -132,10 +136,30 @@ def stage_run(root: Path, experiment: str, stage: str, task: str | None = None,
         client.set_terminated(run.info.run_id, status="FINISHED")
 
 
+def fail_orphaned_runs(root: Path, experiment_id: str) -> list[str]:
+    """Mark FAILED the runs still RUNNING whose process (tag crucible.owner, `<pid>@<host>`) is gone
+    from this host: a stage killed with SIGKILL could not end its own run. Returns their ids."""
+    from tasks.scratch import tag_alive
+
+    client = _client(root)
+    with _WRITE_LOCK:
+        runs = client.search_runs([experiment_id], "attributes.status = 'RUNNING'", max_results=500)
+        failed = []
+        for run in runs:
+            if tag_alive(run.data.tags.get("crucible.owner", "")) is False:
+                client.set_tag(run.info.run_id, "crucible.failure", "interrupted: its process is gone")
+                client.set_terminated(run.info.run_id, status="FAILED")
+                failed.append(run.info.run_id)
+    return failed
+
+
 def start_parent_run(root: Path, experiment: str, name: str, tags: dict) -> str:
+    from tasks.scratch import owner_tag
+
     client = _client(root)
     experiment_id = ensure_experiment(root, experiment)
-    tags = {"crucible.git_commit": git_commit(root), **tags}
+    fail_orphaned_runs(root, experiment_id)
+    tags = {"crucible.git_commit": git_commit(root), "crucible.owner": owner_tag(), **tags}
     with _WRITE_LOCK:
         return client.create_run(experiment_id, tags=tags, run_name=name).info.run_id
 
