@@ -50,7 +50,7 @@ def make_workspace(source: Path | str, dest: Path | str, profile: str | None = N
         (dest / "params.yaml").write_text(text)
     if not (dest / ".git").exists():
         _run(["git", "init", "-q"], dest)
-        (dest / ".gitignore").write_text("/mlflow.db\n/mlartifacts/\n/.prefect/\n")
+        (dest / ".gitignore").write_text("/mlflow.db\n/mlartifacts/\n/.prefect/\n/.crucible/\n")
     if not (dest / ".dvc").exists():
         dvc = Path(sys.executable).with_name("dvc")
         _run([str(dvc) if dvc.exists() else "dvc", "init", "-q"], dest)
