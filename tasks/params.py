@@ -23,12 +23,22 @@ CORPORA = ("bbc_news", "rotten_tomatoes", "tweet_sentiment", "debates_party")
 TASK_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 
 
+def _valid_regex(pattern: str | None) -> str | None:
+    if pattern is not None:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"not a valid regular expression: {exc}") from None
+    return pattern
+
+
 class ParamsError(ValueError):
     """params.yaml (or a profile) is invalid. The message says where and what is allowed."""
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: `max_steps: true` is not 1 and `lr: "0.1"` is not 0.1 (an int still fills a float field)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 Prob = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -153,6 +163,12 @@ class FinetuneParams(_Section):
     modules: str = Field(r"encoder\.layer\.\d+\.", min_length=1,
                          description="regex searched in the encoder's nn.Linear module names to wrap")
     lr: float = Field(5e-5, gt=0.0, le=1.0, description="peak learning rate of the encoder")
+
+    @field_validator("modules")
+    @classmethod
+    def _regex(cls, pattern: str) -> str:
+        return _valid_regex(pattern)
+
     head_lr: float = Field(1e-3, gt=0.0, le=10.0, description="peak learning rate of the fresh classification head")
     epochs: float = Field(1.0, gt=0.0, le=1000.0, description="passes over the training rows (unless max_steps)")
     max_steps: int | None = Field(None, ge=1, description="optimizer steps; null = epochs x steps per epoch")
@@ -191,7 +207,7 @@ class MergeParams(_Section):
     main: str = Field("gs3r", description="the method whose final merged model is the stage's output")
     evaluate: bool = Field(True, description="after each arrival, score the merged model on every arrived "
                            "task's test split (with that task's head)")
-    eval_limit: int | None = Field(None, ge=1, description="test items scored per task (first N); null = all")
+    eval_limit: int | None = Field(200, ge=1, description="test items scored per task (first N); null = all")
     eval_batch_size: int = Field(64, ge=1, le=4096)
 
     @field_validator("methods", mode="before")
@@ -247,13 +263,60 @@ class QuantizeParams(_Section):
     @field_validator("modules", "embeddings")
     @classmethod
     def _regex(cls, pattern: str | None) -> str | None:
-        if pattern is None:
-            return pattern
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise ValueError(f"not a valid regular expression: {exc}") from None
-        return pattern
+        return _valid_regex(pattern)
+
+
+class EvaluateParams(_Section):
+    """Stage evaluate (METHODS.md sec. 6): every model variant through three interfaces (its task's
+    head, a fresh probe, clustering of its frozen features). The merge and quantize stages compute
+    the features (each encoder runs once over the texts); this section says which rows the probe is
+    fitted on, so those stages depend on `probe_rows` too."""
+
+    probe_rows: Literal["reference", "labeled"] = Field(
+        "reference", description="rows the fresh probe is fitted on: the clean reference, or labeled.parquet "
+        "(reference + audited members + selected pseudo-labels)")
+    probe_limit: int | None = Field(None, ge=2, description="at most this many probe rows per task (first N); "
+                                    "null = all")
+    probe_C: float = Field(1.0, gt=0, description="inverse L2 strength of the logistic-regression probe")
+    clustering: list[Literal["kmeans", "agglomerative", "spectral"]] = Field(
+        default_factory=lambda: ["kmeans", "agglomerative"], min_length=1,
+        description="clustering algorithms of the separability interface (k = number of classes)")
+    normalize: bool = Field(True, description="L2-normalise features before the probe and the clustering")
+
+
+class RegisterParams(_Section):
+    """Stage register: the deployable model as one multi-task MLflow pyfunc in the registry under
+    tracking.registered_model. The alias `champion` moves to a new version only when no task's test
+    accuracy (from evaluate) is below its floor and its mean is at least the current champion's
+    minus `tolerance`; otherwise the version is the `challenger`."""
+
+    model: Literal["quantized", "float"] = Field(
+        "quantized", description="what is deployed: the quantize stage's MXFP4 model with its compensation, or the "
+        "float merged model")
+    tolerance: float = Field(0.005, ge=0.0, le=1.0, description="champion moves when the new mean test accuracy is "
+                             ">= the champion's minus this")
+    floor: Prob = Field(0.0, description="minimum test accuracy of each task not listed in floors")
+    floors: dict[str, Prob] = Field(default_factory=dict, description="per task: its minimum test accuracy")
+    batch_size: int = Field(64, ge=1, le=4096, description="texts per forward pass of the served model")
+
+    @field_validator("floors")
+    @classmethod
+    def _floor_tasks(cls, floors: dict[str, float]) -> dict[str, float]:
+        for name in floors:
+            if not TASK_NAME.match(name):
+                raise ValueError(f"task name {name!r} must match {TASK_NAME.pattern}")
+        return floors
+
+
+def _quiet_register_field_warning() -> None:
+    """`register` (the stage's section) is also ABCMeta.register, a method of pydantic's metaclass
+    that instances never see; pydantic warns about the name once, at class creation."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message='Field name "register" in "Params" shadows', category=UserWarning)
+
+
+_quiet_register_field_warning()
 
 
 class Params(_Section):
@@ -266,6 +329,8 @@ class Params(_Section):
     finetune: FinetuneParams = FinetuneParams()
     merge: MergeParams = Field(default_factory=MergeParams)
     quantize: QuantizeParams = QuantizeParams()
+    evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
+    register: RegisterParams = Field(default_factory=RegisterParams)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Params":
@@ -285,6 +350,10 @@ class Params(_Section):
                                  f"({', '.join(self.pipeline.tasks)})")
             if len(set(order)) != len(order):
                 raise ValueError(f"merge.order = {order} lists a task twice")
+        if self.merge.eval_limit != self.quantize.eval_limit:
+            raise ValueError(f"merge.eval_limit = {self.merge.eval_limit} and quantize.eval_limit = "
+                             f"{self.quantize.eval_limit} differ; evaluate compares every variant on the same "
+                             f"test rows, so set them equal")
         return self
 
     def merge_order(self) -> list[str]:
@@ -346,13 +415,33 @@ def format_validation_error(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A YAML loader that refuses a key given twice in one mapping (plain YAML keeps the last one)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                hash(key)
+            except TypeError:
+                continue  # let the base class report an unhashable key
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice in one mapping: at line {seen[key] + 1} and at "
+                    f"line {key_node.start_mark.line + 1} (YAML would silently keep the last; keep one)",
+                    key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: Path) -> dict:
     try:
         text = path.read_text()
     except FileNotFoundError:
         raise ParamsError(f"{path}: params file not found") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         raise ParamsError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):

@@ -151,3 +151,25 @@ def test_null_removes_a_merge_method(base):
     assert list(validate_params(base, "x").merge.methods) == ["gs3r", "task_arithmetic", "weight_average", "magmax"]
     base["merge"] = {"methods": {"gs3r": None}}
     check(base, "merge.methods", "at least 1")
+
+
+@pytest.mark.parametrize("body, message", [
+    ("finetune:\n  max_steps: true\n", r"key 'finetune.max_steps' = True: Input should be a valid integer"),
+    ("finetune:\n  lr: '0.1'\n", r"key 'finetune.lr' = '0.1': Input should be a valid number"),
+    ("finetune:\n  modules: 'enc(oder'\n", r"key 'finetune.modules' = 'enc\(oder': .*not a valid regular expression"),
+    ("ingest:\n  eps: 0.2\ningest:\n  eps: 0.1\n", r"key 'ingest' appears twice in one mapping: at line 3 and at line 5"),
+    ("finetune:\n  lr: 0.001\n  lr: 0.002\n", r"key 'lr' appears twice in one mapping: at line 4 and at line 5"),
+])
+def test_strict_types_duplicate_keys_and_regexes_are_refused_at_load(tmp_path, body, message):
+    """A bool is not an int, a string not a number; a key given twice is not silently the last one;
+    a regex that cannot compile fails `crucible params check`, not a stage."""
+    path = tmp_path / "params.yaml"
+    path.write_text("pipeline:\n  tasks: {bbc: {corpus: bbc_news}}\n" + body)
+    with pytest.raises(ParamsError, match=message):
+        load_params(path)
+
+
+def test_an_int_still_fills_a_float_field(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("pipeline:\n  tasks: {bbc: {corpus: bbc_news}}\nfinetune:\n  epochs: 2\n")
+    assert load_params(path).finetune.epochs == 2.0
