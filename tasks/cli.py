@@ -5,6 +5,9 @@
     crucible params check [FILE] [--profile tiny]        validate params
     crucible params render [--profile tiny] [-o FILE]    params with a profile applied
     crucible ui                                          MLflow UI + Prefect server on 127.0.0.1
+    crucible serve [--alias champion] [--port 5001]      the registered model over HTTP on 127.0.0.1
+    crucible predict --task bbc "text" ...               the registered champion, in this process
+    crucible lineage champion|VERSION                    what made a registered version; still current?
 """
 
 from __future__ import annotations
@@ -115,6 +118,123 @@ def _cmd_ui(args) -> int:
     return 0
 
 
+def _message(exc: Exception) -> str:
+    """An error's message without KeyError's quotes or MLflow's wrapping."""
+    message = getattr(exc, "message", None)
+    if isinstance(message, str):
+        return message
+    return str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+
+
+def _registered(root: Path, ref: str):
+    """(name, client, model version) of params' registered model at version or alias `ref`."""
+    from tasks.params import load_params
+    from tasks.register import registry_client, resolve_version
+
+    name = load_params(root / "params.yaml").tracking.registered_model
+    client = registry_client(root)
+    return name, client, resolve_version(client, name, ref)
+
+
+def _cmd_serve(args) -> int:
+    import socket
+    import threading
+    import urllib.request
+
+    from tasks.params import ParamsError
+    from tasks.register import curl_example, serve_command
+
+    root = Path(args.root).resolve()
+    try:
+        name, _, mv = _registered(root, args.alias)
+    except (ParamsError, KeyError) as exc:
+        print(f"error: {_message(exc)}", file=sys.stderr)
+        return 2
+    with socket.socket() as sock:
+        try:
+            sock.bind((args.host, args.port))
+        except OSError as exc:
+            print(f"error: cannot listen on {args.host}:{args.port} ({exc.strerror}); pick another --port", file=sys.stderr)
+            return 2
+    cmd, env = serve_command(root, name, args.alias, args.host, args.port, args.workers)
+    tasks = (mv.tags.get("crucible.tasks") or "TASK").split(",")
+    print(f"serving {name} version {mv.version} (@{args.alias}) at http://{args.host}:{args.port}/invocations "
+          f"(tasks: {', '.join(tasks)}); Ctrl-C stops it.")
+    print("try:")
+    print(f"  {curl_example(args.host, args.port, tasks[0])}")
+    print(f"  # -> {{\"predictions\": [{{\"task\": \"{tasks[0]}\", \"label\": ..., \"proba_<class>\": ...}}]}}", flush=True)
+    proc = subprocess.Popen(cmd, env=env)
+
+    def announce() -> None:  # loading takes a while: say when it answers
+        deadline = time.monotonic() + 600
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://{args.host}:{args.port}/ping", timeout=2):
+                    print(f"ready: http://{args.host}:{args.port}", flush=True)
+                    return
+            except OSError:
+                time.sleep(1)
+
+    threading.Thread(target=announce, daemon=True).start()
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        return 0
+
+
+def _cmd_predict(args) -> int:
+    from mlflow.exceptions import MlflowException
+
+    import pandas as pd
+
+    from tasks.params import ParamsError
+    from tasks.register import load_registered
+
+    root = Path(args.root).resolve()
+    try:
+        name, _, mv = _registered(root, args.alias)
+        known = [t for t in (mv.tags.get("crucible.tasks") or "").split(",") if t]
+        if known and args.task not in known:
+            raise KeyError(f"unknown task {args.task!r}; valid tasks: {', '.join(known)}")
+        model, _ = load_registered(root, mv.version, name)
+        out = model.predict(pd.DataFrame({"text": args.texts, "task": [args.task] * len(args.texts)}))
+    except (ParamsError, KeyError, MlflowException) as exc:
+        print(f"error: {_message(exc)}", file=sys.stderr)
+        return 2
+    cols = [c for c in out.columns if c.startswith("proba_") and out[c].notna().all()]
+    if args.json:
+        print(json.dumps([{"text": t, **{k: v for k, v in r.items() if k in ["task", "label", *cols]}}
+                          for t, r in zip(args.texts, out.to_dict("records"))], indent=2))
+        return 0
+    print(f"{name} version {mv.version} (@{args.alias}), task {args.task}")
+    for text, (_, row) in zip(args.texts, out.iterrows()):
+        probs = "  ".join(f"{c[len('proba_'):]} {row[c]:.3f}" for c in cols)
+        print(f"{row['label']:<12} {probs}   {text[:70]}{'...' if len(text) > 70 else ''}")
+    return 0
+
+
+def _cmd_lineage(args) -> int:
+    from tasks import lineage
+    from tasks.params import ParamsError
+    from tasks.register import version_summary
+    from tasks.tracking import git_commit
+
+    root = Path(args.root).resolve()
+    try:
+        name, _, mv = _registered(root, args.ref)
+        result = lineage.compare(root, mv.tags, git_commit(root))
+    except (ParamsError, KeyError, ValueError) as exc:
+        print(f"error: {_message(exc)}", file=sys.stderr)
+        return 2
+    print(lineage.report(result, version_summary(name, mv)))
+    return 0 if result["matches"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="crucible", description="A reproducible post-training pipeline.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -144,12 +264,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mlflow-port", type=int, default=5000)
     p.add_argument("--prefect-port", type=int, default=4200)
     p.set_defaults(func=_cmd_ui)
+
+    p = sub.add_parser("serve", help="serve the registered model over HTTP (mlflow models serve) on 127.0.0.1")
+    p.add_argument("--alias", default="champion", help="alias or version number (default: champion)")
+    p.add_argument("--port", type=int, default=5001)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--workers", type=int, default=1, help="server processes, each with its own copy of the model")
+    p.add_argument("--root", default=".")
+    p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("predict", help="classify texts with the registered model, in this process")
+    p.add_argument("texts", nargs="+", metavar="TEXT")
+    p.add_argument("--task", required=True, help="the task whose head answers")
+    p.add_argument("--alias", default="champion", help="alias or version number (default: champion)")
+    p.add_argument("--json", action="store_true", help="print JSON records")
+    p.add_argument("--root", default=".")
+    p.set_defaults(func=_cmd_predict)
+
+    p = sub.add_parser("lineage", help="a registered version's lineage, checked against dvc.lock and the disk")
+    p.add_argument("ref", metavar="VERSION|ALIAS")
+    p.add_argument("--root", default=".")
+    p.set_defaults(func=_cmd_lineage)
     return parser
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    # SIGTERM (a scheduler's kill, `kill PID`) unwinds like Ctrl-C: the stage's MLflow run is marked
+    # FAILED, its staged outputs are discarded, its scratch folder removed. (SIGKILL cannot be
+    # caught: the next start marks such a run FAILED and sweeps its files.)
+    raise SystemExit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     apply_defaults(Path(getattr(args, "root", ".")))
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     sys.exit(args.func(args))
 
 

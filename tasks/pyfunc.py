@@ -1,10 +1,34 @@
-"""A fine-tuned task model as an MLflow pyfunc: a DataFrame of texts in, labels and probabilities out.
+"""Models as MLflow pyfuncs: a DataFrame of texts in, labels and class probabilities out.
 
-    model = mlflow.pyfunc.load_model("runs:/<run_id>/model")      # or models:/<name>@champion
-    model.predict(pd.DataFrame({"text": ["great film", "dull"]}))  # columns: label, proba_<class>...
+Two models live here:
 
-The logged model is self-contained: the encoder's config and tokenizer files, the fine-tuned
-weights and head (safetensors), crucible's library code, and explicit pip requirements.
+- `MultiTaskClassifier`, the deployable model that the register stage logs and registers: one
+  shared encoder (the packed MXFP4 one from models/quantize/, or the float merged one from
+  models/merge/) with every task's head. It answers every task:
+
+      model = mlflow.pyfunc.load_model("models:/crucible-classifier@champion")
+      model.predict(pd.DataFrame({"text": ["Shares fell 3%", "a dull film"], "task": ["bbc", "rotten"]}))
+      #    task     label  proba_business  proba_sport  proba_tech  proba_fresh  proba_rotten
+      # 0   bbc  business            0.91         0.04        0.05         None          None
+      # 1  rotten  rotten            None         None        None         0.12          0.88
+
+  Output, one row per input row in the input's order: `task`, `label` (the argmax class of that
+  row's task) and one `proba_<class>` column per class of every task (the union, in task order; a
+  class name that two tasks share is one column). A row's probabilities of its own task's classes
+  sum to 1; the cells of the other tasks' classes are None (JSON null over HTTP; `.astype(float)`
+  makes them NaN), so the served JSON stays valid JSON.
+  Bad input raises `MlflowException` with error code INVALID_PARAMETER_VALUE, which MLflow's
+  scoring server answers with HTTP 400 and the message: no `text` or `task` column, an unknown task
+  (the message lists the valid ones), an empty or non-string text (the message names the row).
+  The model is logged "from code": MLflow runs this file to build it (the `set_model` call at the
+  bottom), so no pickle is written or read.
+
+- `TextClassifier`, one fine-tuned task model (the finetune stage logs one per task):
+  `predict(pd.DataFrame({"text": [...]}))` -> columns label, proba_<class>.
+
+Both are self-contained: the encoder's architecture and tokenizer files, the weights and heads
+(safetensors), crucible's library code (`code_paths`) and pinned pip requirements travel with the
+model, so it loads in a fresh process from the registry alone.
 """
 
 from __future__ import annotations
@@ -19,6 +43,8 @@ import mlflow.pyfunc
 import pandas as pd
 
 TOKENIZER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
+MODEL_KINDS = ("quantized", "float")
+CONFIG_NAME = "crucible.json"  # the multi-task model's own config inside its artifact folder
 
 
 class TextClassifier(mlflow.pyfunc.PythonModel):
@@ -63,9 +89,214 @@ class TextClassifier(mlflow.pyfunc.PythonModel):
         return out
 
 
+# ---------------------------------------------------------------------------------------------------
+# the deployable multi-task model
+
+
+def _invalid(message: str) -> Exception:
+    """The error for bad input: MLflow's scoring server answers it with HTTP 400 and `message`."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+
+    return MlflowException(message, error_code=INVALID_PARAMETER_VALUE)
+
+
+def proba_columns(classes: dict[str, list[str]], order: list[str]) -> list[str]:
+    """The output's probability columns: proba_<class> over every task's classes, in task order,
+    each name once."""
+    out: list[str] = []
+    for t in order:
+        for c in classes[t]:
+            if f"proba_{c}" not in out:
+                out.append(f"proba_{c}")
+    return out
+
+
+def load_encoder_from(folder: Path, kind: str):
+    """(encoder, tokenizer) from a multi-task model's artifact folder: the architecture and tokenizer
+    from folder/encoder/, the weights from folder/model.safetensors. `quantized`: the packed MXFP4
+    file rebuilt by crucible.quant.load_quantized into the bare architecture (no float weights read;
+    the quantize stage's loader does the same); `float`: a plain state dict, loaded strictly."""
+    from transformers import AutoConfig, AutoModel, AutoTokenizer
+
+    folder = Path(folder)
+    skeleton = AutoModel.from_config(AutoConfig.from_pretrained(str(folder / "encoder"), local_files_only=True))
+    if kind == "quantized":
+        from crucible.quant import load_quantized
+
+        encoder = load_quantized(folder / "model.safetensors", skeleton)
+    elif kind == "float":
+        from safetensors.torch import load_file
+
+        skeleton.load_state_dict(load_file(str(folder / "model.safetensors")), strict=True)
+        encoder = skeleton
+    else:
+        raise ValueError(f"{folder / CONFIG_NAME}: field 'kind' = {kind!r}; expected one of {MODEL_KINDS}")
+    encoder.eval()
+    return encoder, AutoTokenizer.from_pretrained(str(folder / "encoder"), local_files_only=True)
+
+
+class MultiTaskClassifier(mlflow.pyfunc.PythonModel):
+    """One encoder, one head per task: rows of (text, task) in, (task, label, proba_<class>...) out."""
+
+    def load_context(self, context) -> None:
+        self.load(Path(context.artifacts["model_dir"]))
+
+    def load(self, folder: Path) -> "MultiTaskClassifier":
+        import torch
+        from safetensors.torch import load_file
+
+        from crucible.train import EncoderClassifier
+
+        folder = Path(folder)
+        self.config = json.loads((folder / CONFIG_NAME).read_text())
+        self.classes: dict[str, list[str]] = self.config["classes"]
+        self.order: list[str] = [t for t in self.config.get("order") or self.classes if t in self.classes]
+        self.max_length: dict[str, int] = {t: int(self.config["max_length"].get(t, 64)) for t in self.order}
+        self.batch_size = int(self.config.get("batch_size", 64))
+        self.columns = proba_columns(self.classes, self.order)
+        self.encoder, self.tokenizer = load_encoder_from(folder, self.config["kind"])
+        heads = load_file(str(folder / "heads.safetensors"))
+        self.models = {}
+        for t in self.order:
+            model = EncoderClassifier(self.encoder, len(self.classes[t]), dropout=0.0)
+            with torch.no_grad():
+                model.head.weight.copy_(heads[f"{t}.weight"])
+                model.head.bias.copy_(heads[f"{t}.bias"])
+            model.eval()
+            self.models[t] = model
+        return self
+
+    def _valid_tasks(self) -> str:
+        return ", ".join(self.order)
+
+    def validate(self, model_input) -> pd.DataFrame:
+        """The input as a DataFrame with string columns text and task; raises `_invalid` naming the
+        problem (and the valid tasks, or the row)."""
+        if isinstance(model_input, dict):
+            try:
+                model_input = pd.DataFrame(model_input)
+            except ValueError as exc:
+                raise _invalid(f"input: cannot make a table of {sorted(model_input)} ({exc})") from None
+        if not isinstance(model_input, pd.DataFrame):
+            raise _invalid(f"input must be a table with columns 'text' and 'task' (one of: {self._valid_tasks()}); "
+                           f"got {type(model_input).__name__}")
+        missing = [c for c in ("text", "task") if c not in model_input.columns]
+        if missing:
+            raise _invalid(f"input is missing column{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))}: "
+                           f"every row needs a 'text' and a 'task' (one of: {self._valid_tasks()}); "
+                           f"got columns {[str(c) for c in model_input.columns]}")
+        for i, (text, task) in enumerate(zip(model_input["text"], model_input["task"])):
+            if not isinstance(task, str) or task not in self.models:
+                raise _invalid(f"row {i}: unknown task {task!r}; valid tasks: {self._valid_tasks()}")
+            if text is None or text is pd.NA or (isinstance(text, float) and text != text):
+                raise _invalid(f"row {i}: column 'text' is missing (null)")
+            if not isinstance(text, str):
+                raise _invalid(f"row {i}: column 'text' must be a string, got {type(text).__name__} {text!r}")
+            if not text.strip():
+                raise _invalid(f"row {i}: column 'text' is empty")
+        return model_input
+
+    def predict(self, context, model_input, params=None) -> pd.DataFrame:
+        import numpy as np
+        import torch
+
+        from crucible.train import predict, tokenize
+
+        df = self.validate(model_input)
+        n = len(df)
+        tasks = df["task"].tolist()
+        texts = df["text"].tolist()
+        labels: list[str | None] = [None] * n
+        cells = {c: [None] * n for c in self.columns}
+        pad = self.tokenizer.pad_token_id or 0
+        for t in self.order:
+            rows = [i for i in range(n) if tasks[i] == t]
+            if not rows:
+                continue
+            ids = tokenize(self.tokenizer, [texts[i] for i in rows], self.max_length[t])
+            with torch.inference_mode():  # scoped: a global grad switch would leak into the caller's process
+                logits = predict(self.models[t], ids, self.batch_size, pad)
+            proba = torch.softmax(logits.double(), dim=1).numpy()
+            best = proba.argmax(1)
+            for k, c in enumerate(self.classes[t]):
+                column = cells[f"proba_{c}"]
+                for j, i in enumerate(rows):
+                    column[i] = float(proba[j, k])
+            for j, i in enumerate(rows):
+                labels[i] = self.classes[t][int(best[j])]
+        out = pd.DataFrame({"task": pd.Series(tasks, dtype=object), "label": pd.Series(labels, dtype=object)})
+        for c in self.columns:
+            out[c] = pd.Series(cells[c], dtype=object)
+        out.index = df.index if len(df.index) == n else np.arange(n)
+        return out
+
+
 def pip_requirements() -> list[str]:
-    names = ("torch", "transformers", "safetensors", "tokenizers", "pandas", "numpy", "mlflow")
+    names = ("torch", "transformers", "safetensors", "tokenizers", "pandas", "numpy", "mlflow", "tqdm")
     return [f"{n}=={metadata.version(n).split('+')[0]}" for n in names]
+
+
+def _copy_library(dest: Path) -> Path:
+    """crucible's library code (no caches) as dest/crucible, for `code_paths`."""
+    import crucible
+
+    target = Path(dest) / "crucible"
+    shutil.copytree(Path(crucible.__file__).parent, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return target
+
+
+def stage_multitask_folder(dest: Path, source: Path, kind: str, base_model_dir: str, extra: dict | None = None) -> Path:
+    """The multi-task model's artifact folder `dest` (must not exist): encoder/ (architecture and
+    tokenizer files of the base model), model.safetensors and heads.safetensors copied from the
+    stage folder `source` (models/quantize/ or models/merge/), crucible.json (kind, classes,
+    max_length, order, base_model, the source's config, and `extra`)."""
+    if kind not in MODEL_KINDS:
+        raise ValueError(f"model kind {kind!r}; expected one of {MODEL_KINDS}")
+    source, dest = Path(source), Path(dest)
+    src_config = json.loads((source / "config.json").read_text())
+    (dest / "encoder").mkdir(parents=True)
+    for name in TOKENIZER_FILES:
+        if (Path(base_model_dir) / name).exists():
+            shutil.copy2(Path(base_model_dir) / name, dest / "encoder" / name)
+    shutil.copy2(source / "model.safetensors", dest / "model.safetensors")
+    shutil.copy2(source / "heads.safetensors", dest / "heads.safetensors")
+    config = {"kind": kind, "base_model": src_config.get("base_model"), "classes": src_config["classes"],
+              "max_length": src_config.get("max_length") or {}, "order": src_config.get("order") or list(src_config["classes"]),
+              "source_config": src_config, **(extra or {})}
+    (dest / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return dest
+
+
+def multitask_signature(classes: dict[str, list[str]], order: list[str]):
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, Schema
+
+    # not `required` in the schema: a missing column then reaches `validate`, whose message names
+    # the valid tasks, instead of MLflow's generic one
+    inputs = Schema([ColSpec("string", "text", required=False), ColSpec("string", "task", required=False)])
+    outputs = Schema([ColSpec("string", "task"), ColSpec("string", "label"),
+                      *[ColSpec("double", c, required=False) for c in proba_columns(classes, order)]])
+    return ModelSignature(inputs=inputs, outputs=outputs)
+
+
+def save_multitask_model(dest: Path, source: Path, kind: str, base_model_dir: str, example: pd.DataFrame,
+                         extra: dict | None = None, mlflow_model=None) -> Path:
+    """Write the deployable multi-task pyfunc to `dest` (a folder that must not exist), from a stage
+    folder (`source`: models/quantize/ with kind 'quantized', models/merge/ with kind 'float').
+    `example`: a few (text, task) rows, the model's input example; `mlflow_model`: the
+    mlflow.models.Model to fill in (a logged model's ids), if any."""
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = stage_multitask_folder(Path(tmp) / "model_dir", source, kind, base_model_dir, extra)
+        config = json.loads((folder / CONFIG_NAME).read_text())
+        library = _copy_library(Path(tmp) / "code")
+        mlflow.pyfunc.save_model(
+            path=str(dest), python_model=str(Path(__file__).resolve()), artifacts={"model_dir": str(folder)},
+            code_paths=[str(library)], pip_requirements=pip_requirements(), mlflow_model=mlflow_model,
+            signature=multitask_signature(config["classes"], config["order"]),
+            input_example=example[["text", "task"]].reset_index(drop=True))
+    return dest
+
 
 
 def save_text_classifier(dest: Path, finetune_dir: Path, base_model_dir: str, example: pd.DataFrame) -> Path:
@@ -90,3 +321,9 @@ def save_text_classifier(dest: Path, finetune_dir: Path, base_model_dir: str, ex
             signature=infer_signature(example[["text"]], pd.DataFrame({"label": ["x"]})),
             input_example=example[["text"]].head(2))
     return dest
+
+
+if __name__ not in ("tasks.pyfunc", "__main__"):
+    # MLflow runs this file as the multi-task model's code ("models from code", python_model=<this
+    # file>): the model is this object, its weights come from the logged artifacts.
+    mlflow.models.set_model(MultiTaskClassifier())

@@ -12,6 +12,7 @@ returns paths and hashes, never tensors, so Prefect results stay small.
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -30,6 +31,8 @@ STAGES: dict[str, str] = {
     "finetune": "tasks.finetune",
     "merge": "tasks.merge",
     "quantize": "tasks.quantize",
+    "evaluate": "tasks.evaluate",
+    "register": "tasks.register",
 }
 PER_TASK = {"ingest", "embed", "curate", "pseudolabel", "finetune"}
 
@@ -76,6 +79,10 @@ def execute(stage: str, task: str | None = None, root: Path | str = ".", params:
         import torch
 
         torch.set_num_threads(int(threads))
+    # a killed earlier run's temporary files and scratch folders (never a live run's)
+    from tasks.scratch import sweep
+
+    sweep(root, {Path(p).parent for p in module.outputs(params, task)})
     # Every path is resolved against `root` explicitly: no chdir, which would race between
     # Prefect's worker threads.
     start = time.perf_counter()
@@ -86,7 +93,9 @@ def execute(stage: str, task: str | None = None, root: Path | str = ".", params:
         log.set_tags({f"crucible.input.{_rel(p, root)}": md5_file(root / p)
                       for p in module.inputs(params, task) if (root / p).is_file()})
         metrics = module.run(params, task, root, log)
-        outputs = {str(p): md5_file(root / p) for p in module.outputs(params, task)}
+        listed = (module.outputs(params, task, root=root) if "root" in inspect.signature(module.outputs).parameters
+                  else module.outputs(params, task))  # a stage whose outputs depend on what it wrote
+        outputs = {str(p): md5_file(root / p) for p in listed}
         log.set_tags({f"crucible.output.{p}": h for p, h in outputs.items()})
         seconds = time.perf_counter() - start
         log.log_metrics({**metrics, "stage_seconds": seconds})

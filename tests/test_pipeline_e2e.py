@@ -1,5 +1,6 @@
 """End to end on the tiny profile: dvc repro and the Prefect flow run the same stages and agree."""
 
+import json
 import os
 import subprocess
 import sys
@@ -42,6 +43,17 @@ def test_dvc_repro_then_flow_then_dvc_agree(tiny_project):
     out = dvc(root, "repro")
     for sid in ids("bbc"):
         assert f"Running stage '{sid}'" in out
+    # the evaluate report holds every variant and interface; DVC lists the metrics and renders the plots
+    variants = json.loads((root / "metrics" / "variants.json").read_text())
+    assert {"base", "finetune:bbc", "finetune:debates", "gs3r@0", "gs3r@1", "quantize:mxfp4_load_aware"} <= set(variants)
+    html = (root / "reports" / "index.html").read_text()
+    for name in [*variants, "head", "probe", "kmeans", "agglomerative"]:
+        assert name in html, name
+    shown = dvc(root, "metrics", "show")
+    assert "metrics/evaluate.json" in shown and "metrics/variants.json" in shown
+    dvc(root, "plots", "show", "-o", str(root / "plots_html"))
+    rendered = (root / "plots_html" / "index.html").read_text()
+    assert "ACC per method and interface" in rendered and "reports/figures/interfaces.png" in rendered
     again = dvc(root, "repro")
     assert "Running stage" not in again and "Data and pipelines are up to date" in again
     assert "up to date" in dvc(root, "status")
@@ -75,3 +87,5 @@ def test_dvc_repro_then_flow_then_dvc_agree(tiny_project):
     assert child.data.metrics["n_test"] == 30
     assert child.data.tags["crucible.output.data/debates/pool.parquet"]
     assert not (root / "mlruns").exists()
+    # the evaluate report went to the pipeline's parent run too
+    assert "report/index.html" in [f.path for f in client.list_artifacts(parents[0].info.run_id, "report")]

@@ -1,0 +1,405 @@
+"""The register stage on a real quantize output (the quantize stage run on a synthetic merged model,
+as in test_quantize_stage): the gate never moves `champion` to a worse model and says why, a rerun
+of the same model registers nothing, the pyfunc round-trips through the registry into a fresh
+process, the quantized pyfunc scores the quantize stage's figure, lineage tags equal dvc.lock.
+
+The workspaces are built once per test session (`base_workspace`, `registered_workspace`) and
+shared with test_serve.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+from tasks.stage import execute
+
+ROOT = Path(__file__).resolve().parent.parent
+QUANT_VARIANT = "mxfp4_load_aware"
+_CACHE: dict[str, Path] = {}
+
+
+# ---------------------------------------------------------------------------------------------------
+# workspaces
+
+
+def _dvc(root: Path, *args: str) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).with_name("dvc")
+    proc = subprocess.run([str(exe), *args], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "DVC_NO_ANALYTICS": "1"}, timeout=300)
+    assert proc.returncode == 0, f"dvc {' '.join(args)}: {proc.stderr}"
+    return proc
+
+
+def _paths(entries) -> list[str]:
+    return [next(iter(e)) if isinstance(e, dict) else e for e in entries or []]
+
+
+def fill_stage_files(root: Path, stage: str) -> None:
+    """Placeholder files for whatever a dvc.yaml stage declares and the workspace lacks (deps and
+    outs; a name without a suffix is a folder), so `dvc commit` can record it."""
+    entry = yaml.safe_load((root / "dvc.yaml").read_text())["stages"][stage]
+    for path in _paths(entry.get("deps")) + sum((_paths(entry.get(k)) for k in ("outs", "metrics", "plots")), []):
+        p = root / path
+        if p.exists():
+            continue
+        if p.suffix:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(f"placeholder for {path}\n")
+        else:
+            p.mkdir(parents=True)
+            (p / "placeholder.txt").write_text(f"placeholder in {path}\n")
+
+
+def write_evaluate(root: Path, accuracy: dict[str, float], float_accuracy: dict[str, float] | None = None) -> None:
+    """metrics/evaluate.json with a `deployable` entry of the given test accuracies."""
+    def entry(variant, acc):
+        return {"variant": variant, "accuracy": acc, "mean_accuracy": float(np.mean(list(acc.values()))),
+                "n_test": {t: 24 for t in acc}}
+
+    data = {"deployable": {"quantized": entry(f"quantize:{QUANT_VARIANT}", accuracy),
+                           "float": entry("gs3r", float_accuracy or accuracy)}}
+    (root / "metrics").mkdir(exist_ok=True)
+    (root / "metrics" / "evaluate.json").write_text(json.dumps(data, indent=2))
+
+
+def base_workspace(tmp_path_factory) -> Path:
+    """A tiny-profile workspace with two tasks, a synthetic merged model, the real quantize stage's
+    output, a metrics/evaluate.json and a dvc.lock that DVC wrote for merge, quantize and evaluate."""
+    if "base" in _CACHE:
+        return _CACHE["base"]
+    import torch
+
+    from crucible.embed import load_encoder
+    from tasks.models import resolve_model
+    from tasks.workspace import make_workspace
+    from test_quantize_stage import fake_merge
+
+    torch.set_num_threads(1)
+    root = make_workspace(ROOT, tmp_path_factory.mktemp("register"), "tiny",
+                          overrides={"quantize": {"calibration_per_task": 8, "rank_budget": 72}})
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["pipeline"]["tasks"] = {"rotten": {"corpus": "rotten_tomatoes"}, "bbc": {"corpus": "bbc_news"}}
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    encoder, _ = load_encoder(resolve_model("all-MiniLM-L6-v2"))
+    fake_merge(root, {k: v.detach().clone().contiguous() for k, v in encoder.state_dict().items()})
+    execute("quantize", None, root)
+    write_evaluate(root, {"rotten": 0.6, "bbc": 0.5})
+    for stage in ("merge", "quantize", "evaluate"):
+        fill_stage_files(root, stage)
+    _dvc(root, "commit", "--force", "merge", "quantize", "evaluate")
+    _CACHE["base"] = root
+    return root
+
+
+def copy_workspace(base: Path, tmp_path_factory, name: str) -> Path:
+    """A copy of `base` with its tracking store (the experiment's artifacts stay in base's folder;
+    copying the database saves creating a new one), without any registered model."""
+    dest = tmp_path_factory.mktemp(name) / "ws"
+    shutil.copytree(base, dest, symlinks=True, ignore=shutil.ignore_patterns("mlartifacts", "register"))
+    return dest
+
+
+def registered_workspace(tmp_path_factory) -> Path:
+    """A copy of the base workspace whose registry holds one version, the champion."""
+    if "registered" not in _CACHE:
+        root = copy_workspace(base_workspace(tmp_path_factory), tmp_path_factory, "registered")
+        execute("register", None, root)
+        _CACHE["registered"] = root
+    return _CACHE["registered"]
+
+
+def test_texts(root: Path) -> pd.DataFrame:
+    """Every test text of every task, the tasks interleaved."""
+    frames = [pd.read_parquet(root / "data" / t / "test.parquet").assign(task=t) for t in ("rotten", "bbc")]
+    return pd.concat(frames).sort_values("id", kind="stable").reset_index(drop=True)[["text", "task", "label"]]
+
+
+test_texts.__test__ = False  # a helper, not a test
+
+
+def client_of(root: Path):
+    from tasks.register import registry_client
+
+    return registry_client(root)
+
+
+def registered(root: Path) -> dict:
+    return json.loads((root / "models" / "register" / "registered.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory) -> Path:
+    return registered_workspace(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def champion(ws):
+    from tasks.register import load_registered
+
+    return load_registered(ws, "champion")
+
+
+# ---------------------------------------------------------------------------------------------------
+# the gate
+
+
+def _bump_heads(root: Path, delta: float) -> None:
+    """A different model (new hash): the heads' biases moved a little."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    path = root / "models" / "quantize" / "heads.safetensors"
+    with safe_open(str(path), "pt") as fh:
+        meta = fh.metadata()
+    heads = load_file(str(path))
+    save_file({k: (v + delta if k.endswith(".bias") else v).contiguous() for k, v in heads.items()}, str(path),
+              metadata=meta)
+
+
+def test_gate_never_moves_champion_to_a_worse_model(tmp_path_factory):
+    """Three versions: a first (champion), a better (champion moves), a worse (challenger, with the
+    reason as a tag; champion stays). A rerun of the same model registers nothing."""
+    root = copy_workspace(base_workspace(tmp_path_factory), tmp_path_factory, "gate")
+    client = client_of(root)
+    name = "crucible-classifier"
+
+    write_evaluate(root, {"rotten": 0.6, "bbc": 0.5})
+    execute("register", None, root)
+    first = registered(root)
+    assert first["version"] == 1 and first["new_version"] and first["aliases"] == ["champion"]
+    assert first["gate"]["reason"].startswith("first version")
+
+    _bump_heads(root, 1e-3)
+    write_evaluate(root, {"rotten": 0.7, "bbc": 0.55})
+    execute("register", None, root)
+    better = registered(root)
+    assert better["version"] == 2 and better["gate"]["decision"] == "champion"
+    assert better["gate"]["champion_before"] == 1 and better["gate"]["champion_after"] == 2
+    assert int(client.get_model_version_by_alias(name, "champion").version) == 2
+
+    _bump_heads(root, 1e-3)
+    write_evaluate(root, {"rotten": 0.62, "bbc": 0.5})  # mean 0.56 < 0.625 - 0.005
+    execute("register", None, root)
+    worse = registered(root)
+    assert worse["version"] == 3 and worse["new_version"] and worse["aliases"] == ["challenger"]
+    assert worse["gate"]["decision"] == "challenger" and worse["gate"]["champion_after"] == 2
+    assert int(client.get_model_version_by_alias(name, "champion").version) == 2
+    v3 = client.get_model_version(name, "3")
+    assert v3.tags["crucible.gate.decision"] == "challenger"
+    assert "mean test accuracy 0.5600 < champion version 2's 0.6250 - tolerance 0.0050" in v3.tags["crucible.gate.reason"]
+    assert client.get_model_version(name, "2").aliases == ["champion"]
+    assert client.get_model_version(name, "1").tags["crucible.gate.superseded_by"] == "2"
+
+    # nothing changed, forced: the stage notices the same model hash and registers nothing
+    execute("register", None, root)
+    again = registered(root)
+    assert not again["new_version"] and again["version"] == 3
+    assert "already registered as version 3" in again["note"] and again["model_hash"] == worse["model_hash"]
+    assert len(client.search_model_versions(f"name = '{name}'")) == 3
+    assert int(client.get_model_version_by_alias(name, "champion").version) == 2
+
+
+def test_gate_rule():
+    from tasks.register import gate
+
+    floors = {"a": 0.5, "b": 0.0}
+    ok, why = gate({"a": 0.4, "b": 0.9}, 0.65, floors, 0.01, None)
+    assert not ok and why == "task a: accuracy 0.4000 below its floor 0.5000"  # even the first version
+    assert gate({"a": 0.6, "b": 0.9}, 0.75, floors, 0.01, None)[0]
+    champ = {"version": "4", "mean_accuracy": 0.76}
+    assert gate({"a": 0.6, "b": 0.9}, 0.75, floors, 0.01, champ)[0]  # within the tolerance
+    ok, why = gate({"a": 0.6, "b": 0.9}, 0.74, floors, 0.01, champ)
+    assert not ok and "0.7400 < champion version 4's 0.7600 - tolerance 0.0100 = 0.7500" in why
+    assert not gate({"a": 0.9, "b": 0.9}, 0.9, floors, 0.01, {"version": "1", "mean_accuracy": None})[0]
+
+
+def test_floors_for_unknown_task_is_refused(ws):
+    from tasks.params import load_params
+    from tasks.register import floors_for
+
+    params = load_params(ws / "params.yaml")
+    section = params.register.model_copy(update={"floors": {"tweets": 0.5}})
+    with pytest.raises(ValueError, match=r"register.floors names tasks \['tweets'\].*its tasks: rotten, bbc"):
+        floors_for(params.model_copy(update={"register": section}), ["rotten", "bbc"])
+    section = params.register.model_copy(update={"floor": 0.3, "floors": {"bbc": 0.8}})
+    assert floors_for(params.model_copy(update={"register": section}), ["rotten", "bbc"]) == {"rotten": 0.3, "bbc": 0.8}
+
+
+def test_evaluate_metrics_are_checked(tmp_path):
+    from tasks.register import read_deployable
+
+    with pytest.raises(FileNotFoundError, match=r"metrics/evaluate.json: missing.*evaluate stage"):
+        read_deployable(tmp_path, "quantized", ["rotten", "bbc"])
+    write_evaluate(tmp_path, {"rotten": 0.6})
+    with pytest.raises(ValueError, match=r"'deployable.quantized.accuracy' has no figure for tasks \['bbc'\]"):
+        read_deployable(tmp_path, "quantized", ["rotten", "bbc"])
+    write_evaluate(tmp_path, {"rotten": 0.6, "bbc": 0.4}, {"rotten": 0.7, "bbc": 0.5})
+    got = read_deployable(tmp_path, "float", ["rotten", "bbc"])
+    assert got["variant"] == "gs3r" and got["accuracy"] == {"rotten": 0.7, "bbc": 0.5}
+    assert got["mean_accuracy"] == pytest.approx(0.6) and got["n_test"] == {"rotten": 24, "bbc": 24}
+
+
+# ---------------------------------------------------------------------------------------------------
+# the pyfunc
+
+
+def test_pyfunc_round_trips_through_the_registry_into_a_fresh_process(ws, champion, tmp_path):
+    """models:/<name>@champion loads in a new interpreter from the registry alone (its own code and
+    weights) and predicts exactly what the in-process model predicts on every task's test texts."""
+    model, mv = champion
+    texts = test_texts(ws)
+    inputs = tmp_path / "in.parquet"
+    texts[["text", "task"]].to_parquet(inputs)
+    script = ("import sys, mlflow.pyfunc, pandas as pd\n"
+              "m = mlflow.pyfunc.load_model('models:/crucible-classifier@champion')\n"
+              "assert type(m.unwrap_python_model()).__module__.startswith('code_model_'), 'not the logged code'\n"
+              "m.predict(pd.read_parquet(sys.argv[1])).to_json(sys.argv[2], orient='records')\n")
+    uri = f"sqlite:///{ws / 'mlflow.db'}"
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, "-c", script, str(inputs), str(out)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "MLFLOW_TRACKING_URI": uri,
+                                                       "PYTHONPATH": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fresh = pd.DataFrame(json.loads(out.read_text()))
+    local = model.predict(texts[["text", "task"]])
+    assert list(fresh.columns) == list(local.columns) == ["task", "label", "proba_fresh", "proba_rotten",
+                                                          "proba_business", "proba_sport", "proba_tech"]
+    assert fresh["label"].tolist() == local["label"].tolist() and fresh["task"].tolist() == texts["task"].tolist()
+    for c in [c for c in local.columns if c.startswith("proba_")]:
+        a, b = local[c].astype(float).to_numpy(), fresh[c].astype(float).to_numpy()
+        assert np.array_equal(np.isnan(a), np.isnan(b)) and np.allclose(a[~np.isnan(a)], b[~np.isnan(b)], atol=1e-6), c
+    # each row's own task's probabilities sum to 1, the other task's cells are empty
+    rotten = local[texts["task"] == "rotten"]
+    assert np.allclose(rotten[["proba_fresh", "proba_rotten"]].astype(float).sum(1), 1.0)
+    assert rotten["proba_sport"].isna().all()
+    # the logged model carries its signature, input example, code and pinned requirements
+    from mlflow.models import Model
+
+    local_dir = Path(mv.source.removeprefix("file://"))
+    meta = Model.load(str(local_dir / "MLmodel"))
+    assert [c["name"] for c in meta.signature.inputs.to_dict()] == ["text", "task"]
+    assert (local_dir / "input_example.json").is_file() and (local_dir / "code" / "crucible" / "quant").is_dir()
+    requirements = (local_dir / "requirements.txt").read_text()
+    assert "torch==" in requirements and "transformers==" in requirements and "mlflow==" in requirements
+
+
+def test_quantized_pyfunc_scores_the_quantize_stage_figure(ws, champion):
+    """The served model is the packed MXFP4 one: rebuilt from its own artifacts, on the quantize
+    stage's test rows it scores exactly the stage's accuracy; its weights are a fraction of the float."""
+    from crucible.quant import MXLinear
+
+    model, mv = champion
+    inner = model.unwrap_python_model()
+    assert sum(isinstance(m, MXLinear) for m in inner.encoder.modules()) == 36
+    stage = json.loads((ws / "models" / "quantize" / "quantize.json").read_text())
+    from tasks.params import load_params
+
+    limit = load_params(ws / "params.yaml").quantize.eval_limit
+    for t in ("rotten", "bbc"):
+        test = pd.read_parquet(ws / "data" / t / "test.parquet")
+        test = test.head(limit) if limit else test
+        out = model.predict(pd.DataFrame({"text": test["text"], "task": t}))
+        assert (out["label"].to_numpy() == test["label"].to_numpy()).mean() == pytest.approx(
+            stage["accuracy"][QUANT_VARIANT][t], abs=1e-6)
+    served, flt = int(mv.tags["crucible.size.served_bytes"]), int(mv.tags["crucible.size.float_bytes"])
+    assert served < 0.2 * flt
+    assert registered(ws)["size_bytes"]["served"] == served
+
+
+def test_float_pyfunc_scores_the_float_figure(ws, tmp_path):
+    """register.model: float packages the merged float encoder; it scores the quantize stage's
+    float figure."""
+    import mlflow.pyfunc
+
+    from tasks.models import resolve_model
+    from tasks.pyfunc import save_multitask_model
+
+    example = pd.DataFrame({"text": ["a film", "a market"], "task": ["rotten", "bbc"]})
+    save_multitask_model(tmp_path / "float", ws / "models" / "merge", "float", resolve_model("all-MiniLM-L6-v2"),
+                         example)
+    model = mlflow.pyfunc.load_model(str(tmp_path / "float"))
+    stage = json.loads((ws / "models" / "quantize" / "quantize.json").read_text())
+    for t in ("rotten", "bbc"):
+        test = pd.read_parquet(ws / "data" / t / "test.parquet")
+        out = model.predict(pd.DataFrame({"text": test["text"], "task": t}))
+        assert (out["label"] == test["label"]).mean() == pytest.approx(stage["accuracy"]["float"][t], abs=1e-6)
+
+
+@pytest.mark.parametrize("frame, message", [
+    (pd.DataFrame({"text": ["a film"]}), r"input is missing column 'task'.*one of: rotten, bbc"),
+    (pd.DataFrame({"text": ["a film"], "task": ["tweets"]}), r"row 0: unknown task 'tweets'; valid tasks: rotten, bbc"),
+    (pd.DataFrame({"text": ["a film", "  "], "task": ["rotten", "rotten"]}), r"row 1: column 'text' is empty"),
+    (pd.DataFrame({"text": ["a film", 7], "task": ["rotten", "bbc"]}), r"row 1: column 'text' must be a string, got int"),
+    (pd.DataFrame({"text": ["a film", None], "task": ["rotten", "bbc"]}), r"row 1: column 'text' is missing \(null\)"),
+])
+def test_bad_input_is_a_clear_invalid_parameter_error(champion, frame, message):
+    from mlflow.exceptions import MlflowException
+
+    model, _ = champion
+    with pytest.raises(MlflowException, match=message) as info:
+        model.predict(frame)
+    assert info.value.error_code == "INVALID_PARAMETER_VALUE" and info.value.get_http_status_code() == 400
+
+
+# ---------------------------------------------------------------------------------------------------
+# lineage
+
+
+def test_lineage_tags_equal_dvc_lock(ws, capsys):
+    from tasks import lineage
+    from tasks.cli import build_parser
+
+    lock = yaml.safe_load((ws / "dvc.lock").read_text())["stages"]
+    mv = client_of(ws).get_model_version("crucible-classifier", "1")
+    recorded = {k[len(lineage.MD5):]: v for k, v in mv.tags.items() if k.startswith(lineage.MD5)}
+    assert recorded == {o["path"]: o["md5"] for s in lock.values() for o in s.get("outs", [])}
+    assert "models/quantize/model.safetensors" in recorded and any(v.endswith(".dir") for v in recorded.values())
+    for sid in ("merge", "quantize", "evaluate"):
+        assert json.loads(mv.tags[lineage.params_key(sid)]) == lock[sid]["params"]["params.yaml"]
+    from tasks.tracking import git_commit
+
+    assert mv.tags[lineage.COMMIT] == git_commit(ws)
+    assert mv.tags["crucible.metric.mean_accuracy"] == "0.55" and mv.tags["crucible.metric.accuracy.bbc"] == "0.5"
+
+    def lineage_cli(ref: str) -> tuple[int, str]:
+        args = build_parser().parse_args(["lineage", ref, "--root", str(ws)])
+        code = args.func(args)
+        return code, capsys.readouterr().out
+
+    code, out = lineage_cli("champion")
+    assert code == 0 and "workspace matches" in out and "models/quantize/model.safetensors" in out
+    # DVC agrees the stage is recorded: after `dvc commit register` it is up to date
+    _dvc(ws, "commit", "--force", "register")
+    assert json.loads(_dvc(ws, "status", "register", "--json").stdout or "{}") == {}
+    # a changed artifact is reported, against the disk
+    target = ws / "models" / "quantize" / "quantize.json"
+    saved = target.read_bytes()
+    try:
+        target.write_bytes(saved + b" ")
+        code, out = lineage_cli("1")
+        assert code == 1 and "workspace differs" in out
+        assert [line for line in out.splitlines() if line.startswith("models/quantize/quantize.json")][0].endswith(
+            "match     differs")
+    finally:
+        target.write_bytes(saved)
+    code, out = lineage_cli("7")
+    assert code == 2
+
+
+def test_dir_hash_is_dvcs(ws):
+    from tasks.lineage import dir_md5
+
+    lock = yaml.safe_load((ws / "dvc.lock").read_text())["stages"]
+    dirs = {o["path"]: o["md5"] for s in lock.values() for o in s.get("outs", []) if o["md5"].endswith(".dir")}
+    assert dirs
+    for path, md5 in dirs.items():
+        assert dir_md5(ws / path) == md5, path
