@@ -122,9 +122,10 @@ def load_encoder_from(folder: Path, kind: str):
     folder = Path(folder)
     skeleton = AutoModel.from_config(AutoConfig.from_pretrained(str(folder / "encoder"), local_files_only=True))
     if kind == "quantized":
-        from crucible.quant import load_quantized
+        from crucible.quant import cache_dequantized, load_quantized
 
         encoder = load_quantized(folder / "model.safetensors", skeleton)
+        cache_dequantized(encoder)  # serving on the CPU: dequantize each matrix once, not per request
     elif kind == "float":
         from safetensors.torch import load_file
 

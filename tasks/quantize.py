@@ -204,7 +204,7 @@ def _run(params: Params, root: Path, log) -> dict:
     import torch
     from tqdm.auto import tqdm
 
-    from crucible.quant import CompensationPlan, quantize_model, save_quantized, select_linears
+    from crucible.quant import CompensationPlan, cache_dequantized, quantize_model, save_quantized, select_linears
     from crucible.quant.linear import MXEmbedding, mx_layers, quantize_embeddings, select_modules
     from tasks.scoring import FeatureStore, Scorer, read_probe_rows, read_tests
 
@@ -254,6 +254,7 @@ def _run(params: Params, root: Path, log) -> dict:
     def quantized(r: dict) -> torch.nn.Module:
         enc = copy.deepcopy(float_encoder)
         quantize_model(enc, cfg.modules, cfg.mode, plan.adapters(r), cfg.adapter_dtype)
+        cache_dequantized(enc)  # scoring: dequantize each matrix once, not once per batch
         if cfg.embeddings:
             try:
                 quantize_embeddings(enc, cfg.embeddings, cfg.mode)

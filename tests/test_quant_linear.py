@@ -257,3 +257,28 @@ def test_mx_embeddings_dequantize_looked_up_rows_and_round_trip(tmp_path):
                                  intermediate_size=128, max_position_embeddings=32))
     with pytest.raises(ValueError, match=r"embedding 'embeddings.word_embeddings' is 50 x 64 in the file"):
         load_quantized(path, other)
+
+
+def test_cached_dense_weight_gives_the_same_outputs_and_follows_the_buffers():
+    """cache_dequantized: one dequantization reused across calls, bit-equal outputs; a changed packed
+    buffer (load_state_dict copies in place) invalidates it."""
+    from crucible.quant import cache_dequantized
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 16)
+    model = torch.nn.Sequential(lin)
+    quantize_model(model, r"^0$")
+    x = torch.randn(5, 64)
+    plain = model(x)
+    assert cache_dequantized(model) == 1
+    assert torch.equal(model(x), plain)
+    layer = model[0]
+    first = layer._dense_cache[1]
+    model(x)
+    assert layer._dense_cache[1] is first  # reused, not rebuilt
+    other = torch.nn.Sequential(torch.nn.Linear(64, 16))
+    quantize_model(other, r"^0$")
+    model.load_state_dict(other.state_dict())
+    assert torch.equal(model(x), other(x))  # the cache followed the new codes
+    cache_dequantized(model, False)
+    assert layer._dense_cache is None and torch.equal(model(x), other(x))

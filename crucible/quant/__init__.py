@@ -9,11 +9,12 @@ and low-rank compensation of the quantization error under a rank budget.
 """
 
 from crucible.quant.compensate import CompensationPlan, collect_input_stats, collect_output_sensitivity
-from crucible.quant.linear import MXLinear, load_quantized, quantize_model, save_quantized, select_linears
+from crucible.quant.linear import (MXLinear, cache_dequantized, load_quantized, quantize_model, save_quantized,
+                                   select_linears)
 from crucible.quant.lowrank import InputStats, allocate_ranks, compensate, factorize, uniform_ranks, weighted_error
 from crucible.quant.mxfp4 import MXFP4Tensor, dequantize, quantize
 
-__all__ = ["CompensationPlan", "InputStats", "MXFP4Tensor", "MXLinear", "allocate_ranks", "collect_input_stats",
+__all__ = ["CompensationPlan", "InputStats", "MXFP4Tensor", "MXLinear", "allocate_ranks", "cache_dequantized", "collect_input_stats",
            "collect_output_sensitivity",
            "compensate", "dequantize", "factorize", "load_quantized", "quantize", "quantize_model", "save_quantized",
            "select_linears", "uniform_ranks", "weighted_error"]

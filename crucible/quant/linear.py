@@ -95,6 +95,20 @@ class MXLinear(nn.Module):
         q = mxfp4.MXFP4Tensor(self.packed, self.scales, (self.out_features, self.in_features), self.mode)
         return mxfp4.dequantize(q, dtype)
 
+    def _dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dequantized weight for the CPU matmul: rebuilt at every call, or with
+        `cache_dequantized` once per (dtype, device, packed data) and reused (RAM for speed: a
+        float copy of W is held; the file and the packed buffers stay MXFP4)."""
+        if not getattr(self, "cache_dequantized", False):
+            return self.weight_dequantized(dtype)
+        key = (dtype, self.packed.device, self.packed.data_ptr(), self.packed._version, self.scales.data_ptr(),
+               self.scales._version)
+        cached = getattr(self, "_dense_cache", None)
+        if cached is None or cached[0] != key:
+            cached = (key, self.weight_dequantized(dtype))
+            self._dense_cache = cached
+        return cached[1]
+
     def effective_weight(self) -> torch.Tensor:
         """dequant(Wq) + A B in float32: the dense weight this layer applies."""
         w = self.weight_dequantized()
@@ -115,7 +129,7 @@ class MXLinear(nn.Module):
 
             return triton_kernels.mx_linear(x, self.packed, self.scales, self.in_features, self.bias,
                                             self.lora_a if self.rank else None, self.lora_b if self.rank else None)
-        w = self.weight_dequantized(x.dtype)
+        w = self._dense_weight(x.dtype)
         y = nn.functional.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
         if self.rank:
             y = y + nn.functional.linear(nn.functional.linear(x, self.lora_b.to(x.dtype)), self.lora_a.to(x.dtype))
@@ -159,6 +173,19 @@ class MXEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, mode={self.mode}"
+
+
+def cache_dequantized(model: nn.Module, on: bool = True) -> int:
+    """Let every MXLinear in `model` keep its dequantized weight between calls on the CPU (serving,
+    scoring: the dequantization then runs once, not once per batch). Returns the layers set."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, MXLinear):
+            m.cache_dequantized = on
+            if not on:
+                m._dense_cache = None
+            n += 1
+    return n
 
 
 def quantize_embeddings(model: nn.Module, pattern: str, mode: str = "floor") -> dict[str, MXEmbedding]:
