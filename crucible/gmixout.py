@@ -36,6 +36,10 @@ Contract of one training step:
 
 Checkpoint with `gm.state_dict()` (anchors, masks, mask RNG state, step counter; all tensors or
 ints) and `gm.load_state_dict(...)` after wrapping an identically built model.
+
+The masks come only from the GMixout's own generator (seeded with `GMixoutConfig.seed`), never from
+torch's global RNG, so models wrapped and trained in threads of one process do not change each
+other's masks.
 """
 
 from __future__ import annotations

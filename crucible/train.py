@@ -7,11 +7,24 @@ gradient clipping, early stopping on a dev split, checkpoints and exact resume; 
                    checkpoint_dir="ckpt", log=lambda metrics, step: ...)
 
 Data come tokenised (`Examples`: lists of token ids, integer labels, per-example weights), so a
-tiny randomly initialised model trains with integer ids and no tokenizer. Deterministic given
-`TrainConfig.seed`: the batch order of epoch e is a permutation drawn from a generator seeded with
-(seed, e), dropout draws from the global torch RNG (seeded at start, saved in checkpoints), the
-mixout masks from GMixout's own generator. A run resumed from its latest checkpoint ends with the
-same weights as an uninterrupted one (same machine, same thread count).
+tiny randomly initialised model trains with integer ids and no tokenizer.
+
+Randomness: nothing here draws from torch's global generator, which all threads of a process
+share (two fine-tunes in threads of one Prefect flow would otherwise interleave their draws and
+each change the other's weights). Every draw comes from a torch.Generator of its own:
+- the head's initialisation: a generator seeded with EncoderClassifier's `seed`;
+- dropout, before the head and inside the encoder (hidden states and attention probabilities):
+  `RunDropout` modules replace the encoder's nn.Dropout, and attention runs through
+  `RUN_DROPOUT_ATTENTION` (transformers' sdpa in eval mode; in training, eager attention whose
+  dropout is the layer's RunDropout). They draw from the generator that `train` makes for the run,
+  seeded with stream_seed(TrainConfig.seed, "dropout") and saved in checkpoints;
+- the batch order of epoch e: a permutation from a generator seeded with (seed, e);
+- the mixout masks: GMixout's own generator (GMixoutConfig.seed), saved in checkpoints.
+So a run is a function of its inputs and seeds, whatever trains beside it, and a run resumed from
+its latest checkpoint ends with the same weights as an uninterrupted one. Bitwise equality also
+needs the same torch build, CPU and intra-op thread count (torch.get_num_threads()): torch's
+parallel CPU reductions (sums: bias gradients, pooling, the loss) split the work by thread count,
+so 1 and 2 threads differ in the last bits (MKL's matmuls gave the same bits at 1 and 2 threads).
 
 Checkpoints are safetensors plus JSON (no pickle): every tensor of the model, optimizer,
 scheduler, GMixout and RNG states goes into `state.safetensors`, the rest of the nested structure
@@ -35,6 +48,7 @@ from torch import nn
 from torch.nn import functional as F
 from tqdm.auto import tqdm
 
+from crucible.dropout import RUN_DROPOUT_ATTENTION, RunDropout, stream_seed, use_run_dropout  # noqa: F401
 from crucible.embed import mean_pool
 from crucible.gmixout import GMixout
 
@@ -43,13 +57,28 @@ from crucible.gmixout import GMixout
 
 
 class EncoderClassifier(nn.Module):
-    """A Hugging Face encoder, masked mean pooling (crucible.embed.mean_pool), a linear head."""
+    """A Hugging Face encoder, masked mean pooling (crucible.embed.mean_pool), a linear head.
 
-    def __init__(self, encoder: nn.Module, n_classes: int, dropout: float = 0.1):
+    The head is initialised as nn.Linear initialises itself, from a generator seeded with `seed`;
+    the encoder's dropouts are made RunDropout (use_run_dropout), as is the one before the head.
+    In training mode they need a generator: `bind_generator` (crucible.train.train binds its own)."""
+
+    def __init__(self, encoder: nn.Module, n_classes: int, dropout: float = 0.1, seed: int = 0):
         super().__init__()
-        self.encoder = encoder
-        self.dropout = nn.Dropout(dropout)
-        self.head = nn.Linear(encoder.config.hidden_size, n_classes)
+        self.encoder = use_run_dropout(encoder)
+        self.dropout = RunDropout(dropout)
+        hidden = encoder.config.hidden_size
+        self.head = nn.utils.skip_init(nn.Linear, hidden, n_classes)
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():  # nn.Linear.reset_parameters, drawn from `generator`
+            nn.init.kaiming_uniform_(self.head.weight, a=math.sqrt(5), generator=generator)
+            nn.init.uniform_(self.head.bias, -1 / math.sqrt(hidden), 1 / math.sqrt(hidden), generator=generator)
+
+    def bind_generator(self, generator: torch.Generator | None) -> None:
+        """Every RunDropout of the model draws from `generator` from now on."""
+        for module in self.modules():
+            if isinstance(module, RunDropout):
+                module.generator = generator
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """input_ids, attention_mask (b, t) -> logits (b, n_classes)."""
@@ -290,8 +319,12 @@ def train(model: EncoderClassifier, train_set: Examples, dev_set: Examples, cfg:
     `mixout` must already wrap `model`. With `checkpoint_dir`, a checkpoint is written every
     `cfg.checkpoint_every` steps and, with `resume`, training continues from the latest one.
     `stop_after` ends the call after that many total steps without the final evaluation
-    (simulates a kill; tests use it)."""
-    torch.manual_seed(cfg.seed)
+    (simulates a kill; tests use it). Dropout draws from a generator of this run, seeded with
+    stream_seed(cfg.seed, "dropout") and bound to the model's RunDropout modules; torch's global
+    generator is neither seeded nor drawn from."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(stream_seed(cfg.seed, "dropout"))
+    model.bind_generator(generator)
     optimizer = make_optimizer(model, cfg)
     warmup_steps = int(cfg.warmup * cfg.max_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(warmup_steps, cfg.max_steps))
@@ -306,7 +339,7 @@ def train(model: EncoderClassifier, train_set: Examples, dev_set: Examples, cfg:
         scheduler.load_state_dict(ckpt["scheduler"])
         if mixout is not None:
             mixout.load_state_dict(ckpt["mixout"])
-        torch.set_rng_state(ckpt["torch_rng"])
+        generator.set_state(ckpt["dropout_rng"])
         step, best, best_state = ckpt["step"], ckpt["best"], ckpt["best_model"]
         stopped_early = ckpt["stopped_early"]
 
@@ -354,7 +387,7 @@ def train(model: EncoderClassifier, train_set: Examples, dev_set: Examples, cfg:
             save_checkpoint(checkpoint_dir, step, {
                 "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(), "mixout": mixout.state_dict() if mixout else None,
-                "torch_rng": torch.get_rng_state(), "best": best, "best_model": best_state,
+                "dropout_rng": generator.get_state(), "best": best, "best_model": best_state,
                 "stopped_early": stopped_early,
             }, keep=cfg.keep_checkpoints)
     bar.close()

@@ -238,12 +238,12 @@ def stage_summaries(root: Path, order: list[str]) -> dict[str, pd.DataFrame]:
                                                            "accuracy_true", "naive_accuracy", "n_selected")}})
         f = _read_json(root / "data" / t / "finetune.json") or {}
         if f:
-            ft.append({"task": t, **{k: f.get(k) for k in ("test_accuracy", "dev_accuracy", "steps", "train_seconds")}})
+            ft.append({"task": t, **{k: f.get(k) for k in ("test_accuracy", "dev_accuracy", "steps", "n_train")}})
     cols = {"curation": ["task", "eps_true", "eps_hat", "ccmmd", "ccmmd_ci_low", "ccmmd_ci_high", "naive", "audit_only",
                          "oracle", "keep_precision", "keep_recall", "n_keep", "n_pool"],
             "pseudolabel": ["task", "accuracy", "accuracy_ci_low", "accuracy_ci_high", "accuracy_true",
                             "naive_accuracy", "n_selected"],
-            "finetune": ["task", "test_accuracy", "dev_accuracy", "steps", "train_seconds"]}
+            "finetune": ["task", "test_accuracy", "dev_accuracy", "steps", "n_train"]}
     frames = {"curation": pd.DataFrame(cur, columns=cols["curation"]),
               "pseudolabel": pd.DataFrame(pl, columns=cols["pseudolabel"]),
               "finetune": pd.DataFrame(ft, columns=cols["finetune"])}

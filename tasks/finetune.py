@@ -16,10 +16,26 @@ Outputs (all published together):
 - data/<task>/finetune/head.safetensors: `weight` (n_classes, hidden), `bias`; metadata `classes`;
 - data/<task>/finetune/config.json: the resolved config (finetune params, base model, classes,
   max_length, pooling, seed, training sizes, best step);
-- data/<task>/finetune.json: dev/test accuracy, steps, best step, examples and steps per second.
-Checkpoints go to data/<task>/.finetune-checkpoints/ (outside the DVC output); a killed run resumes
-from the latest one when the resolved config is unchanged, and they are deleted on success.
-Threads: whatever the caller set (`CRUCIBLE_THREADS`, applied by tasks.stage.execute).
+- data/<task>/finetune.json: dev/test accuracy and loss, steps, best step, sizes. No timings: the
+  file is a DVC output (its md5 is in dvc.lock and in merge's `data` dependency), so it must not
+  change when nothing else does; throughput and train seconds go to the stage's MLflow run.
+Checkpoints go to <root>/.crucible/checkpoints/finetune/<task>/, outside `data/` (a killed run
+must not change what DVC sees as merge's dependency); a killed run resumes from the latest one
+when the resolved config, the training rows and torch's thread count are unchanged (else it
+starts over), and they are deleted on success.
+
+Determinism. Every random draw (head init, dropout in the encoder and before the head, GMixout
+masks, batch order) comes from a generator of this run seeded from `task_seed(pipeline.seed,
+task)` (crucible.train), never from torch's global RNG, so a task's outputs do not depend on what
+trains beside it in other threads of the process (the Prefect flow) or ran before it. The outputs
+are byte-identical (same md5) when these are the same: the inputs and params, the torch /
+transformers / safetensors versions, the CPU (vector kernels are chosen per instruction set), and
+torch's intra-op thread count. The thread count is `CRUCIBLE_THREADS` when set (applied by
+tasks.stage.execute); otherwise torch's default (the core count) under `crucible stage` / `dvc
+repro`, and cores // pipeline.max_workers under the Prefect flow, so set CRUCIBLE_THREADS for
+hashes that agree between the two and across machines. Runs with 1 and 2 threads differ in the
+last bits (torch's parallel sums split the work by thread count); runs with the same count agree,
+alone or beside other training. The count used is logged as the MLflow param `torch_threads`.
 """
 
 from __future__ import annotations
@@ -36,7 +52,7 @@ import torch
 
 from crucible.gmixout import GMixout, GMixoutConfig
 from crucible.schema import validate_table
-from crucible.train import EncoderClassifier, Examples, TrainConfig, evaluate, tokenize, train
+from crucible.train import EncoderClassifier, Examples, TrainConfig, evaluate, stream_seed, tokenize, train
 from tasks.io import AtomicOutputs, read_stage_output, read_table
 from tasks.models import resolve_model
 from tasks.params import FinetuneParams, Params
@@ -53,6 +69,12 @@ def outputs(params: Params, task: str) -> list[Path]:
     base = Path("data") / task
     return [base / "finetune" / "model.safetensors", base / "finetune" / "head.safetensors",
             base / "finetune" / "config.json", base / "finetune.json"]
+
+
+def checkpoint_dir(root: Path | str, task: str) -> Path:
+    """Resume state of a task's fine-tune: a scratch folder of the workspace outside `data/` (git-
+    and dvc-ignored), so a killed run changes no DVC dependency."""
+    return Path(root) / ".crucible" / "checkpoints" / "finetune" / task
 
 
 def task_seed(seed: int, task: str) -> int:
@@ -115,13 +137,13 @@ def examples(tokenizer, df: pd.DataFrame, classes: list[str], max_length: int, u
 
 
 def build_model(model_path: str, n_classes: int, cfg: FinetuneParams, seed: int):
-    """(EncoderClassifier in train mode, tokenizer, GMixout or None); the head is initialised from `seed`."""
+    """(EncoderClassifier in train mode, tokenizer, GMixout or None); the head's initialisation and
+    the mixout masks draw from generators seeded from `seed` (never torch's global one)."""
     from crucible.embed import load_encoder
 
     encoder, tokenizer = load_encoder(model_path)
-    torch.manual_seed(seed)
-    model = EncoderClassifier(encoder, n_classes, dropout=cfg.dropout)
-    mix = mixout_config(cfg, seed)
+    model = EncoderClassifier(encoder, n_classes, dropout=cfg.dropout, seed=stream_seed(seed, "head"))
+    mix = mixout_config(cfg, stream_seed(seed, "mixout"))
     gm = GMixout.wrap(model.encoder, mix) if mix is not None else None
     model.train()
     return model, tokenizer, gm
@@ -155,9 +177,11 @@ def run(params: Params, task: str, root: Path, log) -> dict:
     resolved = {"task": task, "base_model": params.embed.model, "classes": classes, "max_length": cfg.max_length,
                 "pooling": "mean", "seed": seed, "finetune": cfg.model_dump(), "train": tcfg.__dict__,
                 "n_train": len(train_set), "n_dev": len(dev_set)}
-    fingerprint = hashlib.md5(json.dumps({**resolved, "train_ids": train_df["id"].tolist()}, sort_keys=True,
+    # the thread count too: a run resumed under another count would match no uninterrupted run
+    fingerprint = hashlib.md5(json.dumps({**resolved, "train_ids": train_df["id"].tolist(),
+                                          "torch_threads": torch.get_num_threads()}, sort_keys=True,
                                          default=str).encode()).hexdigest()
-    ckpt_dir = base / ".finetune-checkpoints"
+    ckpt_dir = checkpoint_dir(root, task)
     if (ckpt_dir / "fingerprint").exists() and (ckpt_dir / "fingerprint").read_text() != fingerprint:
         shutil.rmtree(ckpt_dir)  # checkpoints of another config or data: start over
     ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -167,6 +191,7 @@ def run(params: Params, task: str, root: Path, log) -> dict:
         if "dev_accuracy" in metrics or step % 5 == 0 or step == tcfg.max_steps:
             log.log_metrics(metrics, step)
 
+    log.log_params({"torch_threads": torch.get_num_threads()})
     result = train(model, train_set, dev_set, tcfg, mixout=gm, checkpoint_dir=ckpt_dir, log=log_curve)
     if gm is not None:
         gm.unwrap()
@@ -180,9 +205,10 @@ def run(params: Params, task: str, root: Path, log) -> dict:
     head = {"weight": model.head.weight.detach().contiguous(), "bias": model.head.bias.detach().contiguous()}
     metrics = {"dev_accuracy": dev_eval["accuracy"], "dev_loss": dev_eval["loss"], "test_accuracy": test_eval["accuracy"],
                "test_loss": test_eval["loss"], "steps": result.steps, "best_step": result.best_step,
-               "stopped_early": int(result.stopped_early), "examples_per_second": result.examples_per_second,
-               "steps_per_second": result.steps_per_second, "train_seconds": result.seconds,
+               "stopped_early": int(result.stopped_early),
                "n_train": len(train_set), "n_dev": len(dev_set), "n_test": len(test_set)}
+    timing = {"examples_per_second": result.examples_per_second, "steps_per_second": result.steps_per_second,
+              "train_seconds": result.seconds}  # MLflow only: not in the DVC-tracked finetune.json
     out_dir = base / "finetune"
     with AtomicOutputs() as out:
         out.bytes(safetensors_bytes(backbone, {"format": "pt", "base_model": params.embed.model}), out_dir / "model.safetensors")
@@ -190,9 +216,10 @@ def run(params: Params, task: str, root: Path, log) -> dict:
         out.json(resolved, out_dir / "config.json")
         out.json(metrics, base / "finetune.json")
     shutil.rmtree(ckpt_dir, ignore_errors=True)
+    shutil.rmtree(base / ".finetune-checkpoints", ignore_errors=True)  # where earlier versions kept them
     log.log_artifact(out_dir / "config.json")
     log_model(log, out_dir, model_path, test)
-    return metrics
+    return {**metrics, **timing}
 
 
 def log_model(log, finetune_dir: Path, base_model_dir: str, example: pd.DataFrame) -> None:

@@ -21,7 +21,7 @@ FRAMES = {
                  "oracle", "keep_precision", "keep_recall", "n_keep", "n_pool"],
     "pseudolabel": ["task", "accuracy", "accuracy_ci_low", "accuracy_ci_high", "accuracy_true", "naive_accuracy",
                     "n_selected"],
-    "finetune": ["task", "test_accuracy", "dev_accuracy", "steps", "train_seconds"],
+    "finetune": ["task", "test_accuracy", "dev_accuracy", "steps", "n_train"],
 }
 FIGURE_HOME = {"merge": "curves", "quantize": "quantize", "curate": "curation", "pseudolabel": "pseudolabel",
                "finetune": "finetune", "moe": "moe"}  # where a stage's own figure is inlined

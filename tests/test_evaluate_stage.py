@@ -71,7 +71,7 @@ def write_features(root, *, probe_rows: int = 30, seed: int = 0, merged: bool = 
                                                         "accuracy_ci_high": 0.95, "accuracy_true": 0.92,
                                                         "naive_accuracy": 0.8, "n_selected": 70}))
         (d / "finetune.json").write_text(json.dumps({"test_accuracy": 0.9, "dev_accuracy": 0.88, "steps": 6,
-                                                     "train_seconds": 3.0}))
+                                                     "n_train": 70}))
 
 
 @pytest.fixture

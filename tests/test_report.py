@@ -80,7 +80,7 @@ def make_results(seed: int = 0, main: str = "gs3r", order=ORDER, interfaces=INTE
                                 "accuracy_ci_high": acc + 0.05, "accuracy_true": acc + rng.normal(0, 0.02, n),
                                 "naive_accuracy": acc + 0.1, "n_selected": np.full(n, 700)})
     finetune = pd.DataFrame({"task": tasks, "test_accuracy": acc + 0.1, "dev_accuracy": [*(acc[:-1] + 0.1), NAN],
-                             "steps": np.arange(n) * 10 + 100, "train_seconds": 10 + rng.random(n)})
+                             "steps": np.arange(n) * 10 + 100, "n_train": 100 + np.arange(n)})
     variants = ["float", *QUANT]
     quantize = {"accuracy": {v: {t: 0.8 - 0.05 * k for t in tasks} for k, v in enumerate(variants)},
                 "mean_accuracy": {v: 0.8 - 0.05 * k for k, v in enumerate(variants)},

@@ -1,16 +1,18 @@
 """The training loop (crucible.train) on a tiny randomly initialised BERT fed integer ids, as
-torchtune's recipe tests do: the weighted loss by hand, determinism, kill-and-resume, pinned
-losses, early stopping, WiSE-FT."""
+torchtune's recipe tests do: the weighted loss by hand, determinism (also with another training
+in a thread beside it, and without touching torch's global RNG), run-owned dropout,
+kill-and-resume, pinned losses, early stopping, WiSE-FT."""
 
 import math
+import threading
 
 import pytest
 import torch
 from transformers import BertConfig, BertModel
 
 from crucible.gmixout import GMixout, GMixoutConfig
-from crucible.train import (EncoderClassifier, Examples, TrainConfig, latest_checkpoint, linear_schedule,
-                            load_checkpoint, train, weighted_cross_entropy, wise_ft)
+from crucible.train import (EncoderClassifier, Examples, RunDropout, TrainConfig, collate, latest_checkpoint,
+                            linear_schedule, load_checkpoint, train, weighted_cross_entropy, wise_ft)
 
 torch.set_num_threads(1)
 
@@ -39,9 +41,9 @@ CFG = TrainConfig(lr=1e-3, head_lr=1e-2, max_steps=8, batch_size=8, warmup=0.25,
 MIX = GMixoutConfig(p=0.5, anchor="ema", ema_beta=0.9, period=3, sparse=True, seed=7)
 
 
-def run(tmp_path=None, stop_after=None, mixout=True, cfg=CFG, resume=True):
-    model = tiny_model()
-    gm = GMixout.wrap(model, MIX) if mixout else None
+def run(tmp_path=None, stop_after=None, mixout=True, cfg=CFG, resume=True, model=None):
+    model = model if model is not None else tiny_model()
+    gm = GMixout.wrap(model, GMixoutConfig(**{**MIX.__dict__, "seed": cfg.seed})) if mixout else None
     losses = {}
     result = train(model, TRAIN, DEV, cfg, mixout=gm, checkpoint_dir=tmp_path, resume=resume, stop_after=stop_after,
                    log=lambda m, step: losses.__setitem__(step, m["train_loss"]) if "train_loss" in m else None)
@@ -71,11 +73,12 @@ def test_schedule_warms_up_then_decays_to_zero():
     assert [round(f(s), 4) for s in (0, 1, 2, 6, 10)] == [round(1 / 3, 4), round(2 / 3, 4), 1.0, 0.5, 0.0]
 
 
-# Observed on torch 2.13 (CPU, 1 thread). Step 1 agrees (the EMA anchor starts at w, so the first
-# mixed weight is w); the two differ by up to 1e-3 after. A change to the model, data order, loss, optimizer,
-# schedule or GMixout shows up here first.
-PINNED_GMIXOUT = [0.71297, 0.63087, 0.71977, 0.76879, 0.76776, 0.64488, 0.57347, 0.56754]
-PINNED_PLAIN = [0.71297, 0.63089, 0.72023, 0.76788, 0.76775, 0.64506, 0.57357, 0.56716]
+# Observed on torch 2.13 (CPU, 1 thread), with dropout drawn from the run's generator
+# (stream_seed(7, "dropout")) and the head initialised from Generator().manual_seed(0). Step 1 agrees
+# (the EMA anchor starts at w, so the first mixed weight is w); the two differ by up to 1e-3 after.
+# A change to the model, data order, loss, optimizer, schedule, dropout or GMixout shows up here first.
+PINNED_GMIXOUT = [0.78738, 0.70841, 0.80522, 0.70336, 0.67345, 0.78809, 0.65387, 0.65107]
+PINNED_PLAIN = [0.78738, 0.70851, 0.80554, 0.70303, 0.67318, 0.78809, 0.65372, 0.65008]
 
 
 def test_pinned_losses():
@@ -93,6 +96,83 @@ def test_same_seed_same_weights():
     c = tiny_model()
     train(c, TRAIN, DEV, TrainConfig(**{**CFG.__dict__, "seed": 8}), mixout=GMixout.wrap(c, MIX))
     assert not torch.equal(c.head.weight, a.head.weight)
+
+
+def test_training_neither_seeds_nor_draws_from_the_global_rng():
+    """Threads share torch's global generator: a run that seeded or drew from it would change, and
+    be changed by, whatever trains beside it."""
+    model = tiny_model()
+    torch.manual_seed(12345)
+    before = torch.get_rng_state()
+    train(model, TRAIN, DEV, CFG, mixout=GMixout.wrap(model, MIX))
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_training_does_not_change_when_another_trains_beside_it():
+    """The same run alone and while a run of another seed trains in a second thread, both threads
+    released together at each step's start by a barrier so that their draws interleave."""
+    alone, _, _ = run()
+    other_cfg = TrainConfig(**{**CFG.__dict__, "seed": 3})
+    models = {"same": tiny_model(), "other": tiny_model(1)}
+    barrier = threading.Barrier(2)
+    errors = []
+
+    def worker(name, cfg):
+        try:
+            def sync(metrics, step):
+                if "train_loss" in metrics:
+                    barrier.wait(timeout=60)
+            barrier.wait(timeout=60)
+            gm = GMixout.wrap(models[name], GMixoutConfig(**{**MIX.__dict__, "seed": cfg.seed}))
+            train(models[name], TRAIN, DEV, cfg, mixout=gm, log=sync)
+        except BaseException as exc:  # surfaced below: a failing thread must fail the test
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=worker, args=a) for a in (("same", CFG), ("other", other_cfg))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert_same_weights(alone, models["same"])
+    assert not torch.equal(models["other"].head.weight, alone.head.weight)
+
+
+def test_every_dropout_is_a_run_dropout_that_draws_from_the_bound_generator():
+    model = tiny_model()
+    kinds = {type(m) for m in model.modules()}
+    assert torch.nn.Dropout not in kinds and RunDropout in kinds
+    assert model.encoder.config.attention_probs_dropout_prob == 0.1  # attention dropout is on, and runs through:
+    assert model.encoder.config._attn_implementation == "crucible_run_dropout"
+    ids, mask = collate(TRAIN.input_ids[:4])
+    with torch.no_grad():
+        eval_out = model.eval()(ids, mask)
+        model.train()
+        with pytest.raises(RuntimeError, match="no generator"):
+            model(ids, mask)
+        outs = []
+        for seed in (1, 1, 2):
+            model.bind_generator(torch.Generator().manual_seed(seed))
+            outs.append(model(ids, mask))
+    assert torch.equal(outs[0], outs[1]) and not torch.allclose(outs[0], outs[2])
+    assert not torch.allclose(outs[0], eval_out)  # dropout is active in training
+    # eval mode runs transformers' sdpa: the same numbers as the unmodified model
+    torch.manual_seed(0)
+    plain = BertModel(model.encoder.config.__class__(**{**model.encoder.config.to_dict(), "_attn_implementation": "sdpa"}),
+                      add_pooling_layer=False).eval()
+    plain.load_state_dict(model.encoder.state_dict())
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model.encoder(input_ids=ids, attention_mask=mask).last_hidden_state,
+                           plain(input_ids=ids, attention_mask=mask).last_hidden_state)
+
+
+def test_head_initialisation_is_nn_linear_from_the_given_seed():
+    torch.manual_seed(4)
+    expected = torch.nn.Linear(32, 2)
+    model = EncoderClassifier(tiny_model().encoder, n_classes=2, seed=4)
+    assert torch.equal(model.head.weight, expected.weight) and torch.equal(model.head.bias, expected.bias)
 
 
 @pytest.mark.parametrize("mixout", [True, False])
@@ -114,7 +194,8 @@ def test_checkpoint_holds_everything_without_pickle(tmp_path):
     assert sorted(p.name for p in path.iterdir()) == ["state.json", "state.safetensors"]
     ckpt = load_checkpoint(path)
     assert ckpt["step"] == 2
-    assert {"model", "optimizer", "scheduler", "mixout", "torch_rng", "best", "best_model"} <= set(ckpt)
+    assert {"model", "optimizer", "scheduler", "mixout", "dropout_rng", "best", "best_model"} <= set(ckpt)
+    assert ckpt["dropout_rng"].dtype == torch.uint8
     assert ckpt["mixout"]["step"] == 2 and ckpt["mixout"]["rng"].dtype == torch.uint8
     assert any(k.startswith("anchor.") for k in ckpt["mixout"]) and any(k.startswith("mask.") for k in ckpt["mixout"])
     assert ckpt["optimizer"]["state"][0]["exp_avg"].shape == ckpt["model"]["encoder.embeddings.word_embeddings.weight"].shape
