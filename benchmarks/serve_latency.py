@@ -88,7 +88,8 @@ def main() -> None:
     root = Path(args.root).resolve()
     apply_defaults(root)
     from tasks.params import load_params
-    from tasks.register import invocation_body, load_registered, registry_client, resolve_version, serve_command
+    from tasks.register import resolve_version
+    from tasks.serving import invocation_body, load_registered, registry_client, serve_command
 
     name = load_params(root / "params.yaml").tracking.registered_model
     mv = resolve_version(registry_client(root), name, args.alias)

@@ -129,7 +129,8 @@ def _message(exc: Exception) -> str:
 def _registered(root: Path, ref: str):
     """(name, client, model version) of params' registered model at version or alias `ref`."""
     from tasks.params import load_params
-    from tasks.register import registry_client, resolve_version
+    from tasks.register import resolve_version
+    from tasks.serving import registry_client
 
     name = load_params(root / "params.yaml").tracking.registered_model
     client = registry_client(root)
@@ -142,7 +143,7 @@ def _cmd_serve(args) -> int:
     import urllib.request
 
     from tasks.params import ParamsError
-    from tasks.register import curl_example, serve_command
+    from tasks.serving import curl_example, serve_command
 
     root = Path(args.root).resolve()
     try:
@@ -193,7 +194,7 @@ def _cmd_predict(args) -> int:
     import pandas as pd
 
     from tasks.params import ParamsError
-    from tasks.register import load_registered
+    from tasks.serving import load_registered
 
     root = Path(args.root).resolve()
     try:
@@ -221,7 +222,7 @@ def _cmd_predict(args) -> int:
 def _cmd_lineage(args) -> int:
     from tasks import lineage
     from tasks.params import ParamsError
-    from tasks.register import version_summary
+    from tasks.serving import version_summary
     from tasks.tracking import git_commit
 
     root = Path(args.root).resolve()

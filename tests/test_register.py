@@ -127,7 +127,7 @@ test_texts.__test__ = False  # a helper, not a test
 
 
 def client_of(root: Path):
-    from tasks.register import registry_client
+    from tasks.serving import registry_client
 
     return registry_client(root)
 
@@ -143,7 +143,7 @@ def ws(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def champion(ws):
-    from tasks.register import load_registered
+    from tasks.serving import load_registered
 
     return load_registered(ws, "champion")
 

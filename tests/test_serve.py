@@ -80,7 +80,7 @@ def server(ws, tmp_path_factory):
 
 
 def test_served_model_answers_like_the_in_process_one(ws, server):
-    from tasks.register import invocation_body, load_registered
+    from tasks.serving import invocation_body, load_registered
 
     base, log = server
     printed = log.read_text()
