@@ -147,8 +147,9 @@ def fit_teacher(x, labels, *, classes=None, holdout: float = 0.3, C: float = 1.0
     labels = np.asarray(labels, dtype=object)
     present = sorted(set(labels.tolist()))
     if len(present) < 2:
-        raise ValueError(f"{source}: the reference has a single class {present!r} ({len(labels)} items); "
-                         "a teacher needs labeled items of at least two classes")
+        only = present[0] if present else None
+        raise ValueError(f"{source}, column 'label': all {len(labels)} rows have the single class {only!r}; "
+                         "expected labeled rows of at least two classes (a teacher is a classifier)")
     classes = tuple(present) if classes is None else tuple(classes)
     y = label_indices(labels, classes, source=source)
     if not 0 < holdout < 1:

@@ -1,5 +1,7 @@
 """The inputs every audit-aware stage reads: the task's tables, its embeddings, and the audit laid
-out in pool order (I_j, M_j, pi_j and the audited label), validated once, in one place."""
+out in pool order (I_j, M_j, pi_j and the audited label), validated once, in one place: each
+table's contract, a reference of at least two classes, reference and pool ids disjoint, every
+audited id in the pool (crucible.schema)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from crucible.schema import validate_audit_against_pool
+from crucible.schema import validate_audit_against_pool, validate_disjoint, validate_reference_classes
 from tasks.embed import load_embeddings
 from tasks.io import read_table
 
@@ -32,6 +34,9 @@ def read_audited_task(root: Path, task: str) -> AuditedTask:
     reference = read_table(base / "reference.parquet", "reference")
     pool = read_table(base / "pool.parquet", "pool")
     audit = read_table(base / "audit.parquet", "audit")
+    validate_reference_classes(reference, str(base / "reference.parquet"))
+    validate_disjoint({"reference": reference, "pool": pool},
+                      {"reference": str(base / "reference.parquet"), "pool": str(base / "pool.parquet")})
     validate_audit_against_pool(audit, pool, str(base / "audit.parquet"))
     emb = load_embeddings(root, task, {"reference": reference, "pool": pool})
     rows = audit.set_index("id")

@@ -17,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from crucible.embed import embed_texts, load_encoder
+from crucible.schema import validate_disjoint
 from tasks.io import AtomicOutputs, read_table
 from tasks.models import resolve_model
 from tasks.params import Params
@@ -58,6 +59,8 @@ def run(params: Params, task: str, root: Path, log) -> dict:
 
     cfg = params.embed
     frames = {t: read_table(Path(root) / "data" / task / f"{t}.parquet", t) for t in TABLES}
+    validate_disjoint(frames, {t: str(Path(root) / "data" / task / f"{t}.parquet") for t in TABLES},
+                      allow_shared_ids=params.ingest.allow_shared_ids)
     torch.manual_seed(params.pipeline.seed)
     model, tokenizer = load_encoder(resolve_model(cfg.model))
     total = sum(len(df) for df in frames.values())

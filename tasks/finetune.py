@@ -51,7 +51,7 @@ import pandas as pd
 import torch
 
 from crucible.gmixout import GMixout, GMixoutConfig
-from crucible.schema import validate_table
+from crucible.schema import validate_disjoint, validate_table
 from crucible.train import EncoderClassifier, Examples, TrainConfig, evaluate, stream_seed, tokenize, train
 from tasks.io import AtomicOutputs, read_stage_output, read_table
 from tasks.models import resolve_model
@@ -156,6 +156,9 @@ def run(params: Params, task: str, root: Path, log) -> dict:
     base = Path(root) / "data" / task
     labeled = read_labeled(base / "labeled.parquet")
     test = read_table(base / "test.parquet", "test")
+    validate_disjoint({"labeled": labeled, "test": test},  # training rows must not be test rows
+                      {"labeled": str(base / "labeled.parquet"), "test": str(base / "test.parquet")},
+                      pairs=(("labeled", "test"),), allow_shared_ids=params.ingest.allow_shared_ids)
     seed = task_seed(params.pipeline.seed, task)
     classes = sorted(labeled.loc[labeled["source"] == "reference", "label"].unique())
     unknown = sorted(set(labeled["label"]) - set(classes))

@@ -12,6 +12,12 @@ the held-back truth, which is written to its own file (`truth.parquet`, for eval
 source: files reads <files_dir>/<task>/{reference,pool,audit,test}.parquet (and truth.parquet if
 present), validates them and publishes them in the same place.
 
+Either way the tables are checked before anything is written (`check_tables`): each table's
+contract, a reference of at least two classes, no id in two of reference, pool and test and no test
+text copied exactly in the reference or the pool (train/test leakage; `ingest.allow_shared_ids`
+accepts ids shared with test, for files whose ids number rows), every audited id in the pool, and
+audit and test labels among the reference's classes. A failed check writes nothing.
+
 Outputs, under data/<task>/: reference, pool, audit, test, truth (.parquet) and ingest.json.
 The same params give byte-identical files.
 """
@@ -25,7 +31,8 @@ import numpy as np
 import pandas as pd
 
 from crucible.contamination import build_pool, draw_poisson_sample, poisson_inclusion_probabilities
-from crucible.schema import DataValidationError, validate_audit_against_pool, validate_labels_against_reference, validate_table
+from crucible.schema import (DataValidationError, validate_audit_against_pool, validate_disjoint,
+                             validate_labels_against_reference, validate_reference_classes, validate_table)
 from tasks.corpora import load_corpus
 from tasks.io import AtomicOutputs, read_table
 from tasks.params import Params
@@ -71,6 +78,10 @@ def build_demo(params: Params, task: str) -> dict[str, pd.DataFrame]:
     corpus = load_corpus(spec.corpus)
     corpus = corpus[corpus["text"].str.len() >= ing.min_chars].copy()
     corpus["text"] = corpus["text"].str.slice(0, ing.max_chars)
+    # the corpus is deduplicated, but two texts that differ only past max_chars become one: keep it
+    # once (dropped if its copies disagree on the label), or it could land in both test and pool
+    labels_per_text = corpus.groupby("text")["label"].nunique()
+    corpus = corpus[corpus["text"].map(labels_per_text) == 1].drop_duplicates("text")
     if n_ref + n_test >= len(corpus):
         raise ValueError(f"task '{task}': corpus '{spec.corpus}' has {len(corpus)} usable items, not enough for "
                          f"n_reference={n_ref} + n_test={n_test} and a pool; lower them in params.yaml")
@@ -80,7 +91,11 @@ def build_demo(params: Params, task: str) -> dict[str, pd.DataFrame]:
     test = corpus.iloc[order[n_ref:n_ref + n_test]]
     held_out = corpus.iloc[order[n_ref + n_test:]]
     if reference["label"].nunique() < 2:
-        raise ValueError(f"task '{task}': the reference drew a single class; raise n_reference")
+        raise DataValidationError(
+            f"data/{task}/reference.parquet", "label", None, reference["label"].iat[0], "at least two classes",
+            message=f"task '{task}': data/{task}/reference.parquet, column 'label': the demo drew {n_ref} rows of "
+                    f"corpus '{spec.corpus}', all of the single class {reference['label'].iat[0]!r}; expected at "
+                    f"least two classes: raise pipeline.tasks.{task}.n_reference (or ingest.n_reference)")
 
     others = []
     for name in sorted({s.corpus for s in params.pipeline.tasks.values()} - {spec.corpus}):
@@ -127,16 +142,26 @@ def read_user_files(params: Params, task: str, root: Path) -> dict[str, pd.DataF
     return tables
 
 
-def check_tables(tables: dict[str, pd.DataFrame], base: Path) -> None:
-    """Every contract, and the cross-table ones, on what is about to be written (or was read)."""
+def allow_shared_ids(params: Params) -> bool:
+    """ingest.allow_shared_ids."""
+    return params.ingest.allow_shared_ids
+
+
+def check_tables(tables: dict[str, pd.DataFrame], base: Path, *, shared_ids_ok: bool = False) -> None:
+    """Every contract, and the cross-table ones, on what is about to be written (or was read).
+
+    The order matters for the message: each table on its own first, then the reference's classes
+    (before the audit's and test's labels are compared with them, so a one-class reference is
+    reported as such, against reference.parquet), then leakage between reference, pool and test.
+    """
+    sources = {kind: str(base / f"{kind}.parquet") for kind in tables}
     for kind, df in tables.items():
-        validate_table(df, kind, source=str(base / f"{kind}.parquet"))
-    validate_audit_against_pool(tables["audit"], tables["pool"], source=str(base / "audit.parquet"))
-    validate_labels_against_reference(tables["audit"], tables["reference"], source=str(base / "audit.parquet"))
-    validate_labels_against_reference(tables["test"], tables["reference"], source=str(base / "test.parquet"))
-    if tables["reference"]["label"].nunique() < 2:
-        raise DataValidationError(str(base / "reference.parquet"), "label", None, None,
-                                  "at least two classes in the reference")
+        validate_table(df, kind, source=sources[kind])
+    validate_reference_classes(tables["reference"], source=sources["reference"])
+    validate_disjoint(tables, sources, allow_shared_ids=shared_ids_ok)
+    validate_audit_against_pool(tables["audit"], tables["pool"], source=sources["audit"])
+    validate_labels_against_reference(tables["audit"], tables["reference"], source=sources["audit"])
+    validate_labels_against_reference(tables["test"], tables["reference"], source=sources["test"])
 
 
 def summarise(tables: dict[str, pd.DataFrame], params: Params) -> dict:
@@ -158,10 +183,10 @@ def run(params: Params, task: str, root: Path, log) -> dict:
     base = task_dir(root, task)
     if params.ingest.source == "demo":
         tables = build_demo(params, task)
-        check_tables(tables, base)
+        check_tables(tables, base, shared_ids_ok=allow_shared_ids(params))
     else:
         tables = read_user_files(params, task, root)
-        check_tables(tables, Path(root) / params.ingest.files_dir / task)
+        check_tables(tables, Path(root) / params.ingest.files_dir / task, shared_ids_ok=allow_shared_ids(params))
     metrics = summarise(tables, params)
     with AtomicOutputs() as out:
         for kind, df in tables.items():

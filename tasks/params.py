@@ -106,6 +106,9 @@ class IngestParams(_Section):
         "lexical", description="demo pool's optional score column: a cross-fitted bag-of-words domain classifier")
     min_chars: int = Field(30, ge=1, description="drop corpus items shorter than this")
     max_chars: int = Field(2000, ge=50, description="truncate longer items (the encoder reads ~256 tokens)")
+    allow_shared_ids: bool = Field(False, description="accept ids shared between test and reference or pool (ids "
+                                   "that number each file's rows, not items); exact test texts in reference or pool "
+                                   "are still refused, and reference and pool ids must always differ")
 
 
 class EmbedParams(_Section):

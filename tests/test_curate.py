@@ -7,6 +7,7 @@ import pandas as pd
 import pytest
 import yaml
 
+from crucible.schema import DataValidationError
 from tasks.curate import DataQualityGateError
 from tasks.io import md5_file
 from tasks.stage import execute
@@ -95,3 +96,28 @@ def test_embeddings_for_other_rows_are_refused(curated_project):
             execute("curate", "rotten", curated_project)
     finally:
         ref.write_bytes(saved)
+
+
+@pytest.mark.parametrize("table", ["reference", "pool"])
+def test_bad_reference_or_shared_ids_are_refused_before_curating(curated_project, table):
+    base = curated_project / "data" / "rotten"
+    outputs = ("curated.parquet", "curate.json", "curate.png")
+    before = {f: md5_file(base / f) for f in outputs}
+    path = base / f"{table}.parquet"
+    saved = path.read_bytes()
+    df = pd.read_parquet(path)
+    if table == "reference":  # one class
+        df["label"] = "fresh"
+        expected = rf"{base}/reference.parquet, column 'label': all {len(df)} rows have the single class 'fresh'"
+    else:  # an unaudited pool item under a reference id
+        audited = set(pd.read_parquet(base / "audit.parquet")["id"])
+        row = next(i for i, v in enumerate(df["id"]) if v not in audited)
+        df.loc[row, "id"] = pd.read_parquet(base / "reference.parquet")["id"].iat[0]
+        expected = rf"{base}/pool.parquet, column 'id': 1 id\(s\) also in {base}/reference.parquet"
+    df.to_parquet(path)
+    try:
+        with pytest.raises(DataValidationError, match=expected):
+            execute("curate", "rotten", curated_project)
+    finally:
+        path.write_bytes(saved)
+    assert {f: md5_file(base / f) for f in outputs} == before

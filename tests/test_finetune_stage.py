@@ -25,8 +25,8 @@ def synthetic_tables(seed: int = 0) -> tuple[pd.DataFrame, pd.DataFrame]:
     words = {"fresh": ["wonderful", "moving", "brilliant", "charming"], "rotten": ["dull", "tedious", "awful", "messy"]}
     filler = ["the film", "this movie", "the plot", "its cast", "the ending", "every scene"]
 
-    def text(label):
-        return f"{rng.choice(filler)} is {rng.choice(words[label])} and {rng.choice(words[label])}, {rng.choice(filler)} too"
+    def text(label, end="too"):
+        return f"{rng.choice(filler)} is {rng.choice(words[label])} and {rng.choice(words[label])}, {rng.choice(filler)} {end}"
 
     rows = []
     for source, n, weight in (("reference", 40, 1.0), ("audit", 10, 0.8), ("pseudo", 30, 0.5)):
@@ -36,7 +36,7 @@ def synthetic_tables(seed: int = 0) -> tuple[pd.DataFrame, pd.DataFrame]:
                          "confidence": 1.0 if source != "pseudo" else 0.9, "weight": weight if i != 3 else 0.0})
     labeled = pd.DataFrame(rows)
     labeled.loc[labeled["source"] == "reference", "weight"] = 1.0
-    test = pd.DataFrame([{"id": f"t{i}", "text": text(lab), "label": lab}
+    test = pd.DataFrame([{"id": f"t{i}", "text": text(lab, end="as well"), "label": lab}  # no copy of a training text
                          for i, lab in enumerate(["fresh", "rotten"] * 20)])
     return labeled, test
 

@@ -164,7 +164,8 @@ def test_binary_teacher_matches_the_logistic_sigmoid():
 
 def test_single_class_reference_is_refused():
     x, _ = _blobs(0, n=20)
-    with pytest.raises(ValueError, match=r"ref.parquet: the reference has a single class \['pos'\] \(20 items\)"):
+    with pytest.raises(ValueError, match=r"ref.parquet, column 'label': all 20 rows have the single class 'pos'; "
+                                         r"expected labeled rows of at least two classes"):
         pl.fit_teacher(x, np.array(["pos"] * 20, dtype=object), source="ref.parquet")
 
 

@@ -7,6 +7,7 @@ import pandas as pd
 import pytest
 import yaml
 
+from crucible.schema import DataValidationError
 from tasks.io import md5_file
 from tasks.stage import execute
 
@@ -130,11 +131,36 @@ def test_single_class_reference_fails(labeled_project):
     base = labeled_project / "data" / "bbc"
     path = base / "reference.parquet"
     saved = path.read_bytes()
+    before = {f: md5_file(base / f) for f in OUTPUTS}
     ref = pd.read_parquet(path)
     ref["label"] = "business"
     ref.to_parquet(path)  # same ids in the same order: the embeddings still match
     try:
-        with pytest.raises(ValueError, match=r"reference.parquet: the reference has a single class \['business'\]"):
+        with pytest.raises(DataValidationError, match=rf"{base}/reference.parquet, column 'label': all {len(ref)} rows "
+                                                      r"have the single class 'business'; expected labeled rows of at "
+                                                      r"least two classes"):
             execute("pseudolabel", "bbc", labeled_project)
     finally:
         path.write_bytes(saved)
+    assert {f: md5_file(base / f) for f in OUTPUTS} == before
+
+
+def test_pool_id_shared_with_the_reference_fails_and_writes_nothing(labeled_project):
+    base = labeled_project / "data" / "bbc"
+    path = base / "pool.parquet"
+    saved = path.read_bytes()
+    before = {f: md5_file(base / f) for f in OUTPUTS}
+    pool = pd.read_parquet(path)
+    shared = pd.read_parquet(base / "reference.parquet")["id"].iat[3]
+    audited = set(pd.read_parquet(base / "audit.parquet")["id"])
+    row = next(i for i, v in enumerate(pool["id"]) if v not in audited)
+    pool.loc[row, "id"] = shared
+    pool.to_parquet(path)
+    try:
+        with pytest.raises(DataValidationError, match=rf"{base}/pool.parquet, column 'id': 1 id\(s\) also in "
+                                                      rf"{base}/reference.parquet: '{shared}' \(pool row {row}, "
+                                                      r"reference row 3\); expected ids disjoint"):
+            execute("pseudolabel", "bbc", labeled_project)
+    finally:
+        path.write_bytes(saved)
+    assert {f: md5_file(base / f) for f in OUTPUTS} == before
