@@ -226,7 +226,9 @@ def run(params: Params, task: str, root: Path, log) -> dict:
 
 
 def log_model(log, finetune_dir: Path, base_model_dir: str, example: pd.DataFrame) -> None:
-    """The task model as an MLflow pyfunc (texts in, labels out) under the run's `model` path."""
+    """The task model as an MLflow pyfunc (texts in, labels out) under the run's `model` path,
+    logged from code (tasks/pyfunc.py with model_config crucible_model=TextClassifier): no pickle
+    is written, and loading it unpickles nothing."""
     import tempfile
 
     from tasks.pyfunc import save_text_classifier

@@ -20,11 +20,16 @@ Two models live here:
   Bad input raises `MlflowException` with error code INVALID_PARAMETER_VALUE, which MLflow's
   scoring server answers with HTTP 400 and the message: no `text` or `task` column, an unknown task
   (the message lists the valid ones), an empty or non-string text (the message names the row).
-  The model is logged "from code": MLflow runs this file to build it (the `set_model` call at the
-  bottom), so no pickle is written or read.
+  The model is logged "from code" (see below), so no pickle is written or read.
 
 - `TextClassifier`, one fine-tuned task model (the finetune stage logs one per task):
   `predict(pd.DataFrame({"text": [...]}))` -> columns label, proba_<class>.
+
+Both are logged "from code" the same way: `python_model=<this file>`, and the model's
+`model_config` (`{"crucible_model": "<class name>"}`, kept in the MLmodel file) names the class
+that the `set_model` call at the bottom registers when MLflow runs this file. No
+`python_model.pkl` is written, and loading runs this file instead of unpickling anything; weights
+and heads are safetensors, configs JSON.
 
 Both are self-contained: the encoder's architecture and tokenizer files, the weights and heads
 (safetensors), crucible's library code (`code_paths`) and pinned pip requirements travel with the
@@ -45,6 +50,7 @@ import pandas as pd
 TOKENIZER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
 MODEL_KINDS = ("quantized", "float")
 CONFIG_NAME = "crucible.json"  # the multi-task model's own config inside its artifact folder
+MODEL_CLASS_KEY = "crucible_model"  # the model_config key naming the class this file builds
 
 
 class TextClassifier(mlflow.pyfunc.PythonModel):
@@ -293,16 +299,18 @@ def save_multitask_model(dest: Path, source: Path, kind: str, base_model_dir: st
         library = _copy_library(Path(tmp) / "code")
         mlflow.pyfunc.save_model(
             path=str(dest), python_model=str(Path(__file__).resolve()), artifacts={"model_dir": str(folder)},
+            model_config={MODEL_CLASS_KEY: MultiTaskClassifier.__name__},
             code_paths=[str(library)], pip_requirements=pip_requirements(), mlflow_model=mlflow_model,
             signature=multitask_signature(config["classes"], config["order"]),
             input_example=example[["text", "task"]].reset_index(drop=True))
     return dest
 
 
-
 def save_text_classifier(dest: Path, finetune_dir: Path, base_model_dir: str, example: pd.DataFrame) -> Path:
-    """Write the pyfunc model to `dest` (a folder that must not exist)."""
-    import crucible
+    """Write one task's fine-tuned pyfunc (a `TextClassifier`) to `dest` (a folder that must not
+    exist), from the finetune stage's folder (model.safetensors, head.safetensors, config.json).
+    Logged from code like the multi-task model: no pickle."""
+    from mlflow.models import infer_signature
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model_dir"
@@ -313,18 +321,34 @@ def save_text_classifier(dest: Path, finetune_dir: Path, base_model_dir: str, ex
         shutil.copy2(finetune_dir / "model.safetensors", folder / "model.safetensors")
         shutil.copy2(finetune_dir / "head.safetensors", folder / "head.safetensors")
         shutil.copy2(finetune_dir / "config.json", folder / "crucible_config.json")
-        from mlflow.models import infer_signature
-
-        python_model = TextClassifier()
+        library = _copy_library(Path(tmp) / "code")
         mlflow.pyfunc.save_model(
-            path=str(dest), python_model=python_model, artifacts={"model_dir": str(folder)},
-            code_paths=[str(Path(crucible.__file__).parent)], pip_requirements=pip_requirements(),
+            path=str(dest), python_model=str(Path(__file__).resolve()), artifacts={"model_dir": str(folder)},
+            model_config={MODEL_CLASS_KEY: TextClassifier.__name__},
+            code_paths=[str(library)], pip_requirements=pip_requirements(),
             signature=infer_signature(example[["text"]], pd.DataFrame({"label": ["x"]})),
             input_example=example[["text"]].head(2))
     return dest
 
 
+def logged_model() -> mlflow.pyfunc.PythonModel:
+    """The model this file builds when MLflow runs it as a logged model's code: an instance of the
+    class that the model's `model_config` names under MODEL_CLASS_KEY (set by the save_* functions
+    above). Without that key (a multi-task model logged before it existed) the multi-task model."""
+    from mlflow.models import ModelConfig
+
+    try:
+        config = ModelConfig().to_dict() or {}
+    except FileNotFoundError:  # the model was logged without a model_config
+        config = {}
+    name = config.get(MODEL_CLASS_KEY, MultiTaskClassifier.__name__)
+    classes = {c.__name__: c for c in (MultiTaskClassifier, TextClassifier)}
+    if name not in classes:
+        raise ValueError(f"model_config {MODEL_CLASS_KEY!r} = {name!r}; expected one of {sorted(classes)}")
+    return classes[name]()
+
+
 if __name__ not in ("tasks.pyfunc", "__main__"):
-    # MLflow runs this file as the multi-task model's code ("models from code", python_model=<this
+    # MLflow runs this file as a logged model's code ("models from code", python_model=<this
     # file>): the model is this object, its weights come from the logged artifacts.
-    mlflow.models.set_model(MultiTaskClassifier())
+    mlflow.models.set_model(logged_model())

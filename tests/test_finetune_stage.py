@@ -3,6 +3,7 @@ determinism, bad params. (Byte-identical outputs beside another task's training 
 tests/test_finetune_determinism.py.)"""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -163,3 +164,9 @@ def test_logged_pyfunc_predicts_like_the_stage(finetuned_project, tmp_path):
     assert (out["label"] == test["label"]).mean() == pytest.approx(metrics["test_accuracy"], abs=1e-6)
     text = open(f"{local}/requirements.txt").read()
     assert "torch==" in text and "transformers==" in text
+    # logged from code, not pickled (tests/test_no_pickle.py checks every file and a pickle-free load)
+    flavor = yaml.safe_load((Path(local) / "MLmodel").read_text())["flavors"]["python_function"]
+    assert flavor["model_code_path"].endswith("pyfunc.py") and "python_model" not in flavor
+    assert flavor["config"] == {"crucible_model": "TextClassifier"}
+    assert not [p for p in Path(local).rglob("*") if p.suffix in (".pkl", ".pickle", ".cloudpickle")]
+    assert type(model.unwrap_python_model()).__module__.startswith("code_model_")
