@@ -40,7 +40,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from tasks.merge import merge_method, reference_accuracy, run_method  # noqa: E402
-from tasks.scoring import Scorer, read_task_model  # noqa: E402
+from tasks.scoring import FeatureStore, Scorer, read_task_model  # noqa: E402
 from tasks.models import resolve_model  # noqa: E402
 from tasks.params import load_params  # noqa: E402
 
@@ -68,7 +68,8 @@ def accuracy_part(args, params, methods) -> None:
     if args.eval_limit:
         tests = {t: df.head(args.eval_limit) for t, df in tests.items()}
     scorer = Scorer(resolve_model(params.embed.model), list(specs.values()), tests, 64)
-    base, finetuned = reference_accuracy(scorer, list(specs.values()))
+    store = FeatureStore(scorer)  # features stay in memory only (this script writes no stage outputs)
+    base, finetuned = reference_accuracy(store, list(specs.values()))
     print("## reference accuracy (test, first %s items per task)" % (args.eval_limit or "all"))
     print(f"{'task':10s} {'n':>5s} {'base':>7s} {'own fine-tune':>14s}")
     for t in tasks:
@@ -88,7 +89,7 @@ def accuracy_part(args, params, methods) -> None:
             for method, kwargs in methods.items():
                 start = time.perf_counter()
                 entry, _, _ = merge_method(method, kwargs or {}, theta0, [specs[t] for t in order],
-                                           tmp / f"{o}-{method}", scorer, finetuned, args.threads)
+                                           tmp / f"{o}-{method}", store, finetuned, args.threads)
                 R = np.array(entry["R"])
                 rows = " | ".join(" ".join(f"{x:.3f}" for x in R[j, :j + 1]) for j in range(len(order)))
                 print(f"{method:16s} {entry['avg_accuracy']:8.3f} {entry['normalised_accuracy']:9.3f} "

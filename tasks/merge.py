@@ -26,7 +26,9 @@ Outputs (all published together) under models/merge/:
   and every method's merged model after every arrival, on each arrived task's test rows and probe
   rows (`evaluate.probe_rows`), for the evaluate stage (tasks.scoring.FeatureStore; empty of
   variants when `merge.evaluate` is off);
-- merge.json: metrics (main method at top level, every method under `methods`);
+- merge.json: metrics (main method at top level, every method under `methods`: accuracy matrix,
+  ACC, BWT, state size, ranks; seconds and peak RSS go to the MLflow run only, as they vary from
+  run to run);
 - accuracy.csv: method, arrival, task, accuracy (long format, for `dvc plots`), incl. base/finetuned;
 - ranks.csv: method, arrival, param, rank, budget (methods that hold a low-rank state);
 - accuracy.png: accuracy of every task after each arrival, per method.
@@ -51,6 +53,7 @@ from tasks.scratch import scratch
 from tasks.scoring import FeatureStore, Scorer, read_probe_rows, read_task_model, read_tests
 
 OUT = Path("models") / "merge"
+TIMING = ("merge_seconds", "add_seconds", "merged_seconds", "peak_rss_mb", "peak_rss_mb_by_arrival")
 
 
 def inputs(params: Params, task: str | None = None) -> list[Path]:
@@ -286,9 +289,11 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
               "classes": {s["task"]: s["classes"] for s in specs},
               "max_length": {s["task"]: s["max_length"] for s in specs}}
     main = summary[cfg.main]
+    # seconds and peak RSS vary run to run: MLflow gets them, the DVC-tracked merge.json does not, so
+    # the same params give the same bytes
+    timing = {m: {k: e.pop(k) for k in TIMING if k in e} for m, e in summary.items()}
     metrics = {"main": cfg.main, "tasks": len(order),
-               **{k: main[k] for k in ("avg_accuracy", "normalised_accuracy", "bwt", "merge_seconds", "peak_rss_mb",
-                                       "state_mb") if k in main},
+               **{k: main[k] for k in ("avg_accuracy", "normalised_accuracy", "bwt", "state_mb") if k in main},
                "base_accuracy": base_acc, "finetuned_accuracy": finetuned, "methods": summary}
     metrics = _json_safe(metrics)
     out = root / OUT
@@ -307,13 +312,15 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
         atomic.bytes(plot_accuracy(rows, order, summary), out / "accuracy.png")
     flat = {}
     for method, entry in summary.items():
+        entry = {**entry, **timing[method]}
         for k in ("avg_accuracy", "normalised_accuracy", "bwt", "merge_seconds", "peak_rss_mb", "state_mb"):
             if k in entry and entry[k] == entry[k]:
                 flat[f"{method}.{k}"] = entry[k]
     log.log_metrics(flat)
     log.log_artifact(out / "accuracy.png")
     log.log_artifact(out / "merge.json")
-    return {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    result = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {**result, **{k: timing[cfg.main][k] for k in ("merge_seconds", "peak_rss_mb")}}
 
 
 def _json_safe(obj):

@@ -86,8 +86,9 @@ def test_outputs_and_metrics(merged_project):
     metrics = json.loads((out / "merge.json").read_text())
     assert set(metrics["methods"]) == set(METHODS)
     for entry in metrics["methods"].values():
-        assert len(entry["accuracy_curve"]) == 3 and len(entry["peak_rss_mb_by_arrival"]) == 3
-        assert entry["merge_seconds"] > 0 and entry["state_mb"] > 0
+        assert len(entry["accuracy_curve"]) == 3 and entry["state_mb"] > 0
+        assert "merge_seconds" not in entry and "peak_rss_mb" not in entry  # run-to-run noise: MLflow only
+    assert result.metrics["merge_seconds"] > 0 and result.metrics["peak_rss_mb"] >= 0
     assert metrics["avg_accuracy"] == metrics["methods"]["gs3r"]["avg_accuracy"]
     assert result.metrics["avg_accuracy"] == metrics["avg_accuracy"]
     heads = load_file(str(out / "heads.safetensors"))
