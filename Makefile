@@ -21,7 +21,7 @@ export TOKENIZERS_PARALLELISM := false
 # stage commands in dvc.yaml (`crucible stage ...`) come from the project virtualenv
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: install run test test-fast dvc-repro ui clean-env
+.PHONY: install run test test-fast test-determinism dvc-repro ui clean-env
 
 install: $(STAMP)
 
@@ -48,10 +48,13 @@ dvc-repro: install
 	$(BIN)/dvc repro
 
 test: install $(TEST_STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not determinism"
 
 test-fast: install $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
+
+test-determinism: install $(TEST_STAMP)
+	$(BIN)/python -m pytest -q -m determinism
 
 ui: install
 	$(BIN)/crucible ui

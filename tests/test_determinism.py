@@ -1,0 +1,62 @@
+"""The pipeline's first promise: the same params give the same artifacts. The tiny profile (two
+tasks, two merge methods, to keep the suite's time) run twice under the Prefect flow (the two
+tasks' stages in parallel threads) and once under `dvc repro` (one process per stage) gives
+byte-identical outputs for every stage, at one torch thread count (CRUCIBLE_THREADS: thread
+counts change floating-point reduction order, see crucible/train.py)."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+BIN = Path(sys.executable).parent
+pytestmark = [pytest.mark.slow, pytest.mark.determinism]
+
+
+def _outs(root: Path) -> dict[str, str]:
+    """path -> md5 of every output dvc.lock records (DVC's own hashes: folders as .dir)."""
+    lock = yaml.safe_load((root / "dvc.lock").read_text())
+    out = {}
+    for stage, spec in lock["stages"].items():
+        if stage == "register":  # its record holds the MLflow run id and version: a registry fact, not a model
+            continue
+        for o in spec.get("outs", []):
+            out[o["path"]] = o["md5"]
+    return out
+
+
+def _run(root: Path, *cmd: str) -> None:
+    env = {**os.environ, "CRUCIBLE_THREADS": "1", "PREFECT_HOME": str(root / ".prefect")}
+    proc = subprocess.run(list(cmd), cwd=root, capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+def test_flow_twice_and_dvc_repro_give_byte_identical_artifacts(tmp_path, project_root):
+    from tasks.workspace import make_workspace
+
+    first = make_workspace(project_root, tmp_path / "flow1", "tiny")
+    params = yaml.safe_load((first / "params.yaml").read_text())
+    params["pipeline"]["tasks"] = {k: params["pipeline"]["tasks"][k] for k in ("bbc", "debates")}
+    params["merge"]["methods"] = {k: params["merge"]["methods"][k] for k in ("gs3r", "task_arithmetic")}
+    text = yaml.safe_dump(params, sort_keys=False)
+    roots = {"flow1": first, "flow2": tmp_path / "flow2", "dvc": tmp_path / "dvc"}
+    for name, root in roots.items():
+        if name != "flow1":
+            make_workspace(project_root, root, "tiny")
+        (root / "params.yaml").write_text(text)
+    _run(roots["flow1"], str(BIN / "crucible"), "run")
+    _run(roots["flow2"], str(BIN / "crucible"), "run")
+    _run(roots["dvc"], str(BIN / "dvc"), "repro")
+    hashes = {name: _outs(root) for name, root in roots.items()}
+    assert len(hashes["flow1"]) >= 20  # every stage's outputs for both tasks
+    print(f"\n{'output':58s} {'flow run 1':>12s} {'flow run 2':>12s} {'dvc repro':>12s}")
+    for path, h in sorted(hashes["flow1"].items()):
+        print(f"{path:58s} {h[:12]:>12s} {hashes['flow2'].get(path, '-')[:12]:>12s} {hashes['dvc'].get(path, '-')[:12]:>12s}")
+    for name in ("flow2", "dvc"):
+        differ = {p: (h, hashes[name].get(p)) for p, h in hashes["flow1"].items() if hashes[name].get(p) != h}
+        assert not differ, f"{name} differs from the first flow run: {differ}"
+    shutil.rmtree(tmp_path, ignore_errors=True)
