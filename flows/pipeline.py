@@ -25,8 +25,8 @@ from tasks.stage import PER_TASK, STAGES, execute, stage_id, stage_module
 
 
 @task(name="stage", task_run_name="{stage}@{task_name}", retries=0)
-def run_stage(stage: str, task_name: str | None, root: str, parent_run_id: str) -> dict:
-    return execute(stage, task_name, root, parent_run_id=parent_run_id).to_dict()
+def run_stage(stage: str, task_name: str | None, root: str, parent_run_id: str, threads: int) -> dict:
+    return execute(stage, task_name, root, parent_run_id=parent_run_id, threads=threads).to_dict()
 
 
 def task_runner(params: Params):
@@ -61,11 +61,6 @@ def pipeline(root: str = ".", stages: list[str] | None = None) -> dict:
     use_dvc = dvc.is_dvc_project(root_path)
     if not use_dvc:
         logger.warning("%s is not a DVC project (no .dvc/ or dvc.yaml): stages run, nothing is recorded", root_path)
-    if params.pipeline.runner == "threads" and not os.environ.get("CRUCIBLE_THREADS"):
-        # stages fan out over threads of this process: share the cores instead of oversubscribing
-        import torch
-
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // params.pipeline.max_workers))
     for stage in stages or STAGES:
         stage_module(stage)  # import in this thread: module imports are not all thread-safe
     parent = tracking.start_parent_run(root_path, params.tracking.experiment, "pipeline",
@@ -79,7 +74,12 @@ def pipeline(root: str = ".", stages: list[str] | None = None) -> dict:
                 if sid not in todo:
                     logger.info("%s is up to date: skipped", sid)
                     results[sid] = "skipped"
-            futures = {sid: run_stage.submit(stage, sids[sid], str(root_path), parent) for sid in sids if sid in todo}
+            # per-task stages run side by side and share the cores; a stage over all tasks runs alone
+            # and gets them all (so merge and quantize are not left on one thread)
+            cores = os.cpu_count() or 1
+            threads = max(1, cores // params.pipeline.max_workers) if stage in PER_TASK else cores
+            futures = {sid: run_stage.submit(stage, sids[sid], str(root_path), parent, threads)
+                       for sid in sids if sid in todo}
             done, failure = [], None
             for sid, fut in futures.items():
                 try:

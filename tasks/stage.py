@@ -61,7 +61,7 @@ def stage_id(stage: str, task: str | None) -> str:
 
 
 def execute(stage: str, task: str | None = None, root: Path | str = ".", params: Params | None = None,
-            parent_run_id: str | None = None) -> StageResult:
+            parent_run_id: str | None = None, threads: int | None = None) -> StageResult:
     """Run one stage (for one task) in project `root`. Raises whatever the stage raises; then no
     output has been replaced."""
     root = Path(root).resolve()
@@ -74,11 +74,12 @@ def execute(stage: str, task: str | None = None, root: Path | str = ".", params:
     elif task is not None:
         raise ValueError(f"stage '{stage}' is not per task; got task {task!r}")
     # torch/BLAS threads per worker: parallel per-task stages must not oversubscribe the cores
-    threads = os.environ.get("CRUCIBLE_THREADS")
+    # (`threads`: the flow's share of the cores for this stage; CRUCIBLE_THREADS, when set, wins)
+    threads = int(os.environ["CRUCIBLE_THREADS"]) if os.environ.get("CRUCIBLE_THREADS") else threads
     if threads:
         import torch
 
-        torch.set_num_threads(int(threads))
+        torch.set_num_threads(threads)
     # a killed earlier run's temporary files and scratch folders (never a live run's)
     from tasks.scratch import sweep
 
