@@ -17,9 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,12 +28,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pandas as pd  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def texts_of(root: Path, tasks: list[str], n: int) -> pd.DataFrame:
@@ -89,7 +80,8 @@ def main() -> None:
     apply_defaults(root)
     from tasks.params import load_params
     from tasks.register import resolve_version
-    from tasks.serving import invocation_body, load_registered, registry_client, serve_command
+    from tasks.serving import (free_port, invocation_body, load_registered, registry_client, serve_command,
+                                  stop_server, wait_until_serving)
 
     name = load_params(root / "params.yaml").tracking.registered_model
     mv = resolve_version(registry_client(root), name, args.alias)
@@ -108,18 +100,10 @@ def main() -> None:
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        start = time.monotonic()
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"the server exited ({proc.returncode}); its log: {log.name}")
-            try:
-                with urllib.request.urlopen(f"{url}/ping", timeout=2):
-                    break
-            except OSError:
-                if time.monotonic() - start > args.wait:
-                    raise SystemExit(f"no answer on {url}/ping in {args.wait:.0f} s; its log: {log.name}") from None
-                time.sleep(0.5)
-        startup = time.monotonic() - start
+        try:
+            startup = wait_until_serving(url, proc, args.wait, Path(log.name))
+        except RuntimeError as exc:
+            raise SystemExit(f"{exc}\n(its log: {log.name})") from None
 
         def request(frame: pd.DataFrame):
             body = json.dumps(invocation_body(list(zip(frame["text"], frame["task"])))).encode()
@@ -131,13 +115,7 @@ def main() -> None:
         http = {"single": median_seconds(lambda: request(single), args.repeats),
                 "batch": median_seconds(lambda: request(batch), args.repeats)}
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=20)
-        except ProcessLookupError:
-            pass
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_server(proc)
 
     served, flt = int(tags.get("crucible.size.served_bytes", 0)), int(tags.get("crucible.size.float_bytes", 0))
     accuracy = {k.split(".")[-1]: float(v) for k, v in tags.items() if k.startswith("crucible.metric.accuracy.")}

@@ -140,10 +140,9 @@ def _registered(root: Path, ref: str):
 def _cmd_serve(args) -> int:
     import socket
     import threading
-    import urllib.request
 
     from tasks.params import ParamsError
-    from tasks.serving import curl_example, serve_command
+    from tasks.serving import curl_example, serve_command, wait_until_serving
 
     root = Path(args.root).resolve()
     try:
@@ -167,14 +166,11 @@ def _cmd_serve(args) -> int:
     proc = subprocess.Popen(cmd, env=env)
 
     def announce() -> None:  # loading takes a while: say when it answers
-        deadline = time.monotonic() + 600
-        while proc.poll() is None and time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"http://{args.host}:{args.port}/ping", timeout=2):
-                    print(f"ready: http://{args.host}:{args.port}", flush=True)
-                    return
-            except OSError:
-                time.sleep(1)
+        try:
+            wait_until_serving(f"http://{args.host}:{args.port}", proc, 600)
+        except RuntimeError:
+            return  # the server's own output says why
+        print(f"ready: http://{args.host}:{args.port}", flush=True)
 
     threading.Thread(target=announce, daemon=True).start()
     try:

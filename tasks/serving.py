@@ -90,3 +90,53 @@ def curl_example(host: str, port: int, task: str, text: str = "An example text t
     body = json.dumps(invocation_body([(text, task)]))
     return (f"curl -s http://{host}:{port}/invocations -H 'Content-Type: application/json' "
             f"-d '{body.replace(chr(39), chr(39) + chr(92) + chr(39) + chr(39))}'")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (for tests and benchmarks)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def wait_until_serving(url: str, proc, timeout: float, log: Path | None = None) -> float:
+    """Poll `<url>/ping` until the server answers; seconds it took. RuntimeError (with the log's
+    tail) if the server process exits first or nothing answers within `timeout`."""
+    import time
+    import urllib.request
+
+    def tail() -> str:
+        return f":\n{Path(log).read_text()[-3000:]}" if log and Path(log).exists() else ""
+
+    start = time.monotonic()
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before answering on {url}{tail()}")
+        try:
+            with urllib.request.urlopen(f"{url}/ping", timeout=2) as resp:
+                if resp.status == 200:
+                    return time.monotonic() - start
+        except OSError:
+            pass
+        if time.monotonic() - start > timeout:
+            raise RuntimeError(f"no answer on {url}/ping in {timeout:.0f} s{tail()}")
+        time.sleep(0.5)
+
+
+def stop_server(proc, timeout: float = 20) -> None:
+    """Stop a server started with start_new_session=True: SIGTERM to its process group, SIGKILL if
+    it has not exited within `timeout`."""
+    import os
+    import signal
+    import subprocess
+
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=timeout)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)

@@ -5,12 +5,8 @@ a clear message, not a 500 with a traceback; `crucible predict` answers without 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -19,16 +15,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from tasks.serving import free_port, stop_server, wait_until_serving
 from test_register import registered_workspace, test_texts
 
 BIN = Path(sys.executable).parent
 WAIT_S = 180  # loading torch, mlflow and the model on a busy 2-core machine
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def post(url: str, body) -> tuple[int, dict]:
@@ -56,27 +47,10 @@ def server(ws, tmp_path_factory):
                                 stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, cwd=ws)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + WAIT_S
-        while True:
-            assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
-            try:
-                with urllib.request.urlopen(f"{base}/ping", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, f"no answer on {base}/ping in {WAIT_S} s:\n{log.read_text()[-3000:]}"
-            time.sleep(1)
+        assert wait_until_serving(base, proc, WAIT_S, log) < WAIT_S + 1  # raises with the log if it never answers
         yield base, log
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=20)
-        except ProcessLookupError:
-            pass
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+        stop_server(proc)
 
 
 def test_served_model_answers_like_the_in_process_one(ws, server):
