@@ -129,21 +129,14 @@ def gate(accuracy: dict[str, float], mean: float, floors: dict[str, float], tole
 
 
 def example_rows(root: Path, tasks: list[str]) -> "pd.DataFrame":
-    """The model's input example: the first test text of each task (a placeholder where the test
-    split is absent)."""
+    """The model's input example: the first test text of each task (read_table validates the split
+    and names the file if it is missing or broken)."""
     import pandas as pd
 
-    rows = []
-    for t in tasks:
-        path = Path(root) / "data" / t / "test.parquet"
-        text = None
-        if path.is_file():
-            try:
-                texts = pd.read_parquet(path, columns=["text"])["text"]
-                text = str(texts.iloc[0])[:300] if len(texts) else None
-            except Exception:  # the example is cosmetic; a bad file is the other stages' error to report
-                text = None
-        rows.append({"text": text or "An example text to classify.", "task": t})
+    from tasks.io import read_table
+
+    rows = [{"text": str(read_table(Path(root) / "data" / t / "test.parquet", "test")["text"].iloc[0])[:300],
+             "task": t} for t in tasks]
     return pd.DataFrame(rows)
 
 

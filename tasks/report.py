@@ -437,10 +437,15 @@ footer{font-size:13px}
 """
 
 
+def find_chromium() -> str | None:
+    """The headless browser's path (Debian's package `chromium`), or None."""
+    return shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
+
+
 def screenshot(html_path, png_path, width: int = 1400, height: int = 2400, timeout: float = 120) -> bool:
     """Render `html_path` with headless Chromium into `png_path` (width x height pixels). False when
     Chromium is not installed, or it failed or timed out without writing the PNG."""
-    chromium = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
+    chromium = find_chromium()
     if chromium is None:
         return False
     png_path = Path(png_path).resolve()

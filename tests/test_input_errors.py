@@ -5,25 +5,14 @@ values, says what is valid, and the stage writes nothing (the earlier outputs ke
 import numpy as np
 import pandas as pd
 import pytest
-import yaml
 
 from crucible.schema import DataValidationError
 from tasks.io import md5_file
 from tasks.params import load_params
 from tasks.stage import execute
+from test_ingest import set_params
 
 TASK = "bbc"
-
-
-def _set_params(root, **sections):
-    data = yaml.safe_load((root / "params.yaml").read_text())
-    for dotted, value in sections.items():
-        node = data
-        *parents, last = dotted.split("__")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = value
-    (root / "params.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
 
 
 def _good_tables() -> dict[str, pd.DataFrame]:
@@ -54,7 +43,7 @@ def files_project(tmp_path_factory, project_root):
     from tasks.workspace import make_workspace
 
     root = make_workspace(project_root, tmp_path_factory.mktemp("input_errors"), "tiny")
-    _set_params(root, ingest__source="files", ingest__audit__budget=2)
+    set_params(root, ingest__source="files", ingest__audit__budget=2)
     _write_inputs(root, _good_tables())
     execute("ingest", TASK, root)
     return root
@@ -188,7 +177,7 @@ def demo_workspace(tmp_path_factory, project_root):
     from tasks.workspace import make_workspace
 
     root = make_workspace(project_root, tmp_path_factory.mktemp("input_errors_demo"), "tiny")
-    _set_params(root, ingest__max_chars=60, ingest__proxy_score="none", ingest__audit__design="uniform")
+    set_params(root, ingest__max_chars=60, ingest__proxy_score="none", ingest__audit__design="uniform")
     return root
 
 
@@ -236,7 +225,7 @@ def test_demo_leakage_is_refused_before_anything_is_written(demo_project, monkey
         return tables
 
     monkeypatch.setattr(tasks.ingest, "build_demo", leaky)
-    _set_params(demo_project, pipeline__seed=5)  # the next run would change every file
+    set_params(demo_project, pipeline__seed=5)  # the next run would change every file
     with pytest.raises(DataValidationError, match=rf"data/{TASK}/test.parquet, column 'id': 1 id\(s\) also in "
                                                   rf".*data/{TASK}/reference.parquet: '{TASK}-r000005' "
                                                   r"\(test row 2, reference row 5\)"):

@@ -53,10 +53,10 @@ def fill_stage_files(root: Path, stage: str) -> None:
             continue
         if p.suffix:
             p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_text(f"placeholder for {path}\n")
+            p.write_text(f"stand-in output for {path}\n")  # lineage hashes files; content is arbitrary
         else:
             p.mkdir(parents=True)
-            (p / "placeholder.txt").write_text(f"placeholder in {path}\n")
+            (p / "contents.txt").write_text(f"stand-in output in {path}\n")
 
 
 def write_evaluate(root: Path, accuracy: dict[str, float], float_accuracy: dict[str, float] | None = None) -> None:

@@ -7,14 +7,12 @@ import base64
 import html
 import math
 import re
-import shutil
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from tasks.report import PNG_SIGNATURE, build_report, findings, fmt, screenshot
+from tasks.report import PNG_SIGNATURE, build_report, find_chromium, findings, fmt, screenshot
 
 ORDER = ["bbc", "rotten", "tweets"]
 INTERFACES = ["head", "probe", "kmeans"]
@@ -199,14 +197,21 @@ def test_format_and_bad_input():
         build_report(results)
 
 
+def test_screenshot_without_chromium_returns_false_and_writes_nothing(tmp_path, report, monkeypatch):
+    import tasks.report
+
+    (tmp_path / "index.html").write_bytes(report["index.html"])
+    monkeypatch.setattr(tasks.report, "find_chromium", lambda: None)
+    assert screenshot(tmp_path / "index.html", tmp_path / "shot.png") is False
+    assert not (tmp_path / "shot.png").exists()
+
+
+@pytest.mark.skipif(find_chromium() is None, reason="needs Debian's chromium (apt-get install chromium)")
 def test_chromium_screenshot(tmp_path, report):
     (tmp_path / "figures").mkdir()
     for name, data in report.items():
         (tmp_path / name).write_bytes(data)
     out = tmp_path / "shot.png"
-    if not (shutil.which("chromium") or Path("/usr/bin/chromium").exists()):
-        assert not screenshot(tmp_path / "index.html", out)
-        pytest.skip("chromium not installed")
     assert screenshot(tmp_path / "index.html", out, width=1200, height=1600)
     data = out.read_bytes()
     assert data.startswith(PNG_SIGNATURE) and len(data) > 50_000
