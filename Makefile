@@ -21,7 +21,7 @@ export TOKENIZERS_PARALLELISM := false
 # stage commands in dvc.yaml (`crucible stage ...`) come from the project virtualenv
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: install run test test-fast test-determinism dvc-repro ui clean-env
+.PHONY: install run test test-fast test-determinism dvc-repro ui serve clean-env
 
 install: $(STAMP)
 
@@ -58,6 +58,10 @@ test-determinism: install $(TEST_STAMP)
 
 ui: install
 	$(BIN)/crucible ui
+
+# The scheduled deployments (prefect.yaml) on a local Prefect server at 127.0.0.1:4200; Ctrl-C stops.
+serve: install
+	$(BIN)/crucible deploy
 
 clean-env:
 	rm -rf $(VENV)

@@ -12,17 +12,26 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 _LOCK = threading.Lock()
 
 
-def _dvc(root: Path, *args: str) -> subprocess.CompletedProcess:
+def _dvc(root: Path, *args: str, wait: float = 60.0) -> subprocess.CompletedProcess:
+    """Run a dvc command; while another dvc command holds DVC's repository lock (a `dvc repro`
+    starting beside the flow: its stages refuse to run while the flow holds the workspace, so it
+    exits at once), retry for up to `wait` seconds."""
     exe = Path(sys.executable).with_name("dvc")
     cmd = [str(exe) if exe.exists() else "dvc", *args]
     env = {**os.environ, "DVC_NO_ANALYTICS": "1"}
-    with _LOCK:
-        proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, env=env)
+    deadline = time.monotonic() + wait
+    while True:
+        with _LOCK:
+            proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, env=env)
+        if proc.returncode == 0 or "Unable to acquire lock" not in proc.stderr or time.monotonic() >= deadline:
+            break
+        time.sleep(1.0)
     if proc.returncode != 0:
         raise RuntimeError(f"`{' '.join(cmd[1:])}` failed in {root} (exit {proc.returncode}):\n{proc.stderr.strip()}")
     return proc
@@ -32,12 +41,12 @@ def is_dvc_project(root: Path) -> bool:
     return (Path(root) / ".dvc").is_dir() and (Path(root) / "dvc.yaml").is_file()
 
 
-def stale(root: Path, stages: list[str]) -> set[str]:
+def stale(root: Path, stages: list[str], wait: float = 60.0) -> set[str]:
     """The stages among `stages` that DVC would run (deps, params, cmd or outs differ from dvc.lock).
     One `dvc status` call for all of them."""
     if not stages:
         return set()
-    out = _dvc(root, "status", *stages, "--json").stdout.strip()
+    out = _dvc(root, "status", *stages, "--json", wait=wait).stdout.strip()
     changed = json.loads(out or "{}")
     unknown = set(changed) - set(stages)
     if unknown:  # upstream stages are not reported without --with-deps; anything else is a surprise
@@ -45,7 +54,7 @@ def stale(root: Path, stages: list[str]) -> set[str]:
     return set(changed)
 
 
-def commit(root: Path, stages: list[str]) -> None:
+def commit(root: Path, stages: list[str], wait: float = 60.0) -> None:
     """Record finished stages in dvc.lock, as `dvc repro` would have."""
     if stages:
-        _dvc(root, "commit", "--force", "--quiet", *stages)
+        _dvc(root, "commit", "--force", "--quiet", *stages, wait=wait)

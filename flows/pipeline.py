@@ -13,6 +13,7 @@ One MLflow parent run per flow run; each stage (per task) logs a child run.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -20,17 +21,28 @@ from prefect import flow, get_run_logger, task
 
 from flows import dvc
 from tasks import tracking
+from tasks.lock import WorkspaceLock
 from tasks.params import Params, load_params
 from tasks.stage import PER_TASK, STAGES, execute, stage_id, stage_module
 
 
 @task(name="stage", task_run_name="{stage}@{task_name}", retries=0)
-def run_stage(stage: str, task_name: str | None, root: str, parent_run_id: str, threads: int) -> dict:
-    return execute(stage, task_name, root, parent_run_id=parent_run_id, threads=threads).to_dict()
+def run_stage(stage: str, task_name: str | None, root: str, parent_run_id: str, share: int,
+              lock_token: str | None = None) -> dict:
+    """One stage on whatever worker the task runner picked. `share`: how many stages run side by
+    side; each takes cores // share torch threads of the machine it runs on (not of the flow's)."""
+    threads = max(1, (os.cpu_count() or 1) // share)
+    return execute(stage, task_name, root, parent_run_id=parent_run_id, threads=threads,
+                   lock_token=lock_token).to_dict()
+
+
+EXTRA_HINT = "pip install -e '.[{0}]' (or: pip install prefect-{0})"
 
 
 def task_runner(params: Params):
-    """The Prefect task runner params ask for. Dask and Ray come from their Prefect integrations."""
+    """The Prefect task runner params ask for. Dask and Ray come from their Prefect integrations:
+    a local cluster of `max_workers` single-threaded workers, or the cluster at `address`
+    (CRUCIBLE_DASK_ADDRESS / CRUCIBLE_RAY_ADDRESS override params)."""
     p = params.pipeline
     if p.runner == "threads":
         from prefect.task_runners import ThreadPoolTaskRunner
@@ -40,15 +52,23 @@ def task_runner(params: Params):
         try:
             from prefect_dask import DaskTaskRunner
         except ImportError:
-            raise ImportError("pipeline.runner = 'dask' needs prefect-dask: pip install prefect-dask") from None
-        address = os.environ.get("CRUCIBLE_DASK_ADDRESS")
-        return DaskTaskRunner(address=address) if address else DaskTaskRunner(
-            cluster_kwargs={"n_workers": p.max_workers, "threads_per_worker": 1})
+            raise ImportError(f"pipeline.runner = 'dask' needs prefect-dask: {EXTRA_HINT.format('dask')}") from None
+        address = os.environ.get("CRUCIBLE_DASK_ADDRESS") or p.address
+        if address:
+            return DaskTaskRunner(address=address)
+        # processes, one thread each: a stage sets its own torch threads (cores // max_workers)
+        return DaskTaskRunner(cluster_kwargs={"n_workers": p.max_workers, "threads_per_worker": 1,
+                                              "processes": True, "dashboard_address": None,
+                                              "silence_logs": logging.WARNING})
     try:
         from prefect_ray import RayTaskRunner
     except ImportError:
-        raise ImportError("pipeline.runner = 'ray' needs prefect-ray: pip install prefect-ray") from None
-    return RayTaskRunner(address=os.environ.get("CRUCIBLE_RAY_ADDRESS"))
+        raise ImportError(f"pipeline.runner = 'ray' needs prefect-ray: {EXTRA_HINT.format('ray')}") from None
+    address = os.environ.get("CRUCIBLE_RAY_ADDRESS") or p.address
+    if address:
+        return RayTaskRunner(address=address)
+    return RayTaskRunner(init_kwargs={"num_cpus": p.max_workers, "include_dashboard": False,
+                                      "log_to_driver": False})
 
 
 @flow(name="crucible-pipeline")
@@ -63,22 +83,29 @@ def pipeline(root: str = ".", stages: list[str] | None = None) -> dict:
         logger.warning("%s is not a DVC project (no .dvc/ or dvc.yaml): stages run, nothing is recorded", root_path)
     for stage in stages or STAGES:
         stage_module(stage)  # import in this thread: module imports are not all thread-safe
+    lock = WorkspaceLock(root_path, "flow", params.pipeline.lock_timeout, require_dvc_idle=use_dvc,
+                         on_wait=logger.warning, on_stale=logger.warning)
+    with lock:
+        return _run(root_path, params, stages, use_dvc, lock.token, logger)
+
+
+def _run(root_path: Path, params: Params, stages: list[str] | None, use_dvc: bool, token: str, logger) -> dict:
+    wait = params.pipeline.lock_timeout
     parent = tracking.start_parent_run(root_path, params.tracking.experiment, "pipeline",
                                        {"crucible.kind": "pipeline", "crucible.tasks": ",".join(params.pipeline.tasks)})
     results: dict[str, object] = {}
     try:
         for stage in stages or list(STAGES):
             sids = {stage_id(stage, t): t for t in (params.pipeline.tasks if stage in PER_TASK else [None])}
-            todo = dvc.stale(root_path, list(sids)) if use_dvc else set(sids)
+            todo = dvc.stale(root_path, list(sids), wait=wait) if use_dvc else set(sids)
             for sid in sids:
                 if sid not in todo:
                     logger.info("%s is up to date: skipped", sid)
                     results[sid] = "skipped"
             # per-task stages run side by side and share the cores; a stage over all tasks runs alone
             # and gets them all (so merge and quantize are not left on one thread)
-            cores = os.cpu_count() or 1
-            threads = max(1, cores // params.pipeline.max_workers) if stage in PER_TASK else cores
-            futures = {sid: run_stage.submit(stage, sids[sid], str(root_path), parent, threads)
+            share = min(params.pipeline.max_workers, len(todo)) if stage in PER_TASK else 1
+            futures = {sid: run_stage.submit(stage, sids[sid], str(root_path), parent, max(1, share), token)
                        for sid in sids if sid in todo}
             done, failure = [], None
             for sid, fut in futures.items():
@@ -90,7 +117,7 @@ def pipeline(root: str = ".", stages: list[str] | None = None) -> dict:
                     logger.error("%s failed: %s", sid, exc)
                     failure = failure or exc
             if use_dvc:
-                dvc.commit(root_path, done)
+                dvc.commit(root_path, done, wait=wait)
             if failure is not None:
                 raise failure
     except BaseException:
@@ -107,9 +134,10 @@ def run_pipeline(root: Path | str = ".", stages: list[str] | None = None) -> dic
 
 
 @flow(name="crucible-scheduled")
-def scheduled(root: str = ".") -> dict:
-    """Deployment entry point (prefect.yaml): the pipeline on the task runner params choose."""
-    return run_pipeline(root)
+def scheduled(root: str = ".", stages: list[str] | None = None) -> dict:
+    """Deployment entry point (prefect.yaml, `crucible deploy`): the pipeline on the task runner
+    params choose (optionally only the listed stages)."""
+    return run_pipeline(root, stages)
 
 
 if __name__ == "__main__":

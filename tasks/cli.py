@@ -5,6 +5,7 @@
     crucible params check [FILE] [--profile tiny]        validate params
     crucible params render [--profile tiny] [-o FILE]    params with a profile applied
     crucible ui                                          MLflow UI + Prefect server on 127.0.0.1
+    crucible deploy [--port 4200]                        serve the scheduled deployments (make serve)
     crucible serve [--alias champion] [--port 5001]      the registered model over HTTP on 127.0.0.1
     crucible predict --task bbc "text" ...               the registered champion, in this process
     crucible lineage champion|VERSION                    what made a registered version; still current?
@@ -48,11 +49,15 @@ def _cmd_params(args) -> int:
 
 
 def _cmd_stage(args) -> int:
+    from tasks.lock import WorkspaceLocked
     from tasks.params import ParamsError
     from tasks.stage import execute
 
     try:
         result = execute(args.stage, args.task, args.root)
+    except WorkspaceLocked as exc:
+        print(f"error: stage {args.stage}{'@' + args.task if args.task else ''}: {exc}", file=sys.stderr)
+        return 3
     except (ParamsError, FileNotFoundError, KeyError, ValueError, RuntimeError) as exc:
         print(f"error: stage {args.stage}{'@' + args.task if args.task else ''}: {exc}", file=sys.stderr)
         return 2
@@ -76,9 +81,14 @@ def _cmd_run(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     from flows.pipeline import run_pipeline
+    from tasks.lock import WorkspaceLocked
 
     start = time.perf_counter()
-    results = run_pipeline(root, args.stage or None)
+    try:
+        results = run_pipeline(root, args.stage or None)
+    except WorkspaceLocked as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
     print(f"\npipeline finished in {time.perf_counter() - start:.1f} s ({root})")
     for sid, res in results.items():
         status = "up to date" if res == "skipped" else f"ran in {res['seconds']:.1f} s"
@@ -116,6 +126,84 @@ def _cmd_ui(args) -> int:
             except subprocess.TimeoutExpired:
                 p.kill()
     return 0
+
+
+def _prefect_answers(api: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{api}/health", timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def _cmd_deploy(args) -> int:
+    """A Prefect server on 127.0.0.1 (unless PREFECT_API_URL names one, or one already answers on
+    the port) and a process serving prefect.yaml's deployments; Ctrl-C stops both."""
+    import os
+
+    from flows.deploy import flow_name, load_spec
+    from tasks.serving import stop_server, wait_until_serving
+
+    root = Path(args.root).resolve()
+    try:
+        deployments = load_spec(root)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    api = os.environ.get("PREFECT_API_URL") or f"http://{args.host}:{args.port}/api"
+    env = {**os.environ, "PREFECT_API_URL": api}
+    server = None
+    procs = []
+    try:
+        if _prefect_answers(api):
+            print(f"using the Prefect server at {api}")
+        elif os.environ.get("PREFECT_API_URL"):
+            print(f"error: PREFECT_API_URL={api} does not answer", file=sys.stderr)
+            return 2
+        else:
+            log = root / ".prefect" / "server.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            with open(log, "ab") as out:
+                server = subprocess.Popen([str(Path(sys.executable).with_name("prefect")), "server", "start",
+                                           "--host", args.host, "--port", str(args.port)], env=env,
+                                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            procs.append(server)
+            print(f"starting a Prefect server on {args.host}:{args.port} (log: {log}) ...", flush=True)
+            wait_until_serving(api, server, args.timeout, log, path="/health")
+        serving = subprocess.Popen([sys.executable, "-m", "flows.deploy", "--root", str(root)], cwd=root,
+                                   env=env, start_new_session=True)
+        procs.append(serving)
+        ui = api.removesuffix("/api")
+        print(f"serving {len(deployments)} deployments from {root}: "
+              + ", ".join(f"{flow_name(d)}/{d['name']}"
+                          + "".join(f" ({s['cron']} {s.get('timezone', 'UTC')})" for s in d.get("schedules") or [])
+                          for d in deployments))
+        print(f"Prefect UI: {ui}   trigger a run:  PREFECT_API_URL={api} prefect deployment run "
+              f"{flow_name(deployments[-1])}/{deployments[-1]['name']}")
+        print("Ctrl-C stops the deployments and the server.", flush=True)
+        while all(p.poll() is None for p in procs):
+            time.sleep(0.5)
+        failed = next(p for p in procs if p.poll() is not None)
+        print(f"error: {'the Prefect server' if failed is server else 'serving'} exited with {failed.returncode}",
+              file=sys.stderr)
+        return 1
+    except RuntimeError as exc:  # the server did not come up
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        for p in reversed(procs):  # the serving process first (it pauses its schedules), then the server
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGINT)  # as Ctrl-C: Prefect's serve shuts down cleanly
+                    p.wait(timeout=20)
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    pass
+            if p.poll() is None:
+                stop_server(p, timeout=20)
 
 
 def _message(exc: Exception) -> str:
@@ -261,6 +349,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mlflow-port", type=int, default=5000)
     p.add_argument("--prefect-port", type=int, default=4200)
     p.set_defaults(func=_cmd_ui)
+
+    p = sub.add_parser("deploy", help="serve prefect.yaml's scheduled deployments (starts a Prefect server on 127.0.0.1)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=4200, help="the Prefect server's port (default 4200)")
+    p.add_argument("--timeout", type=float, default=180, help="seconds to wait for the server to start")
+    p.add_argument("--root", default=".")
+    p.set_defaults(func=_cmd_deploy)
 
     p = sub.add_parser("serve", help="serve the registered model over HTTP (mlflow models serve) on 127.0.0.1")
     p.add_argument("--alias", default="champion", help="alias or version number (default: champion)")

@@ -59,6 +59,11 @@ class PipelineParams(_Section):
     tasks: dict[str, TaskSpec] = Field(..., min_length=1, description="task name -> spec, in arrival order")
     runner: Literal["threads", "dask", "ray"] = "threads"
     max_workers: int = Field(2, ge=1, le=256)
+    address: str | None = Field(None, min_length=1, description=(
+        "dask: a scheduler address (tcp://host:8786); ray: a cluster address (ray://host:10001 or auto); "
+        "null: a local cluster of max_workers workers. CRUCIBLE_DASK_ADDRESS / CRUCIBLE_RAY_ADDRESS override it"))
+    lock_timeout: float = Field(600.0, ge=0, description=(
+        "seconds a run waits for another run on the same workspace to finish before failing"))
 
     @field_validator("tasks")
     @classmethod

@@ -101,8 +101,8 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def wait_until_serving(url: str, proc, timeout: float, log: Path | None = None) -> float:
-    """Poll `<url>/ping` until the server answers; seconds it took. RuntimeError (with the log's
+def wait_until_serving(url: str, proc, timeout: float, log: Path | None = None, path: str = "/ping") -> float:
+    """Poll `<url><path>` until the server answers; seconds it took. RuntimeError (with the log's
     tail) if the server process exits first or nothing answers within `timeout`."""
     import time
     import urllib.request
@@ -115,13 +115,13 @@ def wait_until_serving(url: str, proc, timeout: float, log: Path | None = None) 
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with {proc.returncode} before answering on {url}{tail()}")
         try:
-            with urllib.request.urlopen(f"{url}/ping", timeout=2) as resp:
+            with urllib.request.urlopen(f"{url}{path}", timeout=2) as resp:
                 if resp.status == 200:
                     return time.monotonic() - start
         except OSError:
             pass
         if time.monotonic() - start > timeout:
-            raise RuntimeError(f"no answer on {url}/ping in {timeout:.0f} s{tail()}")
+            raise RuntimeError(f"no answer on {url}{path} in {timeout:.0f} s{tail()}")
         time.sleep(0.5)
 
 

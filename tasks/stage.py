@@ -14,12 +14,14 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tasks import tracking
 from tasks.io import md5_file
+from tasks.lock import WorkspaceLock
 from tasks.params import Params, load_params
 
 # stage name -> module; the order is the DAG's order
@@ -61,9 +63,11 @@ def stage_id(stage: str, task: str | None) -> str:
 
 
 def execute(stage: str, task: str | None = None, root: Path | str = ".", params: Params | None = None,
-            parent_run_id: str | None = None, threads: int | None = None) -> StageResult:
+            parent_run_id: str | None = None, threads: int | None = None,
+            lock_token: str | None = None) -> StageResult:
     """Run one stage (for one task) in project `root`. Raises whatever the stage raises; then no
-    output has been replaced."""
+    output has been replaced. The stage holds the workspace lock (tasks/lock.py) while it runs,
+    or runs under its flow's lock when `lock_token` is the flow's."""
     root = Path(root).resolve()
     params = params or load_params(root / "params.yaml")
     module = stage_module(stage)
@@ -80,6 +84,16 @@ def execute(stage: str, task: str | None = None, root: Path | str = ".", params:
         import torch
 
         torch.set_num_threads(threads)
+    with WorkspaceLock(root, "stage", params.pipeline.lock_timeout, token=lock_token,
+                       on_wait=_say, on_stale=_say):
+        return _execute(stage, task, root, params, module, parent_run_id)
+
+
+def _say(message: str) -> None:
+    print(f"crucible: {message}", file=sys.stderr, flush=True)
+
+
+def _execute(stage, task, root: Path, params: Params, module, parent_run_id) -> StageResult:
     # a killed earlier run's temporary files and scratch folders (never a live run's)
     from tasks.scratch import sweep
 

@@ -17,7 +17,7 @@ import yaml
 
 from tasks.params import render_params, validate_params
 
-PROJECT_FILES = ("dvc.yaml", ".dvcignore")
+PROJECT_FILES = ("dvc.yaml", ".dvcignore", "prefect.yaml")
 PROJECT_DIRS = ("crucible", "tasks", "flows", "inputs")
 
 

@@ -1,8 +1,9 @@
 """The pipeline's first promise: the same params give the same artifacts. The tiny profile (two
-tasks, two merge methods, to keep the suite's time) run twice under the Prefect flow (the two
-tasks' stages in parallel threads) and once under `dvc repro` (one process per stage) gives
-byte-identical outputs for every stage, at one torch thread count (CRUCIBLE_THREADS: thread
-counts change floating-point reduction order, see crucible/train.py)."""
+tasks, two merge methods, to keep the suite's time) run under the Prefect flow on threads (the two
+tasks' stages in parallel threads), under the flow on a Dask LocalCluster of two worker processes
+(pipeline.runner: dask) and under `dvc repro` (one process per stage) gives byte-identical outputs
+for every stage, at one torch thread count (CRUCIBLE_THREADS: thread counts change floating-point
+reduction order, see crucible/train.py)."""
 
 import os
 import shutil
@@ -35,7 +36,8 @@ def _run(root: Path, *cmd: str) -> None:
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 
-def test_flow_twice_and_dvc_repro_give_byte_identical_artifacts(tmp_path, project_root):
+def test_threads_dask_and_dvc_repro_give_byte_identical_artifacts(tmp_path, project_root):
+    pytest.importorskip("prefect_dask", reason="the Dask runner needs prefect-dask (requirements/test.txt)")
     from tasks.workspace import make_workspace
 
     first = make_workspace(project_root, tmp_path / "flow1", "tiny")
@@ -48,15 +50,18 @@ def test_flow_twice_and_dvc_repro_give_byte_identical_artifacts(tmp_path, projec
         if name != "flow1":
             make_workspace(project_root, root, "tiny")
         (root / "params.yaml").write_text(text)
+    dask = yaml.safe_load(text)
+    dask["pipeline"].update(runner="dask", max_workers=2)
+    (roots["flow2"] / "params.yaml").write_text(yaml.safe_dump(dask, sort_keys=False))
     _run(roots["flow1"], str(BIN / "crucible"), "run")
     _run(roots["flow2"], str(BIN / "crucible"), "run")
     _run(roots["dvc"], str(BIN / "dvc"), "repro")
     hashes = {name: _outs(root) for name, root in roots.items()}
     assert len(hashes["flow1"]) >= 20  # every stage's outputs for both tasks
-    print(f"\n{'output':58s} {'flow run 1':>12s} {'flow run 2':>12s} {'dvc repro':>12s}")
+    print(f"\n{'output':58s} {'flow threads':>12s} {'flow dask':>12s} {'dvc repro':>12s}")
     for path, h in sorted(hashes["flow1"].items()):
         print(f"{path:58s} {h[:12]:>12s} {hashes['flow2'].get(path, '-')[:12]:>12s} {hashes['dvc'].get(path, '-')[:12]:>12s}")
     for name in ("flow2", "dvc"):
         differ = {p: (h, hashes[name].get(p)) for p, h in hashes["flow1"].items() if hashes[name].get(p) != h}
-        assert not differ, f"{name} differs from the first flow run: {differ}"
+        assert not differ, f"{name} differs from the flow on threads: {differ}"
     shutil.rmtree(tmp_path, ignore_errors=True)
