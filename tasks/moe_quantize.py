@@ -1,0 +1,158 @@
+"""Stage `moe_quantize` (once; on when moe.enabled): the MoE of moe_build in MXFP4, compensated,
+and trained with limited routing replay (METHODS.md sec. 4; crucible.moe.variants).
+
+    crucible stage moe_quantize
+
+Reads the Mixtral checkpoint in models/moe/build/ (offline) and compares, on the held-out
+sequences (tasks/moe_data.py), at one total adapter rank (`moe.rank_budget`; null = 8 per matrix):
+- float: the MoE as built; mxfp4: every expert's slices of the fused 3-D expert parameters (and
+  q/k/v/o with `moe.attention`) in MXFP4, the router in float;
+- uniform: + low-rank compensation, the same rank for every matrix;
+- load_aware: + compensation with ranks from allocate_ranks weighted by each expert's measured
+  load (attention matrices load 1), the same total;
+- qat: load_aware + routing replay QAT: the float MoE's calibration routes replayed, router and
+  MXFP4 codes frozen, only the expert adapters trained to match the float MoE's next-token
+  distributions (`moe.qat_loss`: kl, or hidden-state MSE) for `moe.qat_steps` steps (resumable from
+  .crucible/checkpoints/moe_quantize/ after a kill).
+Each is scored without replay (it routes by itself): perplexity, routing consistency per layer
+against the float MoE's routes on the same tokens (share of tokens with the same top-k set, top-1
+agreement), hidden-state drift per layer, bytes and bits per weight.
+
+Outputs (published together):
+- models/moe/quantize/model.safetensors: the qat model (load_aware without QAT), packed MXFP4 +
+  adapters (crucible.moe.quant.save_quantized_moe; loads onto the build's architecture);
+- models/moe/quantize/{consistency,drift,ranks}.csv and moe.png: per layer consistency and drift
+  of every variant, and every matrix's rank (uniform, load-aware) against its expert's load;
+- models/moe/moe.json (DVC metrics; the report's MoE section): the figures above, the build's
+  dense and float perplexity, the allocation, the QAT loss curve. Timings go to MLflow only.
+With moe.enabled false only models/moe/moe.json (saying so) and a note in models/moe/quantize/.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pandas as pd
+
+from tasks.io import AtomicOutputs, figure_png
+from tasks.params import Params
+
+BUILD = Path("models") / "moe" / "build"
+HOME = Path("models") / "moe" / "quantize"
+METRICS = Path("models") / "moe" / "moe.json"
+FILES = ("model.safetensors", "consistency.csv", "drift.csv", "ranks.csv", "moe.png")
+
+
+def inputs(params: Params, task: str | None) -> list[Path]:
+    return [BUILD / "build.json", BUILD / "model.safetensors", BUILD / "config.json"]
+
+
+def outputs(params: Params, task: str | None) -> list[Path]:
+    if not params.moe.enabled:
+        return [HOME / "disabled.json", METRICS]
+    return [HOME / name for name in FILES] + [METRICS]
+
+
+def checkpoint_dir(root: Path) -> Path:
+    return Path(root) / ".crucible" / "checkpoints" / "moe_quantize"
+
+
+def run(params: Params, task: str | None, root: Path, log) -> dict:
+    p = params.moe
+    root = Path(root)
+    build_json = root / BUILD / "build.json"
+    if not build_json.is_file():
+        raise FileNotFoundError(f"{build_json}: missing; run the moe_build stage first (crucible stage moe_build)")
+    try:
+        build = json.loads(build_json.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{build_json}: not valid JSON ({exc}); rerun moe_build") from None
+    if not p.enabled:
+        note = {"enabled": False, "note": "moe.enabled is false: the MoE branch did not run"}
+        with AtomicOutputs() as out:
+            _replace(root / HOME, out, {"disabled.json": (json.dumps(note, indent=2) + "\n").encode()})
+            out.json(note, root / METRICS)
+        return {"moe_enabled": 0}
+    if not build.get("enabled"):
+        raise ValueError(f"{build_json}: built with moe.enabled false; rerun moe_build (dvc repro moe_build)")
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from crucible.moe.quant import save_quantized_moe
+    from crucible.moe.variants import default_rank_budget, quantize_variants
+    from tasks.moe_data import sequences
+
+    folder = root / BUILD
+    moe = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32).eval()
+    if not hasattr(moe.model.layers[0].mlp, "experts"):
+        raise ValueError(f"{folder}: {type(moe).__name__} has no MoE layers (mlp.experts); rebuild with moe_build")
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    seqs = sequences(tokenizer, p, params.pipeline.seed)
+    budget = p.rank_budget if p.rank_budget is not None else default_rank_budget(moe, p.attention)
+    ckpt = checkpoint_dir(root)
+    result = quantize_variants(
+        moe, seqs["calib"], seqs["eval"], rank_budget=budget, attention=p.attention, qat_steps=p.qat_steps,
+        qat_lr=p.qat_lr, qat_loss=p.qat_loss, seed=params.pipeline.seed, batch_size=p.batch_size, mode=p.mode,
+        progress=True, checkpoint_dir=ckpt, checkpoint_every=max(1, p.qat_steps // 4) if p.qat_steps else 0,
+        log=lambda m, step: log.log_metrics({f"qat_{k}": v for k, v in m.items()}, step=step))
+    metrics = {k: v for k, v in result.metrics.items() if k != "seconds"}
+    metrics.update(enabled=True, rank_budget=budget, source=build.get("source"),
+                   perplexity={"dense": build["perplexity"]["dense"],
+                               **{name: v["perplexity"] for name, v in result.metrics["variants"].items()}})
+    tables = frames(result.metrics)
+    from tasks.moe_plots import figure
+
+    files = {
+        "model.safetensors": save_quantized_moe(result.model, metadata={"source": str(build.get("source"))}),
+        "consistency.csv": tables["consistency"].to_csv(index=False).encode(),
+        "drift.csv": tables["drift"].to_csv(index=False).encode(),
+        "ranks.csv": tables["ranks"].to_csv(index=False).encode(),
+        "moe.png": figure_png(figure(tables, metrics)),
+    }
+    with AtomicOutputs() as out:
+        _replace(root / HOME, out, files)
+        out.json(metrics, root / METRICS)
+    if ckpt.is_dir():
+        import shutil
+
+        shutil.rmtree(ckpt, ignore_errors=True)
+    flat = {f"perplexity_{k}": v for k, v in metrics["perplexity"].items()}
+    flat.update({f"consistency_{k}": v["consistency_mean"]["set"] for k, v in metrics["variants"].items()
+                 if "consistency_mean" in v})
+    log.log_metrics({**flat, **{"seconds_" + re.sub(r"[^A-Za-z0-9_]+", "_", k).strip("_"): v
+                                for k, v in result.metrics["seconds"].items()}})
+    return flat
+
+
+def frames(m: dict) -> dict[str, pd.DataFrame]:
+    """consistency (variant, layer, set, top1), drift (variant, layer, drift) and ranks (one row per
+    compensated matrix) from quantize_variants' metrics."""
+    cons, drift = [], []
+    for name, v in m["variants"].items():
+        for layer, c in (v.get("consistency") or {}).items():
+            cons.append({"variant": name, "layer": _layer(layer), "set": c["set"], "top1": c["top1"]})
+        for layer, d in (v.get("drift") or {}).items():
+            drift.append({"variant": name, "layer": _layer(layer), "drift": d})
+    ranks = pd.DataFrame(m["ranks"]["matrices"])
+    return {"consistency": pd.DataFrame(cons, columns=["variant", "layer", "set", "top1"]),
+            "drift": pd.DataFrame(drift, columns=["variant", "layer", "drift"]), "ranks": ranks}
+
+
+def _layer(name) -> int:
+    found = re.findall(r"\d+", str(name))
+    return int(found[0]) if found else -1
+
+
+def _replace(folder: Path, out: AtomicOutputs, files: dict[str, bytes]) -> None:
+    """Stage `files` into `folder`; files of an earlier run that this one does not write go once the
+    new ones are published."""
+    for name, data in files.items():
+        out.bytes(data, folder / name)
+    stale = [f for f in folder.iterdir() if f.is_file() and not f.name.startswith(".") and f.name not in files] \
+        if folder.is_dir() else []
+    out.publish()
+    for f in stale:
+        f.unlink(missing_ok=True)

@@ -1,0 +1,139 @@
+"""The MoE branch's stages (moe_build, moe_quantize) on a tiny random Llama saved as a local folder
+(moe.model names a folder; the packaged SmolLM2 is for the benchmark): outputs, offline loading,
+metrics, byte-identical reruns, refusals that write nothing, and the switched-off path."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tasks.stage import execute
+
+MOE = {"enabled": True, "n_experts": 4, "top_k": 2, "seq_len": 16, "build_sequences": 6, "calib_sequences": 6,
+       "eval_sequences": 6, "batch_size": 3, "qat_steps": 6, "rank_budget": 24}
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tmp_path_factory) -> Path:
+    """A random LlamaForCausalLM (hidden 64, FFN 128, 2 layers) with the MiniLM WordPiece tokenizer
+    (its [SEP] as end of text), saved as a Hugging Face folder."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from tasks.models import resolve_model
+
+    folder = tmp_path_factory.mktemp("tiny_lm")
+    tok = AutoTokenizer.from_pretrained(resolve_model("all-MiniLM-L6-v2"))
+    tok.eos_token = "[SEP]"
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for lin in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                lin.weight.normal_(0, 0.15)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def _workspace(tmp_path: Path, project_root: Path, tiny_lm: Path, **moe) -> Path:
+    from tasks.workspace import make_workspace
+
+    return make_workspace(project_root, tmp_path / "ws", "tiny",
+                          overrides={"moe": {**MOE, "model": str(tiny_lm), **moe}})
+
+
+def _md5s(root: Path, folder: str) -> dict[str, str]:
+    from tasks.io import md5_file
+
+    return {p.name: md5_file(p) for p in sorted((root / folder).iterdir()) if p.is_file()}
+
+
+def test_build_writes_a_mixtral_that_loads_offline(tmp_path, project_root, tiny_lm):
+    from transformers import AutoModelForCausalLM
+
+    root = _workspace(tmp_path, project_root, tiny_lm)
+    result = execute("moe_build", None, root)
+    build = json.loads((root / "models/moe/build/build.json").read_text())
+    assert build["enabled"] and build["n_experts"] == 4 and build["layers"] == 2
+    assert build["unit_weight_max_abs_diff"] < 1e-3
+    ppl = build["perplexity"]
+    assert 1 < ppl["dense"] < 2 * 30522 and 1 < ppl["moe_float"] < 2 * 30522
+    assert all(abs(sum(layer) - 1) < 1e-6 for layer in build["expert_load"])  # shares of the routed tokens
+    moe = AutoModelForCausalLM.from_pretrained(root / "models/moe/build", local_files_only=True)
+    assert type(moe).__name__ == "MixtralForCausalLM"
+    assert tuple(moe.model.layers[0].mlp.experts.gate_up_proj.shape) == (4, 2 * 32, 64)
+    assert set(result.outputs) == {f"models/moe/build/{n}" for n in _md5s(root, "models/moe/build")}
+    first = _md5s(root, "models/moe/build")
+    execute("moe_build", None, root)
+    assert _md5s(root, "models/moe/build") == first  # same inputs, same bytes
+
+
+def test_switched_off_writes_only_a_note(tmp_path, project_root, tiny_lm):
+    root = _workspace(tmp_path, project_root, tiny_lm, enabled=False)
+    execute("moe_build", None, root)
+    assert sorted(p.name for p in (root / "models/moe/build").iterdir()) == ["build.json"]
+    assert json.loads((root / "models/moe/build/build.json").read_text())["enabled"] is False
+
+
+def test_a_bad_expert_count_is_refused_before_anything_is_written(tmp_path, project_root, tiny_lm):
+    root = _workspace(tmp_path, project_root, tiny_lm, n_experts=5)  # 128 neurons do not split in 5
+    with pytest.raises(ValueError, match="n_experts=5 must divide intermediate_size=128"):
+        execute("moe_build", None, root)
+    assert not (root / "models/moe/build").exists()
+
+
+def test_top_k_must_be_sparse():
+    from tasks.params import ParamsError, validate_params
+
+    base = yaml.safe_load((Path(__file__).resolve().parents[1] / "params.yaml").read_text())
+    base["moe"] = {"n_experts": 4, "top_k": 4}
+    with pytest.raises(ParamsError, match="moe.top_k = 4 must be below moe.n_experts = 4"):
+        validate_params(base, "params.yaml")
+
+
+def test_quantize_compares_the_variants_and_writes_a_loadable_model(tmp_path, project_root, tiny_lm):
+    import pandas as pd
+    from transformers import AutoModelForCausalLM
+
+    from crucible.moe.quant import load_quantized_moe
+
+    root = _workspace(tmp_path, project_root, tiny_lm)
+    execute("moe_build", None, root)
+    execute("moe_quantize", None, root)
+    m = json.loads((root / "models/moe/moe.json").read_text())
+    assert m["enabled"] and m["rank_budget"] == 24
+    assert set(m["perplexity"]) >= {"dense", "float", "mxfp4", "uniform", "load_aware", "qat"}
+    assert m["ranks"]["total"]["uniform"] == m["ranks"]["total"]["load_aware"] == 24
+    assert m["variants"]["float"]["consistency_mean"]["set"] == 1.0
+    cons = pd.read_csv(root / "models/moe/quantize/consistency.csv")
+    assert set(cons["variant"]) >= {"float", "mxfp4", "uniform", "load_aware", "qat"} and set(cons["layer"]) == {0, 1}
+    ranks = pd.read_csv(root / "models/moe/quantize/ranks.csv")
+    assert ranks["uniform"].sum() == ranks["load_aware"].sum() == 24
+    skeleton = AutoModelForCausalLM.from_pretrained(root / "models/moe/build", local_files_only=True)
+    qmodel = load_quantized_moe(root / "models/moe/quantize/model.safetensors", skeleton)
+    ids = torch.randint(0, 1000, (1, 8))
+    with torch.no_grad():
+        assert torch.isfinite(qmodel(input_ids=ids).logits).all()
+    first = _md5s(root, "models/moe/quantize")
+    execute("moe_quantize", None, root)
+    assert _md5s(root, "models/moe/quantize") == first  # byte-identical rerun
+    assert not (root / ".crucible/checkpoints/moe_quantize").exists()  # QAT checkpoints removed on success
+
+
+def test_quantize_switched_off_and_a_missing_build(tmp_path, project_root, tiny_lm):
+    root = _workspace(tmp_path, project_root, tiny_lm, enabled=False)
+    with pytest.raises(FileNotFoundError, match="run the moe_build stage first"):
+        execute("moe_quantize", None, root)
+    assert not (root / "models/moe/moe.json").exists()
+    execute("moe_build", None, root)
+    execute("moe_quantize", None, root)
+    assert json.loads((root / "models/moe/moe.json").read_text()) == {
+        "enabled": False, "note": "moe.enabled is false: the MoE branch did not run"}
+    assert sorted(p.name for p in (root / "models/moe/quantize").iterdir()) == ["disabled.json"]
