@@ -4,7 +4,7 @@ rank, and limited routing replay QAT, each scored on held-out token sequences.
 
     ref = float_reference(moe, eval_ids)                          # optional: reuse across calls
     out = quantize_variants(moe, calib_ids, eval_ids, rank_budget=default_rank_budget(moe),
-                            qat_steps=40, qat_lr=1e-4, seed=0, dense=dense, reference=ref)
+                            qat_steps=24, qat_lr=1e-3, seed=0, dense=dense, reference=ref)
     out.metrics["variants"]["load_aware"]["perplexity"]; out.model   # the load-aware + QAT model
 
 Steps (each timed in metrics["seconds"]):
@@ -292,7 +292,7 @@ def _clone_quantized(base: nn.Module) -> nn.Module:
 
 
 def quantize_variants(moe_float: nn.Module, calib_ids: torch.Tensor, eval_ids: torch.Tensor, rank_budget: int,
-                      attention: bool = True, qat_steps: int = 40, qat_lr: float = 1e-4, qat_loss: str = "kl",
+                      attention: bool = True, qat_steps: int = 24, qat_lr: float = 1e-3, qat_loss: str = "kl",
                       seed: int = 0, batch_size: int = 8, mode: str = "floor", progress: bool = False,
                       dense: nn.Module | None = None, log: Callable[[dict, int], None] | None = None,
                       checkpoint_dir=None, checkpoint_every: int = 0, qat_uniform: bool = False,
