@@ -79,6 +79,11 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
         raise RuntimeError(f"moe_build: with every expert at unit weight the MoE's logits differ from the dense "
                            f"model's by {unit_diff:.3g} (> {UNIT_TOL}): the split is wrong; nothing was written")
     ppl_dense = perplexity(dense, seqs["eval"], batch_size=p.batch_size, progress=True)
+    vocab = int(dense.config.vocab_size)
+    if ppl_dense >= 0.99 * vocab:  # uniform predictions: the weights did not load (an all-zero LM head)
+        raise RuntimeError(f"moe_build: the dense model {source} has perplexity {ppl_dense:.1f}, about its "
+                           f"vocabulary size {vocab}: it predicts uniformly, so its weights did not load; "
+                           "nothing was written")
     ppl_moe = perplexity(moe, seqs["eval"], batch_size=p.batch_size, progress=True)
     seconds["perplexity"] = time.perf_counter() - t
     layers = report.to_dict()["layers"]

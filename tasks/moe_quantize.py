@@ -86,7 +86,9 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     from tasks.moe_data import sequences
 
     folder = root / BUILD
-    moe = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32).eval()
+    from crucible.moe.dense import tie_embeddings
+
+    moe = tie_embeddings(AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)).eval()
     if not hasattr(moe.model.layers[0].mlp, "experts"):
         raise ValueError(f"{folder}: {type(moe).__name__} has no MoE layers (mlp.experts); rebuild with moe_build")
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)

@@ -75,17 +75,20 @@ def test_a_finetune_does_not_change_when_another_task_trains_beside_it(alone, pr
     errors = []
 
     def stage(task):
-        try:
-            execute("finetune", task, root)
+        try:  # under one holder's workspace lock, as the flow runs them (alone, each would wait for the other)
+            execute("finetune", task, root, lock_token=lock.token)
         except BaseException as exc:  # surfaced below: a failing thread must fail the test
             errors.append(exc)
             barrier.abort()
 
+    from tasks.lock import WorkspaceLock
+
     threads = [threading.Thread(target=stage, args=(task,)) for task in TASKS]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with WorkspaceLock(root, "flow", timeout=0) as lock:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     assert not errors, errors
     assert digests(root) == alone[1]
     assert digests(root, "bbc")["finetune/model.safetensors"] != alone[1]["finetune/model.safetensors"]

@@ -361,7 +361,9 @@ def moefy(dense: nn.Module, calib_input_ids: torch.Tensor, n_experts: int = 8, t
         state[prefix + "experts.down_proj"] = mlp.down_proj.weight[:, groups].permute(1, 0, 2) * scale  # [E, H, s]
         state[prefix + "gate.weight"] = weight.to(dtype)
     moe.load_state_dict(state, strict=True)
-    moe.tie_weights()
+    from crucible.moe.dense import tie_embeddings
+
+    tie_embeddings(moe)
     dense_rope, moe_rope = dense.model.rotary_emb, moe.model.rotary_emb
     if not (torch.equal(dense_rope.inv_freq, moe_rope.inv_freq)
             and dense_rope.attention_scaling == moe_rope.attention_scaling):

