@@ -21,7 +21,7 @@ export TOKENIZERS_PARALLELISM := false
 # stage commands in dvc.yaml (`crucible stage ...`) come from the project virtualenv
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: install run test test-fast test-determinism dvc-repro ui serve clean-env
+.PHONY: install run test test-fast test-determinism test-long dvc-repro ui serve clean-env
 
 install: $(STAMP)
 
@@ -48,13 +48,18 @@ dvc-repro: install
 	$(BIN)/dvc repro
 
 test: install $(TEST_STAMP)
-	$(BIN)/python -m pytest -q -m "not determinism"
+	$(BIN)/python -m pytest -q -m "not determinism and not operations"
 
 test-fast: install $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
 test-determinism: install $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -m determinism
+
+# The long end-to-end checks kept out of `make test`'s 15 minutes: determinism (threads, Dask,
+# dvc repro) and operations (a Prefect server with the deployments; concurrent runs).
+test-long: install $(TEST_STAMP)
+	$(BIN)/python -m pytest -q -m "determinism or operations"
 
 ui: install
 	$(BIN)/crucible ui

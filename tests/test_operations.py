@@ -17,7 +17,7 @@ from tasks.lock import holder
 from tasks.serving import free_port
 
 BIN = Path(sys.executable).parent
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.operations]
 
 
 def _env(root: Path, **extra) -> dict:
