@@ -79,7 +79,7 @@ def load_task(task_dir: str):
 
 
 def make_task_pool(eps, args, rng, task):
-    from crucible.scoring import domain_classifier_scores
+    from crucible.membership_scores import domain_classifier_scores
 
     x, clean, contam = task
     n = args.n

@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--workspace", help="default: build/bench-fanout-<profile>")
     args = ap.parse_args()
 
-    from tasks.workspace import make_workspace
+    from tasks.runtime.workspace import make_workspace
 
     profile = None if args.profile == "default" else args.profile
     root = make_workspace(ROOT, args.workspace or ROOT / "build" / f"bench-fanout-{args.profile}", profile)

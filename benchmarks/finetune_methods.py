@@ -7,7 +7,7 @@ Mixout, WiSE-FT (an alpha sweep over the plain run), GMixout; and the effect of 
 
 Reads data/<task>/{labeled,test}.parquet of the project (made by the default pipeline; read only).
 Per task, seed and method: the base encoder (embed.model) + a head trained for exactly `--steps`
-optimizer steps (no early stopping; the dev split of tasks.finetune is used only for the final
+optimizer steps (no early stopping; the dev split of tasks.stages.finetune is used only for the final
 evaluation), then
 - id: accuracy on the task's test set (first `--n-test` rows);
 - shift: for rotten (fresh/rotten), accuracy on the tweets test set's positive/negative items
@@ -42,9 +42,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from crucible.embed import load_encoder  # noqa: E402
 from crucible.gmixout import GMixout, GMixoutConfig  # noqa: E402
 from crucible.train import EncoderClassifier, Examples, TrainConfig, evaluate, tokenize, train, wise_ft  # noqa: E402
-from tasks.finetune import read_labeled, split_dev, task_seed  # noqa: E402
-from tasks.models import resolve_model  # noqa: E402
-from tasks.params import FinetuneParams  # noqa: E402
+from tasks.stages.finetune import read_labeled, split_dev, task_seed  # noqa: E402
+from tasks.data.models import resolve_model  # noqa: E402
+from tasks.runtime.params import FinetuneParams  # noqa: E402
 
 SHIFT = {"rotten": ("tweets", {"fresh": "positive", "rotten": "negative"})}
 

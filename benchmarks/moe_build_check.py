@@ -65,7 +65,7 @@ def main() -> None:
     from crucible.moe.build import all_experts_unit_weight, moefy
     from crucible.moe.dense import load_dense
     from crucible.moe.lm import perplexity, token_sequences
-    from tasks.corpora import load_corpus
+    from tasks.data.corpora import load_corpus
 
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()

@@ -53,7 +53,7 @@ PER_SEED = ("uniform", "load_aware", "qat", "uniform_qat")
 
 def split_texts(corpora: list[str]) -> tuple[list[str], list[str]]:
     """(calibration pool, held-out texts): text index % 5 == 0 is held out, per corpus."""
-    from tasks.corpora import load_corpus
+    from tasks.data.corpora import load_corpus
 
     pool, held = [], []
     for name in corpora:

@@ -4,7 +4,7 @@ interval coverage over repeated audits, and what the labels are worth to a probe
     python benchmarks/pseudolabel_quality.py --profile tiny --workdir /tmp/crucible-plq [--draws 200]
     python benchmarks/pseudolabel_quality.py --profile tiny --n-reference 100 --n-pool 400 --n-test 200 --budget 60
 
-Runs ingest, embed, curate and pseudolabel per task in a scratch workspace (tasks.workspace; stages
+Runs ingest, embed, curate and pseudolabel per task in a scratch workspace (tasks.runtime.workspace; stages
 whose outputs exist are not rerun unless --force). Then, per task:
 - est / true: the stage's accuracy estimate (clean pool, and on the selection) beside the truth;
 - coverage: the pool, the teacher and the selection held fixed, the Poisson audit is redrawn
@@ -31,10 +31,10 @@ sys.path.insert(0, str(ROOT))
 
 from crucible import pseudolabel as pl  # noqa: E402
 from crucible.contamination import draw_poisson_sample, poisson_inclusion_probabilities  # noqa: E402
-from tasks.embed import load_embeddings  # noqa: E402
-from tasks.params import load_params  # noqa: E402
-from tasks.stage import execute, stage_module  # noqa: E402
-from tasks.workspace import make_workspace  # noqa: E402
+from tasks.data.embeddings import load_embeddings  # noqa: E402
+from tasks.runtime.params import load_params  # noqa: E402
+from tasks.runtime.stage import execute, stage_module  # noqa: E402
+from tasks.runtime.workspace import make_workspace  # noqa: E402
 
 STAGES = ("ingest", "embed", "curate", "pseudolabel")
 

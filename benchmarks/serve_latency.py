@@ -74,13 +74,13 @@ def main() -> None:
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args()
 
-    from tasks.env import apply_defaults
+    from tasks.runtime.env import apply_defaults
 
     root = Path(args.root).resolve()
     apply_defaults(root)
-    from tasks.params import load_params
-    from tasks.register import resolve_version
-    from tasks.serving import (free_port, invocation_body, load_registered, registry_client, serve_command,
+    from tasks.runtime.params import load_params
+    from tasks.registry.registry import resolve_version
+    from tasks.registry.serving import (free_port, invocation_body, load_registered, registry_client, serve_command,
                                   stop_server, wait_until_serving)
 
     name = load_params(root / "params.yaml").tracking.registered_model

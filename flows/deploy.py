@@ -13,7 +13,7 @@ the route to workers on other hosts (README, "Beyond one machine").
 Overlapping runs: each deployment carries `concurrency_limit: {limit: 1, collision_strategy:
 ENQUEUE}`, and `serve(limit=1)` runs one flow at a time. ENQUEUE, not CANCEL_NEW: a nightly run
 that comes due while another run works is queued and runs after it (cheaply: DVC skips what the
-first run brought up to date) instead of being dropped. The workspace lock (tasks/lock.py) covers
+first run brought up to date) instead of being dropped. The workspace lock (tasks/runtime/lock.py) covers
 what Prefect cannot see: a `dvc repro` or a user's `crucible run` on the same workspace.
 """
 

@@ -2,7 +2,6 @@
 
     crucible run                       # this flow on params.yaml, local, threads
     crucible run --profile tiny        # in a scratch copy of the project with the tiny profile
-    python -m flows.pipeline           # the same as `crucible run`
 
 Stages run in DAG order; a per-task stage fans out over the tasks on the task runner that
 params choose (threads here; Dask or Ray clusters through prefect-dask / prefect-ray). Before each
@@ -20,10 +19,10 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 
 from flows import dvc
-from tasks import tracking
-from tasks.lock import WorkspaceLock
-from tasks.params import Params, load_params
-from tasks.stage import PER_TASK, STAGES, execute, stage_id, stage_module
+from tasks.runtime import tracking
+from tasks.runtime.lock import WorkspaceLock
+from tasks.runtime.params import Params, load_params
+from tasks.runtime.stage import PER_TASK, STAGES, execute, stage_id, stage_module
 
 
 @task(name="stage", task_run_name="{stage}@{task_name}", retries=0)
@@ -138,9 +137,3 @@ def scheduled(root: str = ".", stages: list[str] | None = None) -> dict:
     """Deployment entry point (prefect.yaml, `crucible deploy`): the pipeline on the task runner
     params choose (optionally only the listed stages)."""
     return run_pipeline(root, stages)
-
-
-if __name__ == "__main__":
-    from tasks.cli import main
-
-    main(["run"])

@@ -25,7 +25,7 @@ def project_root() -> Path:
 @pytest.fixture
 def tiny_project(tmp_path_factory) -> Path:
     """A fresh scratch project (own git + DVC repo) with the tiny profile."""
-    from tasks.workspace import make_workspace
+    from tasks.runtime.workspace import make_workspace
 
     dest = tmp_path_factory.mktemp("proj")
     make_workspace(ROOT, dest, "tiny")
@@ -35,6 +35,6 @@ def tiny_project(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def tiny_params():
-    from tasks.params import load_params
+    from tasks.runtime.params import load_params
 
     return load_params(ROOT / "params.yaml", "tiny")

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import save_file
 
 from crucible.serialize import safetensors_bytes
-from tasks.embed import ids_digest, load_embeddings
-from tasks.scoring import read_task_model
+from tasks.data.embeddings import ids_digest, load_embeddings
+from tasks.data.heldout_scoring import read_task_model
 
 
 def _embeddings(root, task="bbc"):

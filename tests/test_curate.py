@@ -8,14 +8,14 @@ import pytest
 import yaml
 
 from crucible.schema import DataValidationError
-from tasks.curate import DataQualityGateError
-from tasks.io import md5_file
-from tasks.stage import execute
+from tasks.stages.curate import DataQualityGateError
+from tasks.runtime.io import md5_file
+from tasks.runtime.stage import execute
 
 
 @pytest.fixture(scope="module")
 def curated_project(tmp_path_factory, project_root):
-    from tasks.workspace import make_workspace
+    from tasks.runtime.workspace import make_workspace
 
     root = make_workspace(project_root, tmp_path_factory.mktemp("curate"), "tiny")
     for stage in ("ingest", "embed", "curate"):

@@ -6,7 +6,7 @@ from pathlib import Path
 import yaml
 from prefect.flows import Flow
 
-from tasks.stage import STAGES
+from tasks.runtime.stage import STAGES
 
 
 def test_prefect_deployments_resolve(project_root: Path):
@@ -67,7 +67,7 @@ def test_task_runners_follow_params(monkeypatch):
     from prefect.task_runners import ThreadPoolTaskRunner
 
     from flows.pipeline import task_runner
-    from tasks.params import load_params
+    from tasks.runtime.params import load_params
 
     params = load_params(Path(__file__).resolve().parents[1] / "params.yaml")
 
@@ -92,7 +92,7 @@ def test_a_missing_runner_integration_names_the_extra(monkeypatch):
     import pytest
 
     from flows.pipeline import task_runner
-    from tasks.params import load_params
+    from tasks.runtime.params import load_params
 
     params = load_params(Path(__file__).resolve().parents[1] / "params.yaml")
     for runner in ("dask", "ray"):

@@ -38,7 +38,7 @@ def _run(root: Path, *cmd: str) -> None:
 
 def test_threads_dask_and_dvc_repro_give_byte_identical_artifacts(tmp_path, project_root):
     pytest.importorskip("prefect_dask", reason="the Dask runner needs prefect-dask (requirements/test.txt)")
-    from tasks.workspace import make_workspace
+    from tasks.runtime.workspace import make_workspace
 
     first = make_workspace(project_root, tmp_path / "flow1", "tiny")
     params = yaml.safe_load((first / "params.yaml").read_text())

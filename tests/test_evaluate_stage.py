@@ -11,8 +11,8 @@ import torch
 import yaml
 
 from crucible.serialize import safetensors_bytes
-from tasks.io import md5_file
-from tasks.stage import execute
+from tasks.runtime.io import md5_file
+from tasks.runtime.stage import execute
 
 ORDER = ["rotten", "bbc"]
 CLASSES = {"rotten": ["fresh", "rotten"], "bbc": ["business", "sport", "tech"]}
@@ -76,7 +76,7 @@ def write_features(root, *, probe_rows: int = 30, seed: int = 0, merged: bool = 
 
 @pytest.fixture
 def project(tmp_path, project_root):
-    from tasks.workspace import make_workspace
+    from tasks.runtime.workspace import make_workspace
 
     root = make_workspace(project_root, tmp_path / "ws", "tiny")
     params = yaml.safe_load((root / "params.yaml").read_text())

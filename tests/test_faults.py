@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.io import AtomicOutputs
-from tasks.scratch import SCRATCH, owner_tag, scratch, sweep, sweep_files, tag_alive
+from tasks.runtime.io import AtomicOutputs
+from tasks.runtime.scratch import SCRATCH, owner_tag, scratch, sweep, sweep_files, tag_alive
 
 
 def dead_pid() -> int:
@@ -100,7 +100,7 @@ def test_owner_tags(sleeper):
 def test_orphaned_mlflow_runs_are_marked_failed_live_ones_are_not(tmp_path, sleeper):
     from mlflow.tracking import MlflowClient
 
-    from tasks.tracking import ensure_experiment, fail_orphaned_runs, tracking_uri
+    from tasks.runtime.tracking import ensure_experiment, fail_orphaned_runs, tracking_uri
 
     exp = ensure_experiment(tmp_path, "crucible")
     client = MlflowClient(tracking_uri=tracking_uri(tmp_path))
@@ -121,7 +121,7 @@ def test_a_killed_stage_leaves_no_running_run_and_no_temporary_files(tiny_projec
     next start, and the stage's earlier outputs are untouched."""
     from mlflow.tracking import MlflowClient
 
-    from tasks.tracking import tracking_uri
+    from tasks.runtime.tracking import tracking_uri
 
     root = tiny_project
     crucible = str(Path(sys.executable).with_name("crucible"))

@@ -10,9 +10,9 @@ import threading
 import pytest
 import torch
 
-import tasks.finetune as finetune
-from tasks.io import md5_file
-from tasks.stage import execute
+import tasks.stages.finetune as finetune
+from tasks.runtime.io import md5_file
+from tasks.runtime.stage import execute
 from test_finetune_stage import OUTPUTS, synthetic_tables
 
 torch.set_num_threads(1)
@@ -20,7 +20,7 @@ TASKS = {"rotten": 0, "bbc": 1}  # task -> seed of its synthetic tables
 
 
 def workspace(project_root, dest):
-    from tasks.workspace import make_workspace
+    from tasks.runtime.workspace import make_workspace
 
     root = make_workspace(project_root, dest, "tiny")
     for task, seed in TASKS.items():
@@ -81,7 +81,7 @@ def test_a_finetune_does_not_change_when_another_task_trains_beside_it(alone, pr
             errors.append(exc)
             barrier.abort()
 
-    from tasks.lock import WorkspaceLock
+    from tasks.runtime.lock import WorkspaceLock
 
     threads = [threading.Thread(target=stage, args=(task,)) for task in TASKS]
     with WorkspaceLock(root, "flow", timeout=0) as lock:

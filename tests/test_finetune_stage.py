@@ -13,7 +13,7 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from tasks.stage import execute
+from tasks.runtime.stage import execute
 
 torch.set_num_threads(1)
 OUTPUTS = ("finetune/model.safetensors", "finetune/head.safetensors", "finetune/config.json", "finetune.json")
@@ -44,7 +44,7 @@ def synthetic_tables(seed: int = 0) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 @pytest.fixture(scope="module")
 def finetuned_project(tmp_path_factory, project_root):
-    from tasks.workspace import make_workspace
+    from tasks.runtime.workspace import make_workspace
 
     root = make_workspace(project_root, tmp_path_factory.mktemp("finetune"), "tiny")
     labeled, test = synthetic_tables()
@@ -59,7 +59,7 @@ def test_outputs_config_and_metrics(finetuned_project):
     base = finetuned_project / "data" / "rotten"
     for name in OUTPUTS:
         assert (base / name).is_file(), name
-    from tasks.finetune import checkpoint_dir
+    from tasks.stages.finetune import checkpoint_dir
 
     assert not checkpoint_dir(finetuned_project, "rotten").exists()  # removed after success
     assert not (base / ".finetune-checkpoints").exists()
@@ -86,8 +86,8 @@ def test_outputs_config_and_metrics(finetuned_project):
 def test_saved_model_loads_into_the_base_architecture_and_reproduces_the_dev_accuracy(finetuned_project):
     from crucible.embed import load_encoder
     from crucible.train import EncoderClassifier, evaluate
-    from tasks.finetune import examples, split_dev, task_seed
-    from tasks.models import resolve_model
+    from tasks.stages.finetune import examples, split_dev, task_seed
+    from tasks.data.models import resolve_model
 
     base = finetuned_project / "data" / "rotten"
     encoder, tokenizer = load_encoder(resolve_model("all-MiniLM-L6-v2"))
@@ -111,7 +111,7 @@ def test_saved_model_loads_into_the_base_architecture_and_reproduces_the_dev_acc
 def test_rerun_is_byte_identical(finetuned_project):
     """The same stage run twice in one process (same thread count) writes the same bytes: model,
     head, config and metrics."""
-    from tasks.io import md5_file
+    from tasks.runtime.io import md5_file
 
     base = finetuned_project / "data" / "rotten"
     before = {name: md5_file(base / name) for name in OUTPUTS}
@@ -120,7 +120,7 @@ def test_rerun_is_byte_identical(finetuned_project):
 
 
 def test_split_dev_is_stratified_and_seeded():
-    from tasks.finetune import split_dev
+    from tasks.stages.finetune import split_dev
 
     df = pd.DataFrame({"source": ["reference"] * 20 + ["pseudo"] * 10,
                        "label": ["a"] * 10 + ["b"] * 10 + ["a"] * 10})
@@ -131,7 +131,7 @@ def test_split_dev_is_stratified_and_seeded():
 
 
 def test_unknown_finetune_param_is_rejected(project_root):
-    from tasks.params import ParamsError, validate_params
+    from tasks.runtime.params import ParamsError, validate_params
 
     data = yaml.safe_load((project_root / "params.yaml").read_text())
     data["finetune"]["p"] = 1.0

@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from crucible.schema import DataValidationError
-from tasks.io import md5_file
-from tasks.stage import execute
+from tasks.runtime.io import md5_file
+from tasks.runtime.stage import execute
 
 TABLES = ("reference", "pool", "audit", "test", "truth")
 
@@ -89,7 +89,7 @@ def test_bad_user_file_stops_the_stage_and_writes_nothing(tiny_project):
     assert "inputs/bbc/audit.parquet, column 'pi', row 0: got 0.0" in str(err.value)
     assert hashes(tiny_project, "bbc") == before, "earlier outputs must stay intact"
     # the same error through the command line: exit code 2 and the message on stderr
-    proc = subprocess.run([sys.executable, "-m", "tasks.cli", "stage", "ingest", "--task", "bbc", "--root",
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "stage", "ingest", "--task", "bbc", "--root",
                            str(tiny_project)], capture_output=True, text=True)
     assert proc.returncode == 2 and "column 'pi', row 0: got 0.0" in proc.stderr
 
@@ -97,7 +97,7 @@ def test_bad_user_file_stops_the_stage_and_writes_nothing(tiny_project):
 KILLER = textwrap.dedent("""
     import os, signal, sys
     import pandas as pd
-    from tasks.stage import execute
+    from tasks.runtime.stage import execute
     original, written = pd.DataFrame.to_parquet, []
     def to_parquet_then_die(self, *args, **kwargs):
         original(self, *args, **kwargs)

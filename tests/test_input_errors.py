@@ -7,9 +7,9 @@ import pandas as pd
 import pytest
 
 from crucible.schema import DataValidationError
-from tasks.io import md5_file
-from tasks.params import load_params
-from tasks.stage import execute
+from tasks.runtime.io import md5_file
+from tasks.runtime.params import load_params
+from tasks.runtime.stage import execute
 from test_ingest import set_params
 
 TASK = "bbc"
@@ -40,7 +40,7 @@ def _hashes(root) -> dict:
 @pytest.fixture(scope="module")
 def files_project(tmp_path_factory, project_root):
     """A workspace with source: files whose good inputs were ingested once (the earlier outputs)."""
-    from tasks.workspace import make_workspace
+    from tasks.runtime.workspace import make_workspace
 
     root = make_workspace(project_root, tmp_path_factory.mktemp("input_errors"), "tiny")
     set_params(root, ingest__source="files", ingest__audit__budget=2)
@@ -174,7 +174,7 @@ def _fake_corpus(name: str, n: int = 600, labels=("a", "b")) -> pd.DataFrame:
 
 @pytest.fixture(scope="module")
 def demo_workspace(tmp_path_factory, project_root):
-    from tasks.workspace import make_workspace
+    from tasks.runtime.workspace import make_workspace
 
     root = make_workspace(project_root, tmp_path_factory.mktemp("input_errors_demo"), "tiny")
     set_params(root, ingest__max_chars=60, ingest__proxy_score="none", ingest__audit__design="uniform")
@@ -184,9 +184,9 @@ def demo_workspace(tmp_path_factory, project_root):
 @pytest.fixture
 def demo_project(demo_workspace, monkeypatch):
     """The demo on small synthetic corpora (pairs of texts equal in their first 60 characters)."""
-    import tasks.ingest
+    import tasks.stages.ingest
 
-    monkeypatch.setattr(tasks.ingest, "load_corpus", _fake_corpus)
+    monkeypatch.setattr(tasks.stages.ingest, "load_corpus", _fake_corpus)
     saved = (demo_workspace / "params.yaml").read_text()
     yield demo_workspace
     (demo_workspace / "params.yaml").write_text(saved)
@@ -201,10 +201,10 @@ def test_demo_texts_equal_after_truncation_do_not_leak(demo_project):
 
 
 def test_demo_single_class_reference_names_the_reference(demo_project, monkeypatch):
-    import tasks.ingest
+    import tasks.stages.ingest
 
     before = _hashes(demo_project)
-    monkeypatch.setattr(tasks.ingest, "load_corpus", lambda name: _fake_corpus(name, labels=("a",)))
+    monkeypatch.setattr(tasks.stages.ingest, "load_corpus", lambda name: _fake_corpus(name, labels=("a",)))
     with pytest.raises(DataValidationError, match=rf"task '{TASK}': data/{TASK}/reference.parquet, column 'label': "
                                                   r"the demo drew 40 rows of corpus 'bbc_news', all of the single "
                                                   r"class 'a'; expected at least two classes"):
@@ -213,18 +213,18 @@ def test_demo_single_class_reference_names_the_reference(demo_project, monkeypat
 
 
 def test_demo_leakage_is_refused_before_anything_is_written(demo_project, monkeypatch):
-    import tasks.ingest
+    import tasks.stages.ingest
 
     execute("ingest", TASK, demo_project)
     before = _hashes(demo_project)
-    build = tasks.ingest.build_demo
+    build = tasks.stages.ingest.build_demo
 
     def leaky(params, task):
         tables = build(params, task)
         tables["test"].loc[2, "id"] = tables["reference"]["id"].iat[5]
         return tables
 
-    monkeypatch.setattr(tasks.ingest, "build_demo", leaky)
+    monkeypatch.setattr(tasks.stages.ingest, "build_demo", leaky)
     set_params(demo_project, pipeline__seed=5)  # the next run would change every file
     with pytest.raises(DataValidationError, match=rf"data/{TASK}/test.parquet, column 'id': 1 id\(s\) also in "
                                                   rf".*data/{TASK}/reference.parquet: '{TASK}-r000005' "

@@ -1,4 +1,4 @@
-"""The workspace lock (tasks/lock.py): one run per workspace; a second waits, then fails naming the
+"""The workspace lock (tasks/runtime/lock.py): one run per workspace; a second waits, then fails naming the
 holder; a killed holder's lock is taken over; a flow's stages run under its lock; a stage run by
 `dvc repro` does not wait on a flow (that would deadlock on DVC's lock)."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.lock import LOCK_FILE, WorkspaceLock, WorkspaceLocked, dvc_holder, holder
+from tasks.runtime.lock import LOCK_FILE, WorkspaceLock, WorkspaceLocked, dvc_holder, holder
 
 
 def _hold_in_child(root: Path, kind: str = "flow", path: str | None = None) -> subprocess.Popen:
@@ -29,7 +29,7 @@ def _hold_in_child(root: Path, kind: str = "flow", path: str | None = None) -> s
     else:
         code = f"""
             import time
-            from tasks.lock import WorkspaceLock
+            from tasks.runtime.lock import WorkspaceLock
             lock = WorkspaceLock({str(root)!r}, {kind!r}, timeout=0).acquire()
             print("held", lock.token, flush=True); time.sleep(120)"""
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, text=True,
@@ -128,7 +128,7 @@ def test_negative_timeout_is_refused(tmp_path):
 
 
 def test_crucible_stage_fails_clearly_while_another_run_holds_the_workspace(tmp_path, project_root):
-    from tasks.workspace import make_workspace
+    from tasks.runtime.workspace import make_workspace
 
     root = make_workspace(project_root, tmp_path / "ws", "tiny", overrides={"pipeline": {"lock_timeout": 1}})
     proc = _hold_in_child(root, "flow")
@@ -157,8 +157,8 @@ def test_a_stage_sets_torch_and_blas_threads(tmp_path, project_root):
     code = textwrap.dedent(f"""
         import json, numpy, torch
         from threadpoolctl import threadpool_info
-        from tasks.stage import execute
-        from tasks.workspace import make_workspace
+        from tasks.runtime.stage import execute
+        from tasks.runtime.workspace import make_workspace
         root = make_workspace({str(project_root)!r}, {str(tmp_path / 'ws')!r}, "tiny")
         execute("ingest", "debates", root, threads=1)
         blas = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]

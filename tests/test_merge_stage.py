@@ -11,8 +11,8 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from tasks.io import md5_file
-from tasks.stage import execute
+from tasks.runtime.io import md5_file
+from tasks.runtime.stage import execute
 
 torch.set_num_threads(1)
 TASKS = ("bbc", "rotten", "tweets")
@@ -52,7 +52,7 @@ def fake_finetunes(root, theta_0: dict, seed: int = 0) -> None:
 @pytest.fixture(scope="module")
 def base_state():
     from crucible.embed import load_encoder
-    from tasks.models import resolve_model
+    from tasks.data.models import resolve_model
 
     encoder, _ = load_encoder(resolve_model("all-MiniLM-L6-v2"))
     return {k: v.detach().clone().contiguous() for k, v in encoder.state_dict().items()}
@@ -60,7 +60,7 @@ def base_state():
 
 @pytest.fixture(scope="module")
 def merged_project(tmp_path_factory, project_root, base_state):
-    from tasks.workspace import make_workspace
+    from tasks.runtime.workspace import make_workspace
 
     tasks = {"bbc": {"corpus": "bbc_news"}, "rotten": {"corpus": "rotten_tomatoes"},
              "tweets": {"corpus": "tweet_sentiment"}}
@@ -103,8 +103,8 @@ def test_accuracy_matrix_matches_a_direct_evaluation(merged_project, base_state)
     merge of one task is that task (GS3R at full energy and budget, the average, TA up to lam)."""
     from crucible.continual import backward_transfer
     from crucible.merge import make_merger, merge_sequence, task_vector
-    from tasks.scoring import Scorer, read_task_model
-    from tasks.models import resolve_model
+    from tasks.data.heldout_scoring import Scorer, read_task_model
+    from tasks.data.models import resolve_model
 
     root, _ = merged_project
     order = ["rotten", "bbc", "tweets"]
@@ -138,8 +138,8 @@ def test_features_are_those_of_the_scored_models(merged_project):
     """features.safetensors holds, per variant, the pooled features the heads see on the test and probe
     rows of the arrived tasks: the head on them gives the stage's accuracy, and recomputing them from
     the final merged model gives the same numbers."""
-    from tasks.models import resolve_model
-    from tasks.scoring import Scorer, read_features, read_task_model
+    from tasks.data.models import resolve_model
+    from tasks.data.heldout_scoring import Scorer, read_features, read_task_model
 
     root, _ = merged_project
     order = ["rotten", "bbc", "tweets"]
@@ -174,7 +174,7 @@ def test_features_are_those_of_the_scored_models(merged_project):
 def test_main_model_is_the_gs3r_merge_and_loads_into_the_base_architecture(merged_project, base_state):
     from crucible.embed import load_encoder
     from crucible.merge import make_merger, task_vector
-    from tasks.models import resolve_model
+    from tasks.data.models import resolve_model
 
     root, _ = merged_project
     state = load_file(str(root / "models" / "merge" / "model.safetensors"))
@@ -204,7 +204,7 @@ def test_foreign_base_model_is_refused_and_outputs_stay(merged_project):
 
 
 def test_missing_finetune_names_the_file_and_the_fix(tmp_path, project_root):
-    from tasks.workspace import make_workspace
+    from tasks.runtime.workspace import make_workspace
 
     root = make_workspace(project_root, tmp_path / "p", "tiny")
     with pytest.raises(FileNotFoundError, match=r"finetune/model.safetensors: missing.*crucible stage finetune"):

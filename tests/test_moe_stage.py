@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from tasks.stage import execute
+from tasks.runtime.stage import execute
 
 MOE = {"enabled": True, "n_experts": 4, "top_k": 2, "seq_len": 16, "build_sequences": 6, "calib_sequences": 6,
        "eval_sequences": 6, "batch_size": 3, "qat_steps": 6, "rank_budget": 24}
@@ -23,7 +23,7 @@ def tiny_lm(tmp_path_factory) -> Path:
     (its [SEP] as end of text), saved as a Hugging Face folder."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from tasks.models import resolve_model
+    from tasks.data.models import resolve_model
 
     folder = tmp_path_factory.mktemp("tiny_lm")
     tok = AutoTokenizer.from_pretrained(resolve_model("all-MiniLM-L6-v2"))
@@ -43,14 +43,14 @@ def tiny_lm(tmp_path_factory) -> Path:
 
 
 def _workspace(tmp_path: Path, project_root: Path, tiny_lm: Path, **moe) -> Path:
-    from tasks.workspace import make_workspace
+    from tasks.runtime.workspace import make_workspace
 
     return make_workspace(project_root, tmp_path / "ws", "tiny",
                           overrides={"moe": {**MOE, "model": str(tiny_lm), **moe}})
 
 
 def _md5s(root: Path, folder: str) -> dict[str, str]:
-    from tasks.io import md5_file
+    from tasks.runtime.io import md5_file
 
     return {p.name: md5_file(p) for p in sorted((root / folder).iterdir()) if p.is_file()}
 
@@ -90,7 +90,7 @@ def test_a_bad_expert_count_is_refused_before_anything_is_written(tmp_path, proj
 
 
 def test_top_k_must_be_sparse():
-    from tasks.params import ParamsError, validate_params
+    from tasks.runtime.params import ParamsError, validate_params
 
     base = yaml.safe_load((Path(__file__).resolve().parents[1] / "params.yaml").read_text())
     base["moe"] = {"n_experts": 4, "top_k": 4}

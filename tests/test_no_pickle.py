@@ -28,7 +28,7 @@ PICKLE_MAGIC = (b"\x80\x04", b"\x80\x05")  # pickle protocols 4 and 5 (cloudpick
 
 @pytest.fixture(scope="module")
 def base_dir() -> str:
-    from tasks.models import resolve_model
+    from tasks.data.models import resolve_model
 
     return resolve_model(BASE)
 
@@ -51,7 +51,7 @@ def _head(hidden: int, n: int, seed: int) -> dict:
 
 @pytest.fixture(scope="module")
 def finetune_dir(tmp_path_factory, encoder) -> Path:
-    """A finetune stage folder as tasks/finetune.py writes it: the backbone, a (random) head with its
+    """A finetune stage folder as tasks/stages/finetune.py writes it: the backbone, a (random) head with its
     classes in the metadata, the resolved config."""
     from safetensors.torch import save_file
 
@@ -94,7 +94,7 @@ def _multitask_source(dest: Path, encoder, kind: str, pattern: str) -> Path:
 @pytest.fixture(scope="module")
 def saved_models(tmp_path_factory, base_dir, encoder, finetune_dir, project_root) -> dict[str, tuple[Path, pd.DataFrame]]:
     """name -> (saved model folder, its input) for every kind of model crucible logs."""
-    from tasks.pyfunc import save_multitask_model, save_text_classifier
+    from tasks.registry.pyfunc import save_multitask_model, save_text_classifier
 
     pattern = yaml.safe_load((project_root / "params.yaml").read_text())["quantize"]["modules"]
     tmp = tmp_path_factory.mktemp("models")

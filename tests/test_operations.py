@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.lock import holder
-from tasks.serving import free_port
+from tasks.runtime.lock import holder
+from tasks.registry.serving import free_port
 
 BIN = Path(sys.executable).parent
 pytestmark = [pytest.mark.slow, pytest.mark.operations]
@@ -55,7 +55,7 @@ def _outputs_match_lock(root: Path, stages: list[str]) -> None:
 
 
 def test_deployment_is_served_with_its_schedule_and_a_triggered_run_completes(tmp_path, project_root):
-    from tasks.workspace import make_workspace
+    from tasks.runtime.workspace import make_workspace
 
     root = make_workspace(project_root, tmp_path / "ws", "tiny")
     port = free_port()
@@ -100,7 +100,7 @@ def test_deployment_is_served_with_its_schedule_and_a_triggered_run_completes(tm
 
 
 def test_second_run_waits_and_dvc_repro_refuses_while_a_flow_runs(tmp_path, project_root):
-    from tasks.workspace import make_workspace
+    from tasks.runtime.workspace import make_workspace
 
     root = make_workspace(project_root, tmp_path / "ws", "tiny", overrides={"pipeline": {"lock_timeout": 240}})
     logs = {name: tmp_path / f"{name}.log" for name in ("first", "second")}

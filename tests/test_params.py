@@ -6,7 +6,7 @@ import sys
 import pytest
 import yaml
 
-from tasks.params import ParamsError, deep_merge, load_params, render_params, validate_params
+from tasks.runtime.params import ParamsError, deep_merge, load_params, render_params, validate_params
 
 
 @pytest.fixture
@@ -111,11 +111,11 @@ def test_cli_check_fails_on_a_typo(project_root, tmp_path):
     data["ingest"]["n_refernce"] = 5
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(data))
-    proc = subprocess.run([sys.executable, "-m", "tasks.cli", "params", "check", str(path)],
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "params", "check", str(path)],
                           capture_output=True, text=True, cwd=project_root)
     assert proc.returncode == 2
     assert "unknown key 'ingest.n_refernce'" in proc.stderr and "did you mean 'ingest.n_reference'" in proc.stderr
-    ok = subprocess.run([sys.executable, "-m", "tasks.cli", "params", "check"], capture_output=True, text=True,
+    ok = subprocess.run([sys.executable, "-m", "flows.cli", "params", "check"], capture_output=True, text=True,
                         cwd=project_root)
     assert ok.returncode == 0 and "OK" in ok.stdout
 
@@ -137,7 +137,7 @@ def test_merge_order(base):
     base["merge"] = {"order": ["rotten", "news"]}
     check(base, "merge.order names ['news']", "not in pipeline.tasks")
     base["merge"] = {"order": ["debates", "bbc"]}
-    from tasks.params import validate_params
+    from tasks.runtime.params import validate_params
 
     assert validate_params(base, "x").merge_order() == ["debates", "bbc"]
     del base["merge"]
@@ -145,7 +145,7 @@ def test_merge_order(base):
 
 
 def test_null_removes_a_merge_method(base):
-    from tasks.params import DEFAULT_MERGE_METHODS, validate_params
+    from tasks.runtime.params import DEFAULT_MERGE_METHODS, validate_params
 
     base["merge"] = {"methods": {**DEFAULT_MERGE_METHODS, "ties": None, "opcm": None}}
     assert list(validate_params(base, "x").merge.methods) == ["gs3r", "task_arithmetic", "weight_average", "magmax"]

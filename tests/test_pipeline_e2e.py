@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.stage import PER_TASK, STAGES
+from tasks.runtime.stage import PER_TASK, STAGES
 
 BIN = Path(sys.executable).parent
 ONCE = [s for s in STAGES if s not in PER_TASK]  # stages over all tasks (merge)

@@ -8,15 +8,15 @@ import pytest
 import yaml
 
 from crucible.schema import DataValidationError
-from tasks.io import md5_file
-from tasks.stage import execute
+from tasks.runtime.io import md5_file
+from tasks.runtime.stage import execute
 
 OUTPUTS = ("labeled.parquet", "pseudolabel.json", "pseudolabel_confusion.png", "pseudolabel_confusion.csv")
 
 
 @pytest.fixture(scope="module")
 def labeled_project(tmp_path_factory, project_root):
-    from tasks.workspace import make_workspace
+    from tasks.runtime.workspace import make_workspace
 
     root = make_workspace(project_root, tmp_path_factory.mktemp("pseudolabel"), "tiny")
     for stage in ("ingest", "embed", "curate", "pseudolabel"):

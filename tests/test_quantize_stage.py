@@ -12,8 +12,8 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from tasks.io import md5_file
-from tasks.stage import execute
+from tasks.runtime.io import md5_file
+from tasks.runtime.stage import execute
 
 torch.set_num_threads(1)
 TASKS = {"rotten": ["fresh", "rotten"], "bbc": ["business", "sport", "tech"]}
@@ -47,14 +47,14 @@ def fake_merge(root, theta_0: dict, seed: int = 0) -> None:
 @pytest.fixture(scope="module")
 def base_state():
     from crucible.embed import load_encoder
-    from tasks.models import resolve_model
+    from tasks.data.models import resolve_model
 
     encoder, _ = load_encoder(resolve_model("all-MiniLM-L6-v2"))
     return {k: v.detach().clone().contiguous() for k, v in encoder.state_dict().items()}
 
 
 def make_project(tmp_path_factory, project_root, base_state, quantize=None):
-    from tasks.workspace import make_workspace
+    from tasks.runtime.workspace import make_workspace
 
     over = {"quantize": {"calibration_per_task": 8, "rank_budget": 72, **(quantize or {})}}
     root = make_workspace(project_root, tmp_path_factory.mktemp("quant"), "tiny", overrides=over)
@@ -100,9 +100,9 @@ def test_outputs_and_metrics(quantized_project):
 def test_written_model_reloads_to_the_scored_accuracy(quantized_project):
     """The packed model on disk, rebuilt without the float weights, scores exactly what the stage
     reported for its allocation; the float figure equals scoring the merged weights directly."""
-    from tasks.models import resolve_model
-    from tasks.quantize import load_quantized_encoder
-    from tasks.scoring import Scorer
+    from tasks.data.models import resolve_model
+    from tasks.stages.quantize import load_quantized_encoder
+    from tasks.data.heldout_scoring import Scorer
 
     root, _ = quantized_project
     m = json.loads((root / "models" / "quantize" / "quantize.json").read_text())
@@ -152,7 +152,7 @@ def test_bad_params_stop_and_leave_earlier_outputs(quantized_project, setting, m
 
 
 def test_invalid_module_regex_is_a_params_error(tiny_params):
-    from tasks.params import ParamsError, validate_params
+    from tasks.runtime.params import ParamsError, validate_params
 
     data = tiny_params.model_dump()
     data["quantize"]["modules"] = r"encoder\.("

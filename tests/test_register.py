@@ -20,7 +20,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from tasks.stage import execute
+from tasks.runtime.stage import execute
 
 ROOT = Path(__file__).resolve().parent.parent
 QUANT_VARIANT = "mxfp4_load_aware"
@@ -79,8 +79,8 @@ def base_workspace(tmp_path_factory) -> Path:
     import torch
 
     from crucible.embed import load_encoder
-    from tasks.models import resolve_model
-    from tasks.workspace import make_workspace
+    from tasks.data.models import resolve_model
+    from tasks.runtime.workspace import make_workspace
     from test_quantize_stage import fake_merge
 
     torch.set_num_threads(1)
@@ -127,7 +127,7 @@ test_texts.__test__ = False  # a helper, not a test
 
 
 def client_of(root: Path):
-    from tasks.serving import registry_client
+    from tasks.registry.serving import registry_client
 
     return registry_client(root)
 
@@ -143,7 +143,7 @@ def ws(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def champion(ws):
-    from tasks.serving import load_registered
+    from tasks.registry.serving import load_registered
 
     return load_registered(ws, "champion")
 
@@ -209,7 +209,7 @@ def test_gate_never_moves_champion_to_a_worse_model(tmp_path_factory):
 
 
 def test_gate_rule():
-    from tasks.register import gate
+    from tasks.registry.registry import gate
 
     floors = {"a": 0.5, "b": 0.0}
     ok, why = gate({"a": 0.4, "b": 0.9}, 0.65, floors, 0.01, None)
@@ -223,8 +223,8 @@ def test_gate_rule():
 
 
 def test_floors_for_unknown_task_is_refused(ws):
-    from tasks.params import load_params
-    from tasks.register import floors_for
+    from tasks.runtime.params import load_params
+    from tasks.stages.register import floors_for
 
     params = load_params(ws / "params.yaml")
     section = params.register.model_copy(update={"floors": {"tweets": 0.5}})
@@ -235,7 +235,7 @@ def test_floors_for_unknown_task_is_refused(ws):
 
 
 def test_evaluate_metrics_are_checked(tmp_path):
-    from tasks.register import read_deployable
+    from tasks.stages.register import read_deployable
 
     with pytest.raises(FileNotFoundError, match=r"metrics/evaluate.json: missing.*evaluate stage"):
         read_deployable(tmp_path, "quantized", ["rotten", "bbc"])
@@ -301,7 +301,7 @@ def test_quantized_pyfunc_scores_the_quantize_stage_figure(ws, champion):
     inner = model.unwrap_python_model()
     assert sum(isinstance(m, MXLinear) for m in inner.encoder.modules()) == 36
     stage = json.loads((ws / "models" / "quantize" / "quantize.json").read_text())
-    from tasks.params import load_params
+    from tasks.runtime.params import load_params
 
     limit = load_params(ws / "params.yaml").quantize.eval_limit
     for t in ("rotten", "bbc"):
@@ -320,8 +320,8 @@ def test_float_pyfunc_scores_the_float_figure(ws, tmp_path):
     float figure."""
     import mlflow.pyfunc
 
-    from tasks.models import resolve_model
-    from tasks.pyfunc import save_multitask_model
+    from tasks.data.models import resolve_model
+    from tasks.registry.pyfunc import save_multitask_model
 
     example = pd.DataFrame({"text": ["a film", "a market"], "task": ["rotten", "bbc"]})
     save_multitask_model(tmp_path / "float", ws / "models" / "merge", "float", resolve_model("all-MiniLM-L6-v2"),
@@ -355,8 +355,8 @@ def test_bad_input_is_a_clear_invalid_parameter_error(champion, frame, message):
 
 
 def test_lineage_tags_equal_dvc_lock(ws, capsys):
-    from tasks import lineage
-    from tasks.cli import build_parser
+    from tasks.runtime import lineage
+    from flows.cli import build_parser
 
     lock = yaml.safe_load((ws / "dvc.lock").read_text())["stages"]
     mv = client_of(ws).get_model_version("crucible-classifier", "1")
@@ -365,7 +365,7 @@ def test_lineage_tags_equal_dvc_lock(ws, capsys):
     assert "models/quantize/model.safetensors" in recorded and any(v.endswith(".dir") for v in recorded.values())
     for sid in ("merge", "quantize", "evaluate"):
         assert json.loads(mv.tags[lineage.params_key(sid)]) == lock[sid]["params"]["params.yaml"]
-    from tasks.tracking import git_commit
+    from tasks.runtime.tracking import git_commit
 
     assert mv.tags[lineage.COMMIT] == git_commit(ws)
     assert mv.tags["crucible.metric.mean_accuracy"] == "0.55" and mv.tags["crucible.metric.accuracy.bbc"] == "0.5"
@@ -396,7 +396,7 @@ def test_lineage_tags_equal_dvc_lock(ws, capsys):
 
 
 def test_dir_hash_is_dvcs(ws):
-    from tasks.lineage import dir_md5
+    from tasks.runtime.lineage import dir_md5
 
     lock = yaml.safe_load((ws / "dvc.lock").read_text())["stages"]
     dirs = {o["path"]: o["md5"] for s in lock.values() for o in s.get("outs", []) if o["md5"].endswith(".dir")}

@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tasks.report import PNG_SIGNATURE, build_report, find_chromium, findings, fmt, screenshot
+from tasks.report.page import PNG_SIGNATURE, build_report, find_chromium, findings, fmt, screenshot
 
 ORDER = ["bbc", "rotten", "tweets"]
 INTERFACES = ["head", "probe", "kmeans"]
@@ -207,10 +207,10 @@ def test_format_and_bad_input():
 
 
 def test_screenshot_without_chromium_returns_false_and_writes_nothing(tmp_path, report, monkeypatch):
-    import tasks.report
+    import tasks.report.page
 
     (tmp_path / "index.html").write_bytes(report["index.html"])
-    monkeypatch.setattr(tasks.report, "find_chromium", lambda: None)
+    monkeypatch.setattr(tasks.report.page, "find_chromium", lambda: None)
     assert screenshot(tmp_path / "index.html", tmp_path / "shot.png") is False
     assert not (tmp_path / "shot.png").exists()
 

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tasks.serving import free_port, stop_server, wait_until_serving
+from tasks.registry.serving import free_port, stop_server, wait_until_serving
 from test_register import registered_workspace, test_texts
 
 BIN = Path(sys.executable).parent
@@ -54,7 +54,7 @@ def server(ws, tmp_path_factory):
 
 
 def test_served_model_answers_like_the_in_process_one(ws, server):
-    from tasks.serving import invocation_body, load_registered
+    from tasks.registry.serving import invocation_body, load_registered
 
     base, log = server
     printed = log.read_text()
@@ -91,7 +91,7 @@ def test_bad_requests_get_400_with_a_clear_message(server, data, columns, messag
 
 
 def test_predict_cli_answers_from_the_champion(ws, capsys):
-    from tasks.cli import build_parser
+    from flows.cli import build_parser
 
     args = build_parser().parse_args(["predict", "--root", str(ws), "--task", "bbc", "--json", "goal for the team",
                                       "chip prices"])

@@ -3,7 +3,7 @@
 import pandas as pd
 import pytest
 
-from tasks.io import read_stage_output
+from tasks.runtime.io import read_stage_output
 
 
 def test_read_stage_output_errors_and_success(tmp_path):

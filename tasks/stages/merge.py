@@ -24,7 +24,7 @@ Outputs (all published together) under models/merge/:
 - config.json: order, methods and their arguments, main, base model, classes and max_length per task;
 - features.safetensors: the frozen features (what the heads see) of the base encoder, each fine-tune
   and every method's merged model after every arrival, on each arrived task's test rows and probe
-  rows (`evaluate.probe_rows`), for the evaluate stage (tasks.scoring.FeatureStore; empty of
+  rows (`evaluate.probe_rows`), for the evaluate stage (tasks.data.heldout_scoring.FeatureStore; empty of
   variants when `merge.evaluate` is off);
 - merge.json: metrics (main method at top level, every method under `methods`: accuracy matrix,
   ACC, BWT, state size, ranks; seconds and peak RSS go to the MLflow run only, as they vary from
@@ -46,11 +46,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from tasks.io import AtomicOutputs, figure_png
-from tasks.models import resolve_model
-from tasks.params import Params
-from tasks.scratch import scratch
-from tasks.scoring import FeatureStore, Scorer, read_probe_rows, read_task_model, read_tests
+from tasks.runtime.io import AtomicOutputs, figure_png
+from tasks.data.models import resolve_model
+from tasks.runtime.params import Params
+from tasks.runtime.scratch import scratch
+from tasks.data.heldout_scoring import FeatureStore, Scorer, read_probe_rows, read_task_model, read_tests
 
 OUT = Path("models") / "merge"
 TIMING = ("merge_seconds", "add_seconds", "merged_seconds", "peak_rss_mb", "peak_rss_mb_by_arrival")
@@ -172,8 +172,8 @@ def run_method(method: str, kwargs: dict, theta0: Path, models: list[Path], out_
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            # a fixed mmap threshold: freed model-sized tensors go back to the OS, so RSS tracks live memory
            "MALLOC_MMAP_THRESHOLD_": "65536",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", "from tasks.merge import _worker_main; _worker_main()"],
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", "from tasks.stages.merge import _worker_main; _worker_main()"],
                           input=json.dumps(spec), text=True, capture_output=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"merge method {method!r} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -383,9 +383,3 @@ def plot_accuracy(rows: list[dict], order: list[str], summary: dict) -> bytes:
     (spare[0] if spare else ax).legend(handles, labels, fontsize=8, loc="center" if spare else "best")
     fig.tight_layout()
     return figure_png(fig)
-
-
-if __name__ == "__main__":
-    from tasks.cli import main
-
-    main(["stage", "merge", *sys.argv[1:]])

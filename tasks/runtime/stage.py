@@ -19,24 +19,24 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tasks import tracking
-from tasks.io import md5_file
-from tasks.lock import WorkspaceLock
-from tasks.params import Params, load_params
+from tasks.runtime import tracking
+from tasks.runtime.io import md5_file
+from tasks.runtime.lock import WorkspaceLock
+from tasks.runtime.params import Params, load_params
 
 # stage name -> module; the order is the DAG's order
 STAGES: dict[str, str] = {
-    "ingest": "tasks.ingest",
-    "embed": "tasks.embed",
-    "curate": "tasks.curate",
-    "pseudolabel": "tasks.pseudolabel",
-    "finetune": "tasks.finetune",
-    "merge": "tasks.merge",
-    "quantize": "tasks.quantize",
-    "moe_build": "tasks.moe_build",
-    "moe_quantize": "tasks.moe_quantize",
-    "evaluate": "tasks.evaluate",
-    "register": "tasks.register",
+    "ingest": "tasks.stages.ingest",
+    "embed": "tasks.stages.embed",
+    "curate": "tasks.stages.curate",
+    "pseudolabel": "tasks.stages.pseudolabel",
+    "finetune": "tasks.stages.finetune",
+    "merge": "tasks.stages.merge",
+    "quantize": "tasks.stages.quantize",
+    "moe_build": "tasks.stages.moe_build",
+    "moe_quantize": "tasks.stages.moe_quantize",
+    "evaluate": "tasks.stages.evaluate",
+    "register": "tasks.stages.register",
 }
 PER_TASK = {"ingest", "embed", "curate", "pseudolabel", "finetune"}
 
@@ -68,7 +68,7 @@ def execute(stage: str, task: str | None = None, root: Path | str = ".", params:
             parent_run_id: str | None = None, threads: int | None = None,
             lock_token: str | None = None) -> StageResult:
     """Run one stage (for one task) in project `root`. Raises whatever the stage raises; then no
-    output has been replaced. The stage holds the workspace lock (tasks/lock.py) while it runs,
+    output has been replaced. The stage holds the workspace lock (tasks/runtime/lock.py) while it runs,
     or runs under its flow's lock when `lock_token` is the flow's."""
     root = Path(root).resolve()
     params = params or load_params(root / "params.yaml")
@@ -103,7 +103,7 @@ def _say(message: str) -> None:
 
 def _execute(stage, task, root: Path, params: Params, module, parent_run_id) -> StageResult:
     # a killed earlier run's temporary files and scratch folders (never a live run's)
-    from tasks.scratch import sweep
+    from tasks.runtime.scratch import sweep
 
     sweep(root, {Path(p).parent for p in module.outputs(params, task)})
     # Every path is resolved against `root` explicitly: no chdir, which would race between

@@ -10,7 +10,6 @@ file's metadata and checked on read).
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import torch
@@ -18,9 +17,10 @@ from tqdm.auto import tqdm
 
 from crucible.embed import embed_texts, load_encoder
 from crucible.schema import validate_disjoint
-from tasks.io import AtomicOutputs, read_table
-from tasks.models import resolve_model
-from tasks.params import Params
+from tasks.data.embeddings import ids_digest
+from tasks.runtime.io import AtomicOutputs, read_table
+from tasks.data.models import resolve_model
+from tasks.runtime.params import Params
 
 TABLES = ("reference", "pool", "test")
 
@@ -31,27 +31,6 @@ def inputs(params: Params, task: str) -> list[Path]:
 
 def outputs(params: Params, task: str) -> list[Path]:
     return [Path("data") / task / "embeddings.safetensors"]
-
-
-def ids_digest(ids) -> str:
-    return hashlib.md5("\n".join(map(str, ids)).encode()).hexdigest()
-
-
-def load_embeddings(root: Path, task: str, frames: dict) -> dict[str, torch.Tensor]:
-    """The task's embeddings, checked row for row against the tables they were computed from; a
-    missing, truncated or non-finite file is an error naming it and the command that rebuilds it."""
-    from tasks.io import read_safetensors
-
-    path = Path(root) / "data" / task / "embeddings.safetensors"
-    rebuild = f"rebuild it with `crucible stage embed --task {task}` (or `dvc repro embed@{task}`)"
-    tensors, meta = read_safetensors(path, "embeddings", rebuild)
-    out = {}
-    for name, df in frames.items():
-        if name not in tensors or meta.get(f"{name}_ids_md5") != ids_digest(df["id"]):
-            raise ValueError(f"{path}: embeddings of '{name}' were computed for other rows than "
-                             f"data/{task}/{name}.parquet; {rebuild}")
-        out[name] = tensors[name]
-    return out
 
 
 def run(params: Params, task: str, root: Path, log) -> dict:
@@ -74,11 +53,3 @@ def run(params: Params, task: str, root: Path, log) -> dict:
         out.bytes(safetensors_bytes(tensors, meta), Path(root) / "data" / task / "embeddings.safetensors")
     rate = total / max(bar.format_dict["elapsed"], 1e-9)
     return {"n_embedded": total, "dim": int(tensors["pool"].shape[1]), "texts_per_second": rate}
-
-
-if __name__ == "__main__":
-    import sys
-
-    from tasks.cli import main
-
-    main(["stage", "embed", *sys.argv[1:]])

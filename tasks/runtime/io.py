@@ -127,7 +127,7 @@ class AtomicOutputs:
     def file(self, dest: Path | str, write: Callable[[Path], None]) -> Path:
         dest = Path(dest)
         dest.parent.mkdir(parents=True, exist_ok=True)
-        from tasks.scratch import owner_tag, sweep_files
+        from tasks.runtime.scratch import owner_tag, sweep_files
 
         sweep_files(dest.parent)  # a killed earlier run's temporary files; never a live run's
         fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.{owner_tag()}.", suffix=".tmp", dir=dest.parent)

@@ -12,8 +12,8 @@ import numpy as np
 import pandas as pd
 
 from crucible.schema import validate_audit_against_pool, validate_disjoint, validate_reference_classes
-from tasks.embed import load_embeddings
-from tasks.io import read_table
+from tasks.data.embeddings import load_embeddings
+from tasks.runtime.io import read_table
 
 
 @dataclass

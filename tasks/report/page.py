@@ -1,6 +1,6 @@
 """The report: one self-contained HTML page over the evaluate stage's results (METHODS.md sec. 6).
 
-    from tasks.report import build_report, screenshot
+    from tasks.report.page import build_report, screenshot
     files = build_report(results)      # {"index.html": b"...", "figures/curves.png": b"...", ...}
     screenshot("reports/index.html", "/tmp/report.png")
 
@@ -41,11 +41,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from tasks.report_format import (  # noqa: F401 (FRAMES, PNG_SIGNATURE re-exported for callers and tests)
+from tasks.report.format import (  # noqa: F401 (FRAMES, PNG_SIGNATURE re-exported for callers and tests)
     DASH, FIGURE_HOME, FORGETTING_TOL, FRAMES, PNG_SIGNATURE, Markup, _finite, _is_number, count, esc, flatten, fmt,
     interface_label, interface_phrase, signed,
 )
-from tasks.report_plots import (RC, _pyplot, method_colors, plot_ccmmd, plot_curves, plot_interfaces, plot_matrices,
+from tasks.report.plots import (RC, _pyplot, method_colors, plot_ccmmd, plot_curves, plot_interfaces, plot_matrices,
                                 plot_pseudolabel)
 
 
@@ -371,7 +371,7 @@ def build_report(results: dict) -> dict[str, bytes]:
         sections.append(("quantize", "Quantization (MXFP4)", quantize_section(results["quantize"], order)
                          + stage_figure("quantize")))
     if (results.get("moe") or {}).get("enabled"):
-        from tasks.moe_plots import SUMMARY_COLUMNS, summary_note, summary_rows
+        from tasks.report.moe_plots import SUMMARY_COLUMNS, summary_note, summary_rows
 
         moe = results["moe"]
         sections.append(("moe", "Mixture of experts (MXFP4, routing replay)",

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from tasks.io import AtomicOutputs
-from tasks.params import Params
-from tasks.scratch import scratch
+from tasks.runtime.io import AtomicOutputs
+from tasks.runtime.params import Params
+from tasks.runtime.scratch import scratch
 
 HOME = Path("models") / "moe" / "build"
 UNIT_TOL = 1e-3  # max |logit| difference of the all-experts MoE against the dense model (float32)
@@ -57,7 +57,7 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
 
     from crucible.moe.build import all_experts_unit_weight, moefy
     from crucible.moe.lm import perplexity
-    from tasks.moe_data import sequences, source_model
+    from tasks.data.moe_text import sequences, source_model
 
     seconds = {}
     t = time.perf_counter()

@@ -31,9 +31,9 @@ import numpy as np
 import pandas as pd
 
 from crucible import pseudolabel as pl
-from tasks.audited import read_audited_task
-from tasks.io import AtomicOutputs, read_stage_output, read_table
-from tasks.params import Params
+from tasks.data.audited import read_audited_task
+from tasks.runtime.io import AtomicOutputs, read_stage_output, read_table
+from tasks.runtime.params import Params
 
 CURATED_COLUMNS = ("id", "score", "audited", "m")
 
@@ -181,11 +181,3 @@ def run(params: Params, task: str, root: Path, log) -> dict:
     log.log_artifact(base / "pseudolabel_confusion.png")
     log.log_artifact(base / "pseudolabel.json")
     return metrics
-
-
-if __name__ == "__main__":
-    import sys
-
-    from tasks.cli import main
-
-    main(["stage", "pseudolabel", *sys.argv[1:]])

@@ -24,10 +24,10 @@ import pandas as pd
 import torch
 
 from crucible.ccmmd import GaussianKernel, cc_mmd
-from crucible.scoring import domain_classifier_scores, knn_density_ratio_scores
-from tasks.audited import read_audited_task
-from tasks.io import AtomicOutputs, read_table
-from tasks.params import Params
+from crucible.membership_scores import domain_classifier_scores, knn_density_ratio_scores
+from tasks.data.audited import read_audited_task
+from tasks.runtime.io import AtomicOutputs, read_table
+from tasks.runtime.params import Params
 
 
 class DataQualityGateError(RuntimeError):
@@ -142,11 +142,3 @@ def run(params: Params, task: str, root: Path, log) -> dict:
     log.log_artifact(base / "curate.png")
     log.log_artifact(base / "curate.json")
     return metrics
-
-
-if __name__ == "__main__":
-    import sys
-
-    from tasks.cli import main
-
-    main(["stage", "curate", *sys.argv[1:]])

@@ -21,11 +21,11 @@ import sys
 import time
 from pathlib import Path
 
-from tasks.env import apply_defaults
+from tasks.runtime.env import apply_defaults
 
 
 def _cmd_params(args) -> int:
-    from tasks.params import ParamsError, load_params, render_params
+    from tasks.runtime.params import ParamsError, load_params, render_params
 
     import yaml
 
@@ -49,9 +49,9 @@ def _cmd_params(args) -> int:
 
 
 def _cmd_stage(args) -> int:
-    from tasks.lock import WorkspaceLocked
-    from tasks.params import ParamsError
-    from tasks.stage import execute
+    from tasks.runtime.lock import WorkspaceLocked
+    from tasks.runtime.params import ParamsError
+    from tasks.runtime.stage import execute
 
     try:
         result = execute(args.stage, args.task, args.root)
@@ -66,12 +66,12 @@ def _cmd_stage(args) -> int:
 
 
 def _cmd_run(args) -> int:
-    from tasks.params import ParamsError, load_params
+    from tasks.runtime.params import ParamsError, load_params
 
     root = Path(args.root).resolve()
     try:
         if args.profile:
-            from tasks.workspace import make_workspace
+            from tasks.runtime.workspace import make_workspace
 
             root = make_workspace(root, args.workspace or root / "build" / Path(args.profile).stem, args.profile)
             apply_defaults(root)
@@ -81,7 +81,7 @@ def _cmd_run(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     from flows.pipeline import run_pipeline
-    from tasks.lock import WorkspaceLocked
+    from tasks.runtime.lock import WorkspaceLocked
 
     start = time.perf_counter()
     try:
@@ -97,7 +97,7 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_ui(args) -> int:
-    from tasks.tracking import tracking_uri
+    from tasks.runtime.tracking import tracking_uri
 
     root = Path(args.root).resolve()
     procs = [
@@ -144,7 +144,7 @@ def _cmd_deploy(args) -> int:
     import os
 
     from flows.deploy import flow_name, load_spec
-    from tasks.serving import stop_server, wait_until_serving
+    from tasks.registry.serving import stop_server, wait_until_serving
 
     root = Path(args.root).resolve()
     try:
@@ -216,9 +216,9 @@ def _message(exc: Exception) -> str:
 
 def _registered(root: Path, ref: str):
     """(name, client, model version) of params' registered model at version or alias `ref`."""
-    from tasks.params import load_params
-    from tasks.register import resolve_version
-    from tasks.serving import registry_client
+    from tasks.runtime.params import load_params
+    from tasks.registry.registry import resolve_version
+    from tasks.registry.serving import registry_client
 
     name = load_params(root / "params.yaml").tracking.registered_model
     client = registry_client(root)
@@ -229,8 +229,8 @@ def _cmd_serve(args) -> int:
     import socket
     import threading
 
-    from tasks.params import ParamsError
-    from tasks.serving import curl_example, serve_command, wait_until_serving
+    from tasks.runtime.params import ParamsError
+    from tasks.registry.serving import curl_example, serve_command, wait_until_serving
 
     root = Path(args.root).resolve()
     try:
@@ -277,8 +277,8 @@ def _cmd_predict(args) -> int:
 
     import pandas as pd
 
-    from tasks.params import ParamsError
-    from tasks.serving import load_registered
+    from tasks.runtime.params import ParamsError
+    from tasks.registry.serving import load_registered
 
     root = Path(args.root).resolve()
     try:
@@ -304,10 +304,10 @@ def _cmd_predict(args) -> int:
 
 
 def _cmd_lineage(args) -> int:
-    from tasks import lineage
-    from tasks.params import ParamsError
-    from tasks.serving import version_summary
-    from tasks.tracking import git_commit
+    from tasks.runtime import lineage
+    from tasks.runtime.params import ParamsError
+    from tasks.registry.serving import version_summary
+    from tasks.runtime.tracking import git_commit
 
     root = Path(args.root).resolve()
     try:

@@ -114,7 +114,7 @@ def stage_run(root: Path, experiment: str, stage: str, task: str | None = None,
     experiment_id = ensure_experiment(root, experiment)
     parent = parent_run_id or os.environ.get(PARENT_ENV)
     name = stage if task is None else f"{stage}@{task}"
-    from tasks.scratch import owner_tag
+    from tasks.runtime.scratch import owner_tag
 
     fail_orphaned_runs(root, experiment_id)
     tags = {"crucible.stage": stage, "crucible.git_commit": git_commit(root), "mlflow.runName": name,
@@ -139,7 +139,7 @@ def stage_run(root: Path, experiment: str, stage: str, task: str | None = None,
 def fail_orphaned_runs(root: Path, experiment_id: str) -> list[str]:
     """Mark FAILED the runs still RUNNING whose process (tag crucible.owner, `<pid>@<host>`) is gone
     from this host: a stage killed with SIGKILL could not end its own run. Returns their ids."""
-    from tasks.scratch import tag_alive
+    from tasks.runtime.scratch import tag_alive
 
     client = _client(root)
     with _WRITE_LOCK:
@@ -154,7 +154,7 @@ def fail_orphaned_runs(root: Path, experiment_id: str) -> list[str]:
 
 
 def start_parent_run(root: Path, experiment: str, name: str, tags: dict) -> str:
-    from tasks.scratch import owner_tag
+    from tasks.runtime.scratch import owner_tag
 
     client = _client(root)
     experiment_id = ensure_experiment(root, experiment)

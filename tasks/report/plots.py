@@ -9,7 +9,7 @@ import io
 import numpy as np
 import pandas as pd
 
-from tasks.report_format import FORGETTING_TOL, _finite, interface_label
+from tasks.report.format import FORGETTING_TOL, _finite, interface_label
 
 
 def _pyplot():

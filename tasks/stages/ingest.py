@@ -1,9 +1,9 @@
 """Stage `ingest` (per task): the four tables of the data contract, from real corpora or your files.
 
     crucible stage ingest --task bbc          # what dvc.yaml runs
-    python -m tasks.ingest --task bbc         # the same
+    python -m tasks.stages.ingest --task bbc         # the same
 
-source: demo builds, from the task's packaged corpus (tasks/corpora.py), a labeled `reference`, a
+source: demo builds, from the task's packaged corpus (tasks/data/corpora.py), a labeled `reference`, a
 clean `test`, and a `pool` that mixes held-out target items with contaminants at rate eps (other
 corpora, boilerplate, near-duplicates, word-shuffled items; crucible.contamination). The `audit` is a
 Poisson draw with inclusion probability pi uniform or proportional to the proxy score's uncertainty
@@ -33,9 +33,9 @@ import pandas as pd
 from crucible.contamination import build_pool, draw_poisson_sample, poisson_inclusion_probabilities
 from crucible.schema import (DataValidationError, validate_audit_against_pool, validate_disjoint,
                              validate_labels_against_reference, validate_reference_classes, validate_table)
-from tasks.corpora import load_corpus
-from tasks.io import AtomicOutputs, read_table
-from tasks.params import Params
+from tasks.data.corpora import load_corpus
+from tasks.runtime.io import AtomicOutputs, read_table
+from tasks.runtime.params import Params
 
 TABLES = ("reference", "pool", "audit", "test")
 
@@ -64,7 +64,7 @@ def task_rng(params: Params, task: str, purpose: str) -> np.random.Generator:
 def _lexical_scores(reference: pd.DataFrame, pool: pd.DataFrame, seed: int) -> np.ndarray:
     from sklearn.feature_extraction.text import HashingVectorizer
 
-    from crucible.scoring import domain_classifier_scores
+    from crucible.membership_scores import domain_classifier_scores
 
     vec = HashingVectorizer(n_features=2**18, ngram_range=(1, 2), alternate_sign=False, norm="l2")
     return domain_classifier_scores(vec.transform(reference["text"]), vec.transform(pool["text"]), folds=2, seed=seed)
@@ -193,9 +193,3 @@ def run(params: Params, task: str, root: Path, log) -> dict:
             out.parquet(df, base / f"{kind}.parquet")
         out.json(metrics, base / "ingest.json")
     return metrics
-
-
-if __name__ == "__main__":
-    from tasks.cli import main
-
-    main(["stage", "ingest", *__import__("sys").argv[1:]])

@@ -4,7 +4,7 @@ and trained with limited routing replay (METHODS.md sec. 4; crucible.moe.variant
     crucible stage moe_quantize
 
 Reads the Mixtral checkpoint in models/moe/build/ (offline) and compares, on the held-out
-sequences (tasks/moe_data.py), at one total adapter rank (`moe.rank_budget`; null = 8 per matrix):
+sequences (tasks/data/moe_text.py), at one total adapter rank (`moe.rank_budget`; null = 8 per matrix):
 - float: the MoE as built; mxfp4: every expert's slices of the fused 3-D expert parameters (and
   q/k/v/o with `moe.attention`) in MXFP4, the router in float;
 - uniform: + low-rank compensation, the same rank for every matrix;
@@ -36,8 +36,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from tasks.io import AtomicOutputs, figure_png
-from tasks.params import Params
+from tasks.runtime.io import AtomicOutputs, figure_png
+from tasks.runtime.params import Params
 
 BUILD = Path("models") / "moe" / "build"
 HOME = Path("models") / "moe" / "quantize"
@@ -83,7 +83,7 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
 
     from crucible.moe.quant import save_quantized_moe
     from crucible.moe.variants import default_rank_budget, quantize_variants
-    from tasks.moe_data import sequences
+    from tasks.data.moe_text import sequences
 
     folder = root / BUILD
     from crucible.moe.dense import tie_embeddings
@@ -105,7 +105,7 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
                    perplexity={"dense": build["perplexity"]["dense"],
                                **{name: v["perplexity"] for name, v in result.metrics["variants"].items()}})
     tables = frames(result.metrics)
-    from tasks.moe_plots import figure
+    from tasks.report.moe_plots import figure
 
     files = {
         "model.safetensors": save_quantized_moe(result.model, metadata={"source": str(build.get("source"))}),

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
 CORPORA = ("bbc_news", "rotten_tomatoes", "tweet_sentiment", "debates_party")
 TASK_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tasks.corpora import package_dir
+from tasks.data.corpora import package_dir
 
 # name in params.yaml -> (PyPI package's import name, folder inside it)
 PACKAGED = {

@@ -31,7 +31,7 @@ trains beside it in other threads of the process (the Prefect flow) or ran befor
 are byte-identical (same md5) when these are the same: the inputs and params, the torch /
 transformers / safetensors versions, the CPU (vector kernels are chosen per instruction set), and
 torch's intra-op thread count. The thread count is `CRUCIBLE_THREADS` when set (applied by
-tasks.stage.execute); otherwise torch's default (the core count) under `crucible stage` / `dvc
+tasks.runtime.stage.execute); otherwise torch's default (the core count) under `crucible stage` / `dvc
 repro`, and cores // pipeline.max_workers under the Prefect flow, so set CRUCIBLE_THREADS for
 hashes that agree between the two and across machines. Runs with 1 and 2 threads differ in the
 last bits (torch's parallel sums split the work by thread count); runs with the same count agree,
@@ -53,9 +53,9 @@ import torch
 from crucible.gmixout import GMixout, GMixoutConfig
 from crucible.schema import validate_disjoint, validate_table
 from crucible.train import EncoderClassifier, Examples, TrainConfig, evaluate, stream_seed, tokenize, train
-from tasks.io import AtomicOutputs, read_stage_output, read_table
-from tasks.models import resolve_model
-from tasks.params import FinetuneParams, Params
+from tasks.runtime.io import AtomicOutputs, read_stage_output, read_table
+from tasks.data.models import resolve_model
+from tasks.runtime.params import FinetuneParams, Params
 
 LABELED_COLUMNS = ("id", "text", "label", "source", "confidence", "weight")
 
@@ -227,20 +227,12 @@ def run(params: Params, task: str, root: Path, log) -> dict:
 
 def log_model(log, finetune_dir: Path, base_model_dir: str, example: pd.DataFrame) -> None:
     """The task model as an MLflow pyfunc (texts in, labels out) under the run's `model` path,
-    logged from code (tasks/pyfunc.py with model_config crucible_model=TextClassifier): no pickle
+    logged from code (tasks/registry/pyfunc.py with model_config crucible_model=TextClassifier): no pickle
     is written, and loading it unpickles nothing."""
     import tempfile
 
-    from tasks.pyfunc import save_text_classifier
+    from tasks.registry.pyfunc import save_text_classifier
 
     with tempfile.TemporaryDirectory() as tmp:
         save_text_classifier(Path(tmp) / "model", finetune_dir, base_model_dir, example.head(3))
         log.log_artifacts(Path(tmp) / "model", "model")
-
-
-if __name__ == "__main__":
-    import sys
-
-    from tasks.cli import main
-
-    main(["stage", "finetune", *sys.argv[1:]])

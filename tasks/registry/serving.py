@@ -1,6 +1,6 @@
 """Using a registered version: load it in this process (`crucible predict`, tests, benchmarks),
 serve it over HTTP (`crucible serve`: `mlflow models serve` on 127.0.0.1), describe it, and the
-JSON that /invocations takes. The registry itself is written by the register stage (tasks/register.py).
+JSON that /invocations takes. The registry itself is written by the register stage (tasks/stages/register.py).
 """
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import json
 import sys
 from pathlib import Path
 
-from tasks.register import CHAMPION, HASH_TAG, resolve_version
+from tasks.registry.registry import CHAMPION, HASH_TAG, resolve_version
 
 
 def registry_client(root: Path):
     from mlflow.tracking import MlflowClient
 
-    from tasks.tracking import tracking_uri
+    from tasks.runtime.tracking import tracking_uri
 
     uri = tracking_uri(Path(root).resolve())
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
@@ -27,8 +27,8 @@ def load_registered(root: Path, ref: str = CHAMPION, name: str | None = None, ds
     import mlflow.artifacts
     import mlflow.pyfunc
 
-    from tasks.params import load_params
-    from tasks.tracking import tracking_uri
+    from tasks.runtime.params import load_params
+    from tasks.runtime.tracking import tracking_uri
 
     import os
 
@@ -69,7 +69,7 @@ def serve_command(root: Path, name: str, ref: str, host: str, port: int, workers
     process environment (the workspace's tracking store)."""
     import os
 
-    from tasks.tracking import tracking_uri
+    from tasks.runtime.tracking import tracking_uri
 
     uri = f"models:/{name}/{ref}" if str(ref).isdigit() else f"models:/{name}@{ref}"
     cmd = [sys.executable, "-m", "mlflow", "models", "serve", "-m", uri, "--env-manager", "local",

@@ -15,7 +15,7 @@ def read_task_model(root: Path, task: str, base_model: str) -> dict:
     """A task's fine-tune: paths, head tensors, classes, max_length; checks it was made from base_model
     and that its files are readable and finite (each error names the file and the command that
     rebuilds it)."""
-    from tasks.io import read_safetensors
+    from tasks.runtime.io import read_safetensors
 
     folder = root / "data" / task / "finetune"
     paths = {name: folder / name for name in ("model.safetensors", "head.safetensors", "config.json")}
@@ -189,7 +189,7 @@ def read_features(path: Path, stage: str) -> tuple[dict, dict]:
 
 def read_tests(root: Path, params, limit: int | None) -> dict[str, pd.DataFrame]:
     """Each task's clean test split (first `limit` rows; all when None), in merge order."""
-    from tasks.io import read_table
+    from tasks.runtime.io import read_table
 
     tests = {}
     for t in params.merge_order():
@@ -202,7 +202,7 @@ def read_probe_rows(root: Path, params) -> dict[str, pd.DataFrame]:
     """Per task the rows (text, label) that evaluate's fresh probe is fitted on: the clean reference,
     or labeled.parquet (reference + audited members + selected pseudo-labels), per
     `evaluate.probe_rows`, the first `evaluate.probe_limit` of them."""
-    from tasks.io import read_stage_output, read_table
+    from tasks.runtime.io import read_stage_output, read_table
 
     cfg = params.evaluate
     out = {}

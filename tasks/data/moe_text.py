@@ -14,8 +14,8 @@ import hashlib
 
 import torch
 
-from tasks.corpora import load_corpus
-from tasks.params import MoeParams
+from tasks.data.corpora import load_corpus
+from tasks.runtime.params import MoeParams
 
 
 def lm_texts(corpora: list[str], eval_share: float) -> tuple[list[str], list[str]]:

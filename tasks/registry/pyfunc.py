@@ -348,7 +348,7 @@ def logged_model() -> mlflow.pyfunc.PythonModel:
     return classes[name]()
 
 
-if __name__ not in ("tasks.pyfunc", "__main__"):
+if __name__ not in ("tasks.registry.pyfunc", "__main__"):
     # MLflow runs this file as a logged model's code ("models from code", python_model=<this
     # file>): the model is this object, its weights come from the logged artifacts.
     mlflow.models.set_model(logged_model())

@@ -8,7 +8,7 @@ up to it); every merge method after every arrival (on the arrived tasks); the qu
 model in each MXFP4 form (alone, uniform and load-aware compensation; on every task). No encoder
 runs here: the merge and quantize stages keep the frozen features (masked mean pooling, what the
 heads see) of every variant on each task's test rows and probe rows (models/*/features.safetensors,
-tasks.scoring.FeatureStore), so each encoder ran once over the texts.
+tasks.data.heldout_scoring.FeatureStore), so each encoder ran once over the texts.
 
 Interfaces, per variant and task (`evaluate` params):
 - head: test accuracy through the task's own trained head;
@@ -42,8 +42,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from tasks.io import AtomicOutputs
-from tasks.params import Params
+from tasks.runtime.io import AtomicOutputs
+from tasks.runtime.params import Params
 
 MERGE = Path("models") / "merge"
 QUANTIZE = Path("models") / "quantize"
@@ -77,8 +77,8 @@ def _rerun(stage: str) -> str:
 
 def read_inputs(root: Path, params: Params) -> dict:
     """Both stages' features, checked against each other and params; heads and configs."""
-    from tasks.io import read_safetensors
-    from tasks.scoring import read_features
+    from tasks.runtime.io import read_safetensors
+    from tasks.data.heldout_scoring import read_features
 
     order = params.merge_order()
     merged, merge_meta = read_features(root / MERGE / "features.safetensors", "merge")
@@ -276,7 +276,7 @@ def _csv(df: pd.DataFrame) -> bytes:
 def run(params: Params, task: str | None, root: Path, log) -> dict:
     from tqdm.auto import tqdm
 
-    from tasks.report import build_report
+    from tasks.report.page import build_report
 
     root = Path(root)
     data = read_inputs(root, params)
@@ -307,7 +307,7 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
                    for j in range(len(order)) for i in range(j + 1)]
     summaries = stage_summaries(root, order)
 
-    from tasks.tracking import git_commit
+    from tasks.runtime.tracking import git_commit
 
     results = {
         "order": order, "interfaces": ifaces, "main": main, "cells": cells, "summary": summary, "curves": curves,

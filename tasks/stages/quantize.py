@@ -27,7 +27,7 @@ Outputs (all published together) under models/quantize/:
 - config.json: base model, quantized layers with their ranks, mode, scaling, allocation, classes,
   max_length per task;
 - features.safetensors: the frozen features of the three MXFP4 variants on every task's test and
-  probe rows (`evaluate.probe_rows`), for the evaluate stage (tasks.scoring.FeatureStore);
+  probe rows (`evaluate.probe_rows`), for the evaluate stage (tasks.data.heldout_scoring.FeatureStore);
 - quantize.json: sizes and bits per weight, accuracy per task of every variant, the share of the
   MXFP4 loss the compensation recovers, weighted compression errors, ranks (a DVC metric);
 - ranks.csv: per matrix its shape, load, uniform and load-aware rank, spectrum energy kept;
@@ -40,15 +40,14 @@ from __future__ import annotations
 import copy
 import json
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from tasks.io import AtomicOutputs, figure_png, read_table
-from tasks.models import resolve_model
-from tasks.params import Params
+from tasks.runtime.io import AtomicOutputs, figure_png, read_table
+from tasks.data.models import resolve_model
+from tasks.runtime.params import Params
 
 OUT = Path("models") / "quantize"
 MERGE = Path("models") / "merge"
@@ -206,7 +205,7 @@ def _run(params: Params, root: Path, log) -> dict:
 
     from crucible.quant import CompensationPlan, cache_dequantized, quantize_model, save_quantized, select_linears
     from crucible.quant.linear import MXEmbedding, mx_layers, quantize_embeddings, select_modules
-    from tasks.scoring import FeatureStore, Scorer, read_probe_rows, read_tests
+    from tasks.data.heldout_scoring import FeatureStore, Scorer, read_probe_rows, read_tests
 
     cfg = params.quantize
     root = Path(root)
@@ -399,9 +398,3 @@ def plot_quantize(rank_rows: list[dict], accuracy: dict, order: list[str]) -> by
     ax2.legend(fontsize=7)
     fig.tight_layout()
     return figure_png(fig)
-
-
-if __name__ == "__main__":
-    from tasks.cli import main
-
-    main(["stage", "quantize", *sys.argv[1:]])

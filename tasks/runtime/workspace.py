@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from tasks.params import render_params, validate_params
+from tasks.runtime.params import render_params, validate_params
 
 PROJECT_FILES = ("dvc.yaml", ".dvcignore", "prefect.yaml")
 PROJECT_DIRS = ("crucible", "tasks", "flows", "inputs")
@@ -30,7 +30,7 @@ def _run(cmd: list[str], cwd: Path) -> None:
 def make_workspace(source: Path | str, dest: Path | str, profile: str | None = None,
                    overrides: dict | None = None) -> Path:
     """Create or refresh the workspace `dest` from project `source`; returns `dest`."""
-    from tasks.params import deep_merge
+    from tasks.runtime.params import deep_merge
 
     source, dest = Path(source).resolve(), Path(dest).resolve()
     dest.mkdir(parents=True, exist_ok=True)

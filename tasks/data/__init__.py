@@ -1,0 +1,1 @@
+"""Sources and shared readers: corpora, model assets, the audited tables, embeddings, held-out scoring."""

@@ -1,0 +1,1 @@
+"""The deployable model: registry helpers, the pyfunc, serving."""

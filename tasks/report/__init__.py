@@ -1,0 +1,1 @@
+"""The evaluate stage's HTML report and its plots."""

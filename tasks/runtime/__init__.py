@@ -1,0 +1,1 @@
+"""How any stage runs: params, the stage contract, io, scratch, lock, tracking, lineage, env, workspaces."""

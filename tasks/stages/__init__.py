@@ -1,0 +1,1 @@
+"""One module per dvc.yaml stage; each holds only what that stage does."""
