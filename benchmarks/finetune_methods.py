@@ -44,7 +44,7 @@ from crucible.gmixout import GMixout, GMixoutConfig  # noqa: E402
 from crucible.train import EncoderClassifier, Examples, TrainConfig, evaluate, tokenize, train, wise_ft  # noqa: E402
 from tasks.stages.finetune import read_labeled, split_dev, task_seed  # noqa: E402
 from tasks.data.models import resolve_model  # noqa: E402
-from tasks.runtime.params import FinetuneParams  # noqa: E402
+from tasks.runtime.params_schema import FinetuneParams, GMixoutOptions  # noqa: E402
 
 SHIFT = {"rotten": ("tweets", {"fresh": "positive", "rotten": "negative"})}
 
@@ -116,6 +116,12 @@ def finetune_params(overrides: list[str]) -> FinetuneParams:
         if not sep:
             raise SystemExit(f"--set expects key=value, got {item!r}")
         values[key] = yaml.safe_load(value)
+    # a GMixout option (p, anchor, ema_beta, period, sparse) goes to finetune.gmixout, p to mixout too
+    options = {k: values.pop(k) for k in list(values) if k in GMixoutOptions.model_fields}
+    if options:
+        values["gmixout"] = options
+        if "p" in options:
+            values["mixout"] = {"p": options["p"]}
     return FinetuneParams(**values)
 
 
@@ -123,8 +129,9 @@ def mixout_for(method: str, cfg: FinetuneParams, seed: int) -> GMixoutConfig | N
     if method == "plain":
         return None
     if method == "mixout":
-        return GMixoutConfig.mixout(p=cfg.p, modules=cfg.modules, seed=seed)
-    return GMixoutConfig(p=cfg.p, anchor=cfg.anchor, ema_beta=cfg.ema_beta, period=cfg.period, sparse=cfg.sparse,
+        return GMixoutConfig.mixout(p=cfg.mixout.p, modules=cfg.modules, seed=seed)
+    return GMixoutConfig(p=cfg.gmixout.p, anchor=cfg.gmixout.anchor, ema_beta=cfg.gmixout.ema_beta,
+                         period=cfg.gmixout.period, sparse=cfg.gmixout.sparse,
                          modules=cfg.modules, seed=seed)
 
 
@@ -249,7 +256,8 @@ def main(argv=None) -> None:
     cfg = args.cfg
     print(f"# finetune_methods: tasks={tasks} seeds={seeds} steps={args.steps} batch={args.batch_size} "
           f"max_length={args.max_length} n_test={args.n_test} threads={args.threads}; "
-          f"GMixout p={cfg.p} anchor={cfg.anchor} beta={cfg.ema_beta} period={cfg.period} sparse={cfg.sparse}; "
+          f"GMixout p={cfg.gmixout.p} anchor={cfg.gmixout.anchor} beta={cfg.gmixout.ema_beta} "
+          f"period={cfg.gmixout.period} sparse={cfg.gmixout.sparse}; "
           f"Mixout p={cfg.p}; lr={cfg.lr} head_lr={cfg.head_lr}", flush=True)
 
     if args.speed_rounds:

@@ -33,7 +33,8 @@ from crucible import pseudolabel as pl  # noqa: E402
 from crucible.contamination import draw_poisson_sample, poisson_inclusion_probabilities  # noqa: E402
 from tasks.data.embeddings import load_embeddings  # noqa: E402
 from tasks.runtime.params import load_params  # noqa: E402
-from tasks.runtime.stage import execute, stage_module  # noqa: E402
+from tasks.runtime.declaration import expand  # noqa: E402
+from tasks.stages import execute, spec  # noqa: E402
 from tasks.runtime.workspace import make_workspace  # noqa: E402
 
 STAGES = ("ingest", "embed", "curate", "pseudolabel")
@@ -44,7 +45,7 @@ def prepare(workdir: Path, profile: str, overrides: dict, force: bool) -> Path:
     params = load_params(root / "params.yaml")
     for task in params.pipeline.tasks:
         for stage in STAGES:
-            outs = stage_module(stage).outputs(params, task)
+            outs = [expand(p, task) for p in spec(stage).written()]
             if force or not all((root / p).exists() for p in outs) or stage == "pseudolabel":
                 print(f"  {stage}@{task} ...", file=sys.stderr, flush=True)
                 execute(stage, task, root)

@@ -2,6 +2,7 @@
 
     crucible run [--profile tiny] [--stage ingest ...]   the pipeline as a Prefect flow
     crucible stage ingest --task bbc                     one stage (what dvc.yaml runs)
+    crucible dag write|check|show                        dvc.yaml from the stages' declarations
     crucible params check [FILE] [--profile tiny]        validate params
     crucible params render [--profile tiny] [-o FILE]    params with a profile applied
     crucible ui                                          MLflow UI + Prefect server on 127.0.0.1
@@ -51,7 +52,7 @@ def _cmd_params(args) -> int:
 def _cmd_stage(args) -> int:
     from tasks.runtime.lock import WorkspaceLocked
     from tasks.runtime.params import ParamsError
-    from tasks.runtime.stage import execute
+    from tasks.stages import execute
 
     try:
         result = execute(args.stage, args.task, args.root)
@@ -62,6 +63,39 @@ def _cmd_stage(args) -> int:
         print(f"error: stage {args.stage}{'@' + args.task if args.task else ''}: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(result.to_dict(), indent=2, default=str))
+    return 0
+
+
+def _cmd_dag(args) -> int:
+    """dvc.yaml from the stages' declarations: write it, check it, or show the DAG of stage runs."""
+    from tasks.runtime.declaration import upstream
+    from tasks.runtime.params import ParamsError, load_params
+    from tasks.stages import dvc_yaml, specs
+
+    root = Path(args.root).resolve()
+    path = root / "dvc.yaml"
+    if args.action == "write":
+        text = dvc_yaml()
+        if not path.is_file() or path.read_text() != text:
+            path.write_text(text)
+            print(f"wrote {path}")
+        else:
+            print(f"{path} is up to date")
+        return 0
+    if args.action == "check":
+        if not path.is_file() or path.read_text() != dvc_yaml():
+            print(f"error: {path} is stale: it differs from the stages' declarations (tasks/stages/*.py); "
+                  f"run `crucible dag write`", file=sys.stderr)
+            return 1
+        print(f"{path} matches the stages' declarations")
+        return 0
+    try:
+        tasks = list(load_params(root / "params.yaml").pipeline.tasks)
+    except ParamsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for sid, ups in upstream(specs(), tasks).items():
+        print(f"{sid:<24} <- {', '.join(sorted(ups)) or '(nothing)'}")
     return 0
 
 
@@ -336,6 +370,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", help="the task, for per-task stages")
     p.add_argument("--root", default=".", help="project folder (default: .)")
     p.set_defaults(func=_cmd_stage)
+
+    p = sub.add_parser("dag", help="dvc.yaml from the stages' declarations: write, check, or show the DAG")
+    p.add_argument("action", choices=["write", "check", "show"])
+    p.add_argument("--root", default=".", help="project folder (default: .)")
+    p.set_defaults(func=_cmd_dag)
 
     p = sub.add_parser("params", help="validate or render params")
     p.add_argument("action", choices=["check", "render"])

@@ -3,11 +3,13 @@
     crucible run                       # this flow on params.yaml, local, threads
     crucible run --profile tiny        # in a scratch copy of the project with the tiny profile
 
-Stages run in DAG order; a per-task stage fans out over the tasks on the task runner that
-params choose (threads here; Dask or Ray clusters through prefect-dask / prefect-ray). Before each
-stage the flow asks DVC whether it is up to date and skips it if so; after it the flow records it
-with `dvc commit`, so that afterwards `dvc status` is clean and `dvc repro` does nothing.
-One MLflow parent run per flow run; each stage (per task) logs a child run.
+The flow follows the DAG that the stages' declarations give (tasks/runtime/declaration.py): a run
+of a stage (per task where the stage is) starts as soon as the runs whose outputs it reads are
+done, so embed@bbc does not wait for ingest@debates and the MoE branch runs beside the classifier
+chain; runs go to the task runner that params choose (threads here; Dask or Ray clusters through
+prefect-dask / prefect-ray). Before a run the flow asks DVC whether it is up to date and skips it
+if so; after it the flow records it with `dvc commit`, so that afterwards `dvc status` is clean
+and `dvc repro` does nothing. One MLflow parent run per flow run; each stage run logs a child run.
 """
 
 from __future__ import annotations
@@ -21,15 +23,18 @@ from prefect import flow, get_run_logger, task
 from flows import dvc
 from tasks.runtime import tracking
 from tasks.runtime.lock import WorkspaceLock
-from tasks.runtime.params import Params, load_params
-from tasks.runtime.stage import PER_TASK, STAGES, execute, stage_id, stage_module
+from tasks.runtime.params import load_params
+from tasks.runtime.params_schema import Params
+from tasks.runtime.declaration import instances, upstream
+from tasks.stages import NAMES, execute, module, spec
 
 
-@task(name="stage", task_run_name="{stage}@{task_name}", retries=0)
+@task(name="stage", task_run_name="{sid}", retries=0)
 def run_stage(stage: str, task_name: str | None, root: str, parent_run_id: str, share: int,
-              lock_token: str | None = None) -> dict:
-    """One stage on whatever worker the task runner picked. `share`: how many stages run side by
-    side; each takes cores // share torch threads of the machine it runs on (not of the flow's)."""
+              lock_token: str | None = None, sid: str = "") -> dict:
+    """One stage run on whatever worker the task runner picked. `share`: how many stage runs go
+    side by side; each takes cores // share torch threads of the machine it runs on (not of the
+    flow's)."""
     threads = max(1, (os.cpu_count() or 1) // share)
     return execute(stage, task_name, root, parent_run_id=parent_run_id, threads=threads,
                    lock_token=lock_token).to_dict()
@@ -80,8 +85,8 @@ def pipeline(root: str = ".", stages: list[str] | None = None) -> dict:
     use_dvc = dvc.is_dvc_project(root_path)
     if not use_dvc:
         logger.warning("%s is not a DVC project (no .dvc/ or dvc.yaml): stages run, nothing is recorded", root_path)
-    for stage in stages or STAGES:
-        stage_module(stage)  # import in this thread: module imports are not all thread-safe
+    for stage in NAMES:
+        module(stage)  # import in this thread: module imports are not all thread-safe
     lock = WorkspaceLock(root_path, "flow", params.pipeline.lock_timeout, require_dvc_idle=use_dvc,
                          on_wait=logger.warning, on_stale=logger.warning)
     with lock:
@@ -89,41 +94,79 @@ def pipeline(root: str = ".", stages: list[str] | None = None) -> dict:
 
 
 def _run(root_path: Path, params: Params, stages: list[str] | None, use_dvc: bool, token: str, logger) -> dict:
+    unknown = sorted(set(stages or ()) - set(NAMES))
+    if unknown:
+        raise KeyError(f"unknown stages {unknown}; valid: {', '.join(NAMES)}")
     wait = params.pipeline.lock_timeout
+    tasks = list(params.pipeline.tasks)
+    specs = [spec(n) for n in NAMES]
+    runs = {s.sid(t): (s.name, t) for s, t in instances(specs, tasks) if not stages or s.name in stages}
+    # a run waits for the selected runs whose outputs it reads (an unselected one counts as done)
+    waits = {sid: ups & set(runs) for sid, ups in upstream(specs, tasks).items() if sid in runs}
     parent = tracking.start_parent_run(root_path, params.tracking.experiment, "pipeline",
-                                       {"crucible.kind": "pipeline", "crucible.tasks": ",".join(params.pipeline.tasks)})
+                                       {"crucible.kind": "pipeline", "crucible.tasks": ",".join(tasks)})
     results: dict[str, object] = {}
+    running: dict = {}  # future -> stage id
+    finished: set[str] = set()
+    failed: dict[str, BaseException] = {}
+    cap = params.pipeline.max_workers
     try:
-        for stage in stages or list(STAGES):
-            sids = {stage_id(stage, t): t for t in (params.pipeline.tasks if stage in PER_TASK else [None])}
-            todo = dvc.stale(root_path, list(sids), wait=wait) if use_dvc else set(sids)
-            for sid in sids:
-                if sid not in todo:
-                    logger.info("%s is up to date: skipped", sid)
-                    results[sid] = "skipped"
-            # per-task stages run side by side and share the cores; a stage over all tasks runs alone
-            # and gets them all (so merge and quantize are not left on one thread)
-            share = min(params.pipeline.max_workers, len(todo)) if stage in PER_TASK else 1
-            futures = {sid: run_stage.submit(stage, sids[sid], str(root_path), parent, max(1, share), token)
-                       for sid in sids if sid in todo}
-            done, failure = [], None
-            for sid, fut in futures.items():
+        while waits or running:
+            # runs whose upstream failed never start; the others' results are still recorded
+            blocked = set(failed)
+            while stuck := [s for s, ups in waits.items() if ups & blocked]:
+                for sid in stuck:
+                    waits.pop(sid)
+                    blocked.add(sid)
+                    results[sid] = "not run"
+                    logger.error("%s not run: an upstream run failed", sid)
+            ready = [sid for sid, ups in waits.items() if ups <= finished]
+            if ready:
+                todo = dvc.stale(root_path, ready, wait=wait) if use_dvc else set(ready)
+                for sid in ready:
+                    waits.pop(sid)
+                    if sid not in todo:
+                        logger.info("%s is up to date: skipped", sid)
+                        results[sid] = "skipped"
+                        finished.add(sid)
+                submit = [sid for sid in ready if sid in todo]
+                # the runs that go side by side share the cores (a run alone gets them all)
+                share = max(1, min(cap, len(running) + len(submit)))
+                for sid in submit:
+                    name, task_name = runs[sid]
+                    running[run_stage.submit(name, task_name, str(root_path), parent, share, token, sid=sid)] = sid
+                continue
+            if not running:
+                break
+            done = _first_done(list(running))
+            batch = [f for f in running if f is done or f.state.is_final()]
+            ok = []
+            for fut in batch:
+                sid = running.pop(fut)
                 try:
                     results[sid] = fut.result()
-                    done.append(sid)
+                    ok.append(sid)
                     logger.info("%s done", sid)
-                except Exception as exc:  # let the other tasks of this stage finish and be recorded
+                except Exception as exc:  # let the other runs finish and be recorded
                     logger.error("%s failed: %s", sid, exc)
-                    failure = failure or exc
-            if use_dvc:
-                dvc.commit(root_path, done, wait=wait)
-            if failure is not None:
-                raise failure
+                    failed[sid] = exc
+            if use_dvc and ok:
+                dvc.commit(root_path, ok, wait=wait)
+            finished.update(ok)
+        if failed:
+            raise next(iter(failed.values()))
     except BaseException:
         tracking.end_run(root_path, parent, "FAILED")
         raise
     tracking.end_run(root_path, parent, "FINISHED")
-    return results
+    return {sid: results[sid] for sid in runs if sid in results}
+
+
+def _first_done(futures: list):
+    """The first of `futures` to finish (whatever the task runner)."""
+    from prefect.futures import as_completed
+
+    return next(iter(as_completed(futures)))
 
 
 def run_pipeline(root: Path | str = ".", stages: list[str] | None = None) -> dict:

@@ -1,11 +1,12 @@
 import os
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# the shared helpers (tests/support) import as `support.<module>` from every test folder
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 BIN = Path(sys.executable).parent
 
 # the same process defaults the `crucible` command applies; tests never phone home
@@ -38,3 +39,13 @@ def tiny_params():
     from tasks.runtime.params import load_params
 
     return load_params(ROOT / "params.yaml", "tiny")
+
+
+@pytest.fixture(scope="session")
+def base_state():
+    """The packaged base encoder's state dict (the merge and quantize stage tests start from it)."""
+    from crucible.embed import load_encoder
+    from tasks.data.models import resolve_model
+
+    encoder, _ = load_encoder(resolve_model("all-MiniLM-L6-v2"))
+    return {k: v.detach().clone().contiguous() for k, v in encoder.state_dict().items()}

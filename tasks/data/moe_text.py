@@ -15,7 +15,7 @@ import hashlib
 import torch
 
 from tasks.data.corpora import load_corpus
-from tasks.runtime.params import MoeParams
+from tasks.runtime.params_schema import MoeParams
 
 
 def lm_texts(corpora: list[str], eval_share: float) -> tuple[list[str], list[str]]:

@@ -25,24 +25,27 @@ import torch
 
 from crucible.ccmmd import GaussianKernel, cc_mmd
 from crucible.membership_scores import domain_classifier_scores, knn_density_ratio_scores
+from tasks.runtime.declaration import Plot, StageSpec
 from tasks.data.audited import read_audited_task
 from tasks.runtime.io import AtomicOutputs, read_table
-from tasks.runtime.params import Params
+from tasks.runtime.params_schema import Params
+
+SPEC = StageSpec(
+    name="curate", per_task=True,
+    comment="Per task: CC-MMD between the pool and the reference, corrected by the audit; each pooled "
+            "item's corrected membership.",
+    deps=tuple(f"data/{{task}}/{f}" for f in ("reference.parquet", "pool.parquet", "audit.parquet",
+                                              "truth.parquet", "embeddings.safetensors")),
+    params=("pipeline.seed", "curate"),
+    outs=("data/{task}/curated.parquet",),
+    metrics=("data/{task}/curate.json",),
+    plots=(Plot("data/{task}/curate.png"),),
+)
+
 
 
 class DataQualityGateError(RuntimeError):
     pass
-
-
-def inputs(params: Params, task: str) -> list[Path]:
-    base = Path("data") / task
-    return [base / f for f in ("reference.parquet", "pool.parquet", "audit.parquet", "truth.parquet",
-                               "embeddings.safetensors")]
-
-
-def outputs(params: Params, task: str) -> list[Path]:
-    base = Path("data") / task
-    return [base / "curated.parquet", base / "curate.json", base / "curate.png"]
 
 
 def proxy_scores(params: Params, ref: np.ndarray, pool: np.ndarray, pool_df: pd.DataFrame, source: str) -> np.ndarray:

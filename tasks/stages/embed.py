@@ -17,20 +17,23 @@ from tqdm.auto import tqdm
 
 from crucible.embed import embed_texts, load_encoder
 from crucible.schema import validate_disjoint
+from tasks.runtime.declaration import StageSpec
 from tasks.data.embeddings import ids_digest
 from tasks.runtime.io import AtomicOutputs, read_table
 from tasks.data.models import resolve_model
-from tasks.runtime.params import Params
+from tasks.runtime.params_schema import Params
 
 TABLES = ("reference", "pool", "test")
 
+SPEC = StageSpec(
+    name="embed", per_task=True,
+    comment="Per task: frozen encoder embeddings of the reference, pool and test texts (cached apart, so "
+            "a later stage's params do not re-embed).",
+    deps=tuple(f"data/{{task}}/{t}.parquet" for t in TABLES),
+    params=("pipeline.seed", "ingest.allow_shared_ids", "embed"),
+    outs=("data/{task}/embeddings.safetensors",),
+)
 
-def inputs(params: Params, task: str) -> list[Path]:
-    return [Path("data") / task / f"{t}.parquet" for t in TABLES]
-
-
-def outputs(params: Params, task: str) -> list[Path]:
-    return [Path("data") / task / "embeddings.safetensors"]
 
 
 def run(params: Params, task: str, root: Path, log) -> dict:

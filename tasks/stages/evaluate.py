@@ -42,8 +42,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from tasks.runtime.declaration import Plot, StageSpec
 from tasks.runtime.io import AtomicOutputs
-from tasks.runtime.params import Params
+from tasks.runtime.params_schema import Params
 
 MERGE = Path("models") / "merge"
 QUANTIZE = Path("models") / "quantize"
@@ -52,24 +53,38 @@ REPORTS = Path("reports")
 PLOTS = ("summary", "curves", "matrix", "curation")
 
 
-def inputs(params: Params, task: str | None = None) -> list[Path]:
-    out = [MERGE / n for n in ("features.safetensors", "heads.safetensors", "config.json", "merge.json")]
-    out += [QUANTIZE / n for n in ("features.safetensors", "config.json", "quantize.json")]
-    for t in params.merge_order():
-        out += [Path("data") / t / n for n in ("ingest.json", "curate.json", "pseudolabel.json", "finetune.json")]
-    return out
+# dvc.yaml's views of the report's plot data (`dvc plots show`; templates in .dvc/plots/)
+VIEWS_COMMENT = "Views of the evaluate stage's plot data (`dvc plots show`; templates in .dvc/plots/)."
+VIEWS = [
+    {"ACC per method and interface": {"template": "interfaces", "x": "method",
+                                      "y": {str(REPORTS / "plots" / "summary.csv"): "acc"}}},
+    {"BWT per method and interface": {"template": "interfaces", "x": "method",
+                                      "y": {str(REPORTS / "plots" / "summary.csv"): "bwt"}}},
+    {"Accuracy after each arrival (mean over arrived tasks)": {
+        "template": "curves", "x": "arrival", "y": {str(REPORTS / "plots" / "curves.csv"): "acc"}}},
+    {"Accuracy matrix R[arrival, task]": {"template": "matrix", "x": "task",
+                                          "y": {str(REPORTS / "plots" / "matrix.csv"): "arrival"}}},
+    {"CC-MMD estimated contamination against the truth": {
+        "template": "scatter", "x": "eps_true", "y": {str(REPORTS / "plots" / "curation.csv"): "eps_hat"}}},
+]
 
 
-def outputs(params: Params, task: str | None = None, root: Path | None = None) -> list[Path]:
-    """The fixed files, and the report's figures that exist (a section without data has none)."""
-    figures = sorted(p.relative_to(root) for p in (root / REPORTS / "figures").glob("*.png")) if root else []
-    return ([METRICS / "evaluate.json", METRICS / "variants.json", REPORTS / "index.html"]
-            + [REPORTS / "plots" / f"{n}.csv" for n in PLOTS] + figures)
+SPEC = StageSpec(
+    name="evaluate", per_task=False,
+    comment="Once: every variant (base, fine-tunes, each merge method after each arrival, the quantized "
+            "models) through three interfaces (head, fresh probe, clustering) from the features merge and "
+            "quantize kept; one self-contained HTML report.",
+    deps=(*(str(MERGE / n) for n in ("features.safetensors", "heads.safetensors", "config.json")),
+          *(str(QUANTIZE / n) for n in ("features.safetensors", "config.json")), "models/moe/moe.json", "data"),
+    params=("pipeline.seed", "pipeline.tasks", "merge.order", "merge.methods", "merge.main", "evaluate"),
+    uncached=(str(REPORTS / "index.html"), str(REPORTS / "plots")),
+    metrics=(str(METRICS / "evaluate.json"), str(METRICS / "variants.json")),
+    plots=(Plot(str(REPORTS / "figures")),),
+)
 
 
 # ---------------------------------------------------------------------------------------------------
 # reading the features
-
 
 def _rerun(stage: str) -> str:
     return f"rerun it with `crucible stage {stage}` (or `dvc repro {stage}`)"

@@ -53,22 +53,25 @@ import torch
 from crucible.gmixout import GMixout, GMixoutConfig
 from crucible.schema import validate_disjoint, validate_table
 from crucible.train import EncoderClassifier, Examples, TrainConfig, evaluate, stream_seed, tokenize, train
+from tasks.runtime.declaration import StageSpec
 from tasks.runtime.io import AtomicOutputs, read_stage_output, read_table
 from tasks.data.models import resolve_model
-from tasks.runtime.params import FinetuneParams, Params
+from tasks.runtime.params_schema import FinetuneParams, Params
 
 LABELED_COLUMNS = ("id", "text", "label", "source", "confidence", "weight")
 
+SPEC = StageSpec(
+    name="finetune", per_task=True,
+    comment="Per task: the base encoder and a linear head fine-tuned with GMixout on the labeled rows.",
+    deps=("data/{task}/labeled.parquet", "data/{task}/test.parquet"),
+    # the chosen method's own options only (finetune.gmixout under method: gmixout): another
+    # method's options change nothing here
+    params=("pipeline.seed", "ingest.allow_shared_ids", "embed.model", "finetune.method",
+            "finetune.${finetune.method}", *(f"finetune.{k}" for k in FinetuneParams.common_fields())),
+    outs=("data/{task}/finetune",),
+    metrics=("data/{task}/finetune.json",),
+)
 
-def inputs(params: Params, task: str) -> list[Path]:
-    base = Path("data") / task
-    return [base / "labeled.parquet", base / "test.parquet"]
-
-
-def outputs(params: Params, task: str) -> list[Path]:
-    base = Path("data") / task
-    return [base / "finetune" / "model.safetensors", base / "finetune" / "head.safetensors",
-            base / "finetune" / "config.json", base / "finetune.json"]
 
 
 def checkpoint_dir(root: Path | str, task: str) -> Path:
@@ -117,8 +120,9 @@ def mixout_config(cfg: FinetuneParams, seed: int) -> GMixoutConfig | None:
     if cfg.method == "plain":
         return None
     if cfg.method == "mixout":
-        return GMixoutConfig.mixout(p=cfg.p, modules=cfg.modules, seed=seed)
-    return GMixoutConfig(p=cfg.p, anchor=cfg.anchor, ema_beta=cfg.ema_beta, period=cfg.period, sparse=cfg.sparse,
+        return GMixoutConfig.mixout(p=cfg.mixout.p, modules=cfg.modules, seed=seed)
+    g = cfg.gmixout
+    return GMixoutConfig(p=g.p, anchor=g.anchor, ema_beta=g.ema_beta, period=g.period, sparse=g.sparse,
                          modules=cfg.modules, seed=seed)
 
 
@@ -178,7 +182,7 @@ def run(params: Params, task: str, root: Path, log) -> dict:
     tcfg = TrainConfig(**{**tcfg.__dict__, "pad_id": tokenizer.pad_token_id or 0})
 
     resolved = {"task": task, "base_model": params.embed.model, "classes": classes, "max_length": cfg.max_length,
-                "pooling": "mean", "seed": seed, "finetune": cfg.model_dump(), "train": tcfg.__dict__,
+                "pooling": "mean", "seed": seed, "finetune": cfg.resolved(), "train": tcfg.__dict__,
                 "n_train": len(train_set), "n_dev": len(dev_set)}
     # the thread count too: a run resumed under another count would match no uninterrupted run
     fingerprint = hashlib.md5(json.dumps({**resolved, "train_ids": train_df["id"].tolist(),

@@ -33,27 +33,27 @@ import pandas as pd
 from crucible.contamination import build_pool, draw_poisson_sample, poisson_inclusion_probabilities
 from crucible.schema import (DataValidationError, validate_audit_against_pool, validate_disjoint,
                              validate_labels_against_reference, validate_reference_classes, validate_table)
+from tasks.runtime.declaration import StageSpec
 from tasks.data.corpora import load_corpus
 from tasks.runtime.io import AtomicOutputs, read_table
-from tasks.runtime.params import Params
+from tasks.runtime.params_schema import Params
 
 TABLES = ("reference", "pool", "audit", "test")
+
+SPEC = StageSpec(
+    name="ingest", per_task=True,
+    comment="Per task: the four tables (reference, pool, audit, test) and the demo's held-back truth.",
+    deps=("inputs",),
+    # every task's spec: the demo mixes the other tasks' corpora into this task's pool
+    params=("pipeline.seed", "pipeline.tasks", "ingest"),
+    outs=tuple(f"data/{{task}}/{t}.parquet" for t in (*TABLES, "truth")),
+    metrics=("data/{task}/ingest.json",),
+)
+
 
 
 def task_dir(root: Path, task: str) -> Path:
     return Path(root) / "data" / task
-
-
-def inputs(params: Params, task: str) -> list[Path]:
-    if params.ingest.source == "files":
-        base = Path(params.ingest.files_dir) / task
-        return [base / f"{t}.parquet" for t in (*TABLES, "truth")]
-    return []
-
-
-def outputs(params: Params, task: str) -> list[Path]:
-    base = Path("data") / task
-    return [base / f"{t}.parquet" for t in (*TABLES, "truth")] + [base / "ingest.json"]
 
 
 def task_rng(params: Params, task: str, purpose: str) -> np.random.Generator:

@@ -46,9 +46,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from tasks.runtime.declaration import Plot, StageSpec
 from tasks.runtime.io import AtomicOutputs, figure_png
 from tasks.data.models import resolve_model
-from tasks.runtime.params import Params
+from tasks.runtime.params_schema import Params
 from tasks.runtime.scratch import scratch
 from tasks.data.heldout_scoring import FeatureStore, Scorer, read_probe_rows, read_task_model, read_tests
 
@@ -56,20 +57,18 @@ OUT = Path("models") / "merge"
 TIMING = ("merge_seconds", "add_seconds", "merged_seconds", "peak_rss_mb", "peak_rss_mb_by_arrival")
 
 
-def inputs(params: Params, task: str | None = None) -> list[Path]:
-    out = []
-    for t in params.merge_order():
-        base = Path("data") / t
-        out += [base / "finetune" / "model.safetensors", base / "finetune" / "head.safetensors",
-                base / "finetune" / "config.json", base / "test.parquet",
-                base / ("reference.parquet" if params.evaluate.probe_rows == "reference" else "labeled.parquet")]
-    return out
-
-
-def outputs(params: Params, task: str | None = None) -> list[Path]:
-    return [OUT / name for name in ("model.safetensors", "heads.safetensors", "config.json", "features.safetensors",
-                                    "merge.json",
-                                    "accuracy.csv", "ranks.csv", "accuracy.png")]
+SPEC = StageSpec(
+    name="merge", per_task=False,
+    comment="Once over all tasks: the fine-tunes merged in arrival order by every method. It depends on "
+            "`data` (every task's fine-tune and splits), so it needs no edit when pipeline.tasks changes.",
+    deps=("data",),
+    params=("pipeline.tasks", "embed.model", "merge", "evaluate.probe_rows", "evaluate.probe_limit"),
+    outs=tuple(str(OUT / n) for n in ("model.safetensors", "heads.safetensors", "config.json",
+                                      "features.safetensors")),
+    metrics=(str(OUT / "merge.json"),),
+    plots=(Plot(str(OUT / "accuracy.csv"), x="arrival", y="accuracy"), Plot(str(OUT / "ranks.csv")),
+           Plot(str(OUT / "accuracy.png"))),
+)
 
 
 # ---------------------------------------------------------------------------------------------------

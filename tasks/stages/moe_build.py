@@ -26,22 +26,24 @@ from pathlib import Path
 
 import torch
 
+from tasks.runtime.declaration import StageSpec
 from tasks.runtime.io import AtomicOutputs
-from tasks.runtime.params import Params
+from tasks.runtime.params_schema import Params
 from tasks.runtime.scratch import scratch
 
 HOME = Path("models") / "moe" / "build"
 UNIT_TOL = 1e-3  # max |logit| difference of the all-experts MoE against the dense model (float32)
 
+SPEC = StageSpec(
+    name="moe_build", per_task=False,
+    comment="The MoE branch (moe.enabled; off by default, on in profiles/moe.yaml): a dense LM split into "
+            "an MoE. Switched off, it writes only a note, so the DAG is the same either way.",
+    params=("pipeline.seed", "moe.enabled", "moe.model", "moe.n_experts", "moe.top_k", "moe.corpora",
+            "moe.eval_share", "moe.seq_len", "moe.build_sequences", "moe.calib_sequences", "moe.eval_sequences",
+            "moe.batch_size"),
+    outs=(str(HOME),),
+)
 
-def inputs(params: Params, task: str | None) -> list[Path]:
-    return []
-
-
-def outputs(params: Params, task: str | None, root: Path | None = None) -> list[Path]:
-    if root is not None and (root / HOME).is_dir():
-        return sorted(HOME / p.name for p in (root / HOME).iterdir() if p.is_file() and not p.name.startswith("."))
-    return [HOME / "build.json"]
 
 
 def run(params: Params, task: str | None, root: Path, log) -> dict:

@@ -36,23 +36,24 @@ from pathlib import Path
 
 import pandas as pd
 
+from tasks.runtime.declaration import StageSpec
 from tasks.runtime.io import AtomicOutputs, figure_png
-from tasks.runtime.params import Params
+from tasks.runtime.params_schema import Params
 
 BUILD = Path("models") / "moe" / "build"
 HOME = Path("models") / "moe" / "quantize"
 METRICS = Path("models") / "moe" / "moe.json"
 FILES = ("model.safetensors", "consistency.csv", "drift.csv", "ranks.csv", "moe.png")
 
+SPEC = StageSpec(
+    name="moe_quantize", per_task=False,
+    comment="The MoE in MXFP4 with uniform and load-aware compensation and routing replay QAT.",
+    deps=(str(BUILD),),
+    params=("pipeline.seed", "moe"),
+    outs=(str(HOME),),
+    metrics=(str(METRICS),),
+)
 
-def inputs(params: Params, task: str | None) -> list[Path]:
-    return [BUILD / "build.json", BUILD / "model.safetensors", BUILD / "config.json"]
-
-
-def outputs(params: Params, task: str | None) -> list[Path]:
-    if not params.moe.enabled:
-        return [HOME / "disabled.json", METRICS]
-    return [HOME / name for name in FILES] + [METRICS]
 
 
 def checkpoint_dir(root: Path) -> Path:

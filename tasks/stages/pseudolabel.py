@@ -31,23 +31,25 @@ import numpy as np
 import pandas as pd
 
 from crucible import pseudolabel as pl
+from tasks.runtime.declaration import Plot, StageSpec
 from tasks.data.audited import read_audited_task
 from tasks.runtime.io import AtomicOutputs, read_stage_output, read_table
-from tasks.runtime.params import Params
+from tasks.runtime.params_schema import Params
 
 CURATED_COLUMNS = ("id", "score", "audited", "m")
 
+SPEC = StageSpec(
+    name="pseudolabel", per_task=True,
+    comment="Per task: pseudo-labels for the kept pool items, their quality estimated against the audit.",
+    deps=tuple(f"data/{{task}}/{f}" for f in ("reference.parquet", "pool.parquet", "audit.parquet",
+                                              "truth.parquet", "curated.parquet", "embeddings.safetensors")),
+    params=("pipeline.seed", "pseudolabel"),
+    outs=("data/{task}/labeled.parquet",),
+    metrics=("data/{task}/pseudolabel.json",),
+    plots=(Plot("data/{task}/pseudolabel_confusion.png"),
+           Plot("data/{task}/pseudolabel_confusion.csv", x="predicted", y="actual", template="confusion")),
+)
 
-def inputs(params: Params, task: str) -> list[Path]:
-    base = Path("data") / task
-    return [base / f for f in ("reference.parquet", "pool.parquet", "audit.parquet", "truth.parquet",
-                               "curated.parquet", "embeddings.safetensors")]
-
-
-def outputs(params: Params, task: str) -> list[Path]:
-    base = Path("data") / task
-    return [base / "labeled.parquet", base / "pseudolabel.json", base / "pseudolabel_confusion.png",
-            base / "pseudolabel_confusion.csv"]
 
 
 def read_curated(path: Path, pool: pd.DataFrame) -> pd.DataFrame:

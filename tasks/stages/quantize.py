@@ -45,33 +45,34 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from tasks.runtime.declaration import Plot, StageSpec
 from tasks.runtime.io import AtomicOutputs, figure_png, read_table
 from tasks.data.models import resolve_model
-from tasks.runtime.params import Params
+from tasks.runtime.params_schema import Params
 
 OUT = Path("models") / "quantize"
 MERGE = Path("models") / "merge"
 VARIANTS = ("float", "mxfp4", "mxfp4_uniform", "mxfp4_load_aware")
 
 
-def inputs(params: Params, task: str | None = None) -> list[Path]:
-    out = [MERGE / n for n in ("model.safetensors", "heads.safetensors", "config.json")]
-    for t in params.merge_order():
-        out += [Path("data") / t / "reference.parquet", Path("data") / t / "test.parquet"]
-        if params.evaluate.probe_rows == "labeled":
-            out.append(Path("data") / t / "labeled.parquet")
-    return out
-
-
-def outputs(params: Params, task: str | None = None) -> list[Path]:
-    return [OUT / n for n in ("model.safetensors", "heads.safetensors", "config.json", "features.safetensors",
-                              "quantize.json",
-                              "ranks.csv", "accuracy.csv", "quantize.png")]
+SPEC = StageSpec(
+    name="quantize", per_task=False,
+    comment="Once: the merged encoder in MXFP4 with low-rank compensation; calibration texts from the "
+            "tasks' reference sets, scoring on their test splits.",
+    deps=(*(str(MERGE / n) for n in ("model.safetensors", "heads.safetensors", "config.json")), "data"),
+    params=("pipeline.tasks", "embed.model", "merge.order", "quantize", "evaluate.probe_rows",
+            "evaluate.probe_limit"),
+    outs=tuple(str(OUT / n) for n in ("model.safetensors", "heads.safetensors", "config.json",
+                                      "features.safetensors")),
+    metrics=(str(OUT / "quantize.json"),),
+    plots=(Plot(str(OUT / "ranks.csv"), x="matrix", y="rank_load_aware"),
+           Plot(str(OUT / "accuracy.csv"), x="accuracy", y="variant", template="bar_horizontal"),
+           Plot(str(OUT / "quantize.png"))),
+)
 
 
 # ---------------------------------------------------------------------------------------------------
 # reading the merge stage's model
-
 
 def _rebuild_hint() -> str:
     return "rebuild it with `crucible stage merge` (or `dvc repro merge`)"

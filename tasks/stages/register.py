@@ -37,11 +37,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tasks.runtime.declaration import StageSpec
 from tasks.runtime import lineage
 from tasks.runtime.io import AtomicOutputs, md5_file
 from tasks.registry.registry import (HASH_TAG, PYFUNC_CODE, apply_gate, ensure_registered_model, log_pyfunc,
                                      versions)
-from tasks.runtime.params import Params
+from tasks.runtime.params_schema import Params
 
 OUT = Path("models") / "register"
 SOURCES = {"quantized": Path("models") / "quantize", "float": Path("models") / "merge"}
@@ -49,18 +50,19 @@ MODEL_FILES = ("model.safetensors", "heads.safetensors", "config.json")
 EVALUATE = Path("metrics") / "evaluate.json"
 
 
-def inputs(params: Params, task: str | None = None) -> list[Path]:
-    source = SOURCES[params.register.model]
-    return [source / n for n in MODEL_FILES] + [SOURCES["float"] / "model.safetensors", EVALUATE, Path(lineage.LOCK)]
-
-
-def outputs(params: Params, task: str | None = None) -> list[Path]:
-    return [OUT / "registered.json"]
+SPEC = StageSpec(
+    name="register", per_task=False,
+    comment="Once: the deployable model (register.model) with every task's head as one MLflow pyfunc in "
+            "the registry; the alias `champion` moves only through the gate. Not cached: the registry "
+            "holds the model; a forced rerun of the same model registers nothing.",
+    deps=(*(str(SOURCES[k] / n) for k in ("quantized", "float") for n in MODEL_FILES), str(EVALUATE)),
+    params=("tracking.registered_model", "embed.model", "register"),
+    metrics=(str(OUT / "registered.json"),),
+)
 
 
 # ---------------------------------------------------------------------------------------------------
 # pieces that need no registry
-
 
 def model_hash(root: Path, kind: str) -> str:
     """The content hash of the packaged model: kind, its weight, head and config files, pyfunc code."""

@@ -33,7 +33,7 @@ def _hold_in_child(root: Path, kind: str = "flow", path: str | None = None) -> s
             lock = WorkspaceLock({str(root)!r}, {kind!r}, timeout=0).acquire()
             print("held", lock.token, flush=True); time.sleep(120)"""
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, text=True,
-                            cwd=Path(__file__).resolve().parents[1])
+                            cwd=Path(__file__).resolve().parents[2])
     line = proc.stdout.readline()
     assert line.startswith("held"), line
     return proc
@@ -157,7 +157,7 @@ def test_a_stage_sets_torch_and_blas_threads(tmp_path, project_root):
     code = textwrap.dedent(f"""
         import json, numpy, torch
         from threadpoolctl import threadpool_info
-        from tasks.runtime.stage import execute
+        from tasks.stages import execute
         from tasks.runtime.workspace import make_workspace
         root = make_workspace({str(project_root)!r}, {str(tmp_path / 'ws')!r}, "tiny")
         execute("ingest", "debates", root, threads=1)

@@ -12,7 +12,7 @@ from crucible.moe.lm import perplexity
 from crucible.moe.quant import MXExperts
 from crucible.moe.variants import (compensated_matrices, default_rank_budget, evaluate_variant, float_reference,
                                    max_rank_budget, quantize_variants)
-from moe_models import VOCAB, tiny_mixtral
+from support.moe_models import VOCAB, tiny_mixtral
 
 torch.set_num_threads(1)
 

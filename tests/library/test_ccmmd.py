@@ -27,7 +27,7 @@ def audit(n, p, seed):
 
 
 def dense_v(x, y, w, bw):
-    """V(w) from full float64 kernel matrices, straight from the METHODS.md formulas."""
+    """V(w) from full float64 kernel matrices, straight from the formulas of docs/methods.md (curate)."""
     x, y = torch.as_tensor(x), torch.as_tensor(y)
     w = torch.as_tensor(w, dtype=torch.float64)
     kxx, kxy, kyy = (gaussian_kernel_matrix(a, b, bw) for a, b in ((x, x), (x, y), (y, y)))

@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from tasks.runtime.stage import execute
+from tasks.stages import execute
 
 MOE = {"enabled": True, "n_experts": 4, "top_k": 2, "seq_len": 16, "build_sequences": 6, "calib_sequences": 6,
        "eval_sequences": 6, "batch_size": 3, "qat_steps": 6, "rank_budget": 24}
@@ -92,7 +92,7 @@ def test_a_bad_expert_count_is_refused_before_anything_is_written(tmp_path, proj
 def test_top_k_must_be_sparse():
     from tasks.runtime.params import ParamsError, validate_params
 
-    base = yaml.safe_load((Path(__file__).resolve().parents[1] / "params.yaml").read_text())
+    base = yaml.safe_load((Path(__file__).resolve().parents[2] / "params.yaml").read_text())
     base["moe"] = {"n_experts": 4, "top_k": 4}
     with pytest.raises(ParamsError, match="moe.top_k = 4 must be below moe.n_experts = 4"):
         validate_params(base, "params.yaml")

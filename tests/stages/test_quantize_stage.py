@@ -5,7 +5,6 @@ scored accuracy, bad input writes nothing."""
 import json
 import shutil
 
-import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -13,46 +12,11 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from tasks.runtime.io import md5_file
-from tasks.runtime.stage import execute
+from tasks.stages import execute
+
+from support.workspaces import TASKS, fake_merge
 
 torch.set_num_threads(1)
-TASKS = {"rotten": ["fresh", "rotten"], "bbc": ["business", "sport", "tech"]}
-WORDS = ["market", "goal", "chip", "vote", "film", "great", "awful", "team", "price", "phone", "plot", "actor"]
-
-
-def fake_merge(root, theta_0: dict, seed: int = 0) -> None:
-    g = torch.Generator().manual_seed(seed)
-    merged = {k: (v + 0.01 * torch.randn(v.shape, generator=g) * v.std() if v.ndim == 2 else v.clone()).contiguous()
-              for k, v in theta_0.items()}
-    folder = root / "models" / "merge"
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(merged, str(folder / "model.safetensors"))
-    heads = {}
-    for t, classes in TASKS.items():
-        heads[f"{t}.weight"] = torch.randn(len(classes), 384, generator=g)
-        heads[f"{t}.bias"] = torch.zeros(len(classes))
-    save_file(heads, str(folder / "heads.safetensors"), metadata={"classes": json.dumps(TASKS)})
-    (folder / "config.json").write_text(json.dumps({"base_model": "all-MiniLM-L6-v2", "classes": TASKS, "main": "gs3r",
-                                                    "order": list(TASKS), "max_length": {t: 32 for t in TASKS}}))
-    for k, (t, classes) in enumerate(TASKS.items()):
-        rng = np.random.default_rng(k)
-        for kind, n in (("reference", 20), ("test", 24)):
-            df = pd.DataFrame({"id": [f"{kind[0]}{i}" for i in range(n)],
-                               "text": [" ".join(rng.choice(WORDS, 7)) for _ in range(n)],
-                               "label": [classes[i % len(classes)] for i in range(n)]})
-            (root / "data" / t).mkdir(parents=True, exist_ok=True)
-            df.to_parquet(root / "data" / t / f"{kind}.parquet", index=False)
-
-
-@pytest.fixture(scope="module")
-def base_state():
-    from crucible.embed import load_encoder
-    from tasks.data.models import resolve_model
-
-    encoder, _ = load_encoder(resolve_model("all-MiniLM-L6-v2"))
-    return {k: v.detach().clone().contiguous() for k, v in encoder.state_dict().items()}
-
-
 def make_project(tmp_path_factory, project_root, base_state, quantize=None):
     from tasks.runtime.workspace import make_workspace
 

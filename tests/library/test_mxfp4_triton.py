@@ -17,7 +17,7 @@ import torch
 
 from crucible.quant import triton_kernels as tk
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 INTERPRETER_SCRIPT = textwrap.dedent(r'''
     import os

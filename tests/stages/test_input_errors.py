@@ -9,7 +9,7 @@ import pytest
 from crucible.schema import DataValidationError
 from tasks.runtime.io import md5_file
 from tasks.runtime.params import load_params
-from tasks.runtime.stage import execute
+from tasks.stages import execute
 from test_ingest import set_params
 
 TASK = "bbc"

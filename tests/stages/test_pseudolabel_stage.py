@@ -9,7 +9,7 @@ import yaml
 
 from crucible.schema import DataValidationError
 from tasks.runtime.io import md5_file
-from tasks.runtime.stage import execute
+from tasks.stages import execute
 
 OUTPUTS = ("labeled.parquet", "pseudolabel.json", "pseudolabel_confusion.png", "pseudolabel_confusion.csv")
 

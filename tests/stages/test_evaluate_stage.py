@@ -12,7 +12,7 @@ import yaml
 
 from crucible.serialize import safetensors_bytes
 from tasks.runtime.io import md5_file
-from tasks.runtime.stage import execute
+from tasks.stages import execute
 
 ORDER = ["rotten", "bbc"]
 CLASSES = {"rotten": ["fresh", "rotten"], "bbc": ["business", "sport", "tech"]}

@@ -14,7 +14,7 @@ from crucible.moe.quant import (MXExperts, compensate_moe, expert_stats, load_qu
 from crucible.moe.routing import Routes, consistency, moe_layers, record_routes
 from crucible.quant import mxfp4
 from crucible.quant.linear import MXLinear
-from moe_models import tiny_mixtral, tiny_qwen3, token_batches
+from support.moe_models import tiny_mixtral, tiny_qwen3, token_batches
 
 torch.set_num_threads(1)
 

@@ -3,14 +3,13 @@ as in test_quantize_stage): the gate never moves `champion` to a worse model and
 of the same model registers nothing, the pyfunc round-trips through the registry into a fresh
 process, the quantized pyfunc scores the quantize stage's figure, lineage tags equal dvc.lock.
 
-The workspaces are built once per test session (`base_workspace`, `registered_workspace`) and
-shared with test_serve.py."""
+The workspaces are built once per test session (tests/support/workspaces.py) and shared with
+test_serve.py."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,110 +19,10 @@ import pandas as pd
 import pytest
 import yaml
 
-from tasks.runtime.stage import execute
+from tasks.stages import execute
 
-ROOT = Path(__file__).resolve().parent.parent
-QUANT_VARIANT = "mxfp4_load_aware"
-_CACHE: dict[str, Path] = {}
-
-
-# ---------------------------------------------------------------------------------------------------
-# workspaces
-
-
-def _dvc(root: Path, *args: str) -> subprocess.CompletedProcess:
-    exe = Path(sys.executable).with_name("dvc")
-    proc = subprocess.run([str(exe), *args], cwd=root, capture_output=True, text=True,
-                          env={**os.environ, "DVC_NO_ANALYTICS": "1"}, timeout=300)
-    assert proc.returncode == 0, f"dvc {' '.join(args)}: {proc.stderr}"
-    return proc
-
-
-def _paths(entries) -> list[str]:
-    return [next(iter(e)) if isinstance(e, dict) else e for e in entries or []]
-
-
-def fill_stage_files(root: Path, stage: str) -> None:
-    """Placeholder files for whatever a dvc.yaml stage declares and the workspace lacks (deps and
-    outs; a name without a suffix is a folder), so `dvc commit` can record it."""
-    entry = yaml.safe_load((root / "dvc.yaml").read_text())["stages"][stage]
-    for path in _paths(entry.get("deps")) + sum((_paths(entry.get(k)) for k in ("outs", "metrics", "plots")), []):
-        p = root / path
-        if p.exists():
-            continue
-        if p.suffix:
-            p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_text(f"stand-in output for {path}\n")  # lineage hashes files; content is arbitrary
-        else:
-            p.mkdir(parents=True)
-            (p / "contents.txt").write_text(f"stand-in output in {path}\n")
-
-
-def write_evaluate(root: Path, accuracy: dict[str, float], float_accuracy: dict[str, float] | None = None) -> None:
-    """metrics/evaluate.json with a `deployable` entry of the given test accuracies."""
-    def entry(variant, acc):
-        return {"variant": variant, "accuracy": acc, "mean_accuracy": float(np.mean(list(acc.values()))),
-                "n_test": {t: 24 for t in acc}}
-
-    data = {"deployable": {"quantized": entry(f"quantize:{QUANT_VARIANT}", accuracy),
-                           "float": entry("gs3r", float_accuracy or accuracy)}}
-    (root / "metrics").mkdir(exist_ok=True)
-    (root / "metrics" / "evaluate.json").write_text(json.dumps(data, indent=2))
-
-
-def base_workspace(tmp_path_factory) -> Path:
-    """A tiny-profile workspace with two tasks, a synthetic merged model, the real quantize stage's
-    output, a metrics/evaluate.json and a dvc.lock that DVC wrote for merge, quantize and evaluate."""
-    if "base" in _CACHE:
-        return _CACHE["base"]
-    import torch
-
-    from crucible.embed import load_encoder
-    from tasks.data.models import resolve_model
-    from tasks.runtime.workspace import make_workspace
-    from test_quantize_stage import fake_merge
-
-    torch.set_num_threads(1)
-    root = make_workspace(ROOT, tmp_path_factory.mktemp("register"), "tiny",
-                          overrides={"quantize": {"calibration_per_task": 8, "rank_budget": 72}})
-    params = yaml.safe_load((root / "params.yaml").read_text())
-    params["pipeline"]["tasks"] = {"rotten": {"corpus": "rotten_tomatoes"}, "bbc": {"corpus": "bbc_news"}}
-    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    encoder, _ = load_encoder(resolve_model("all-MiniLM-L6-v2"))
-    fake_merge(root, {k: v.detach().clone().contiguous() for k, v in encoder.state_dict().items()})
-    execute("quantize", None, root)
-    write_evaluate(root, {"rotten": 0.6, "bbc": 0.5})
-    for stage in ("merge", "quantize", "evaluate"):
-        fill_stage_files(root, stage)
-    _dvc(root, "commit", "--force", "merge", "quantize", "evaluate")
-    _CACHE["base"] = root
-    return root
-
-
-def copy_workspace(base: Path, tmp_path_factory, name: str) -> Path:
-    """A copy of `base` with its tracking store (the experiment's artifacts stay in base's folder;
-    copying the database saves creating a new one), without any registered model."""
-    dest = tmp_path_factory.mktemp(name) / "ws"
-    shutil.copytree(base, dest, symlinks=True, ignore=shutil.ignore_patterns("mlartifacts", "register"))
-    return dest
-
-
-def registered_workspace(tmp_path_factory) -> Path:
-    """A copy of the base workspace whose registry holds one version, the champion."""
-    if "registered" not in _CACHE:
-        root = copy_workspace(base_workspace(tmp_path_factory), tmp_path_factory, "registered")
-        execute("register", None, root)
-        _CACHE["registered"] = root
-    return _CACHE["registered"]
-
-
-def test_texts(root: Path) -> pd.DataFrame:
-    """Every test text of every task, the tasks interleaved."""
-    frames = [pd.read_parquet(root / "data" / t / "test.parquet").assign(task=t) for t in ("rotten", "bbc")]
-    return pd.concat(frames).sort_values("id", kind="stable").reset_index(drop=True)[["text", "task", "label"]]
-
-
-test_texts.__test__ = False  # a helper, not a test
+from support.workspaces import (QUANT_VARIANT, _dvc, base_workspace, copy_workspace,
+                                registered_workspace, test_texts, write_evaluate)
 
 
 def client_of(root: Path):

@@ -1,6 +1,6 @@
 """The finetune stage on the tiny profile: outputs, the saved model loads and predicts as trained,
 determinism, bad params. (Byte-identical outputs beside another task's training and after a kill:
-tests/test_finetune_determinism.py.)"""
+tests/stages/test_finetune_determinism.py.)"""
 
 import json
 from pathlib import Path
@@ -13,7 +13,7 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from tasks.runtime.stage import execute
+from tasks.stages import execute
 
 torch.set_num_threads(1)
 OUTPUTS = ("finetune/model.safetensors", "finetune/head.safetensors", "finetune/config.json", "finetune.json")
@@ -134,12 +134,12 @@ def test_unknown_finetune_param_is_rejected(project_root):
     from tasks.runtime.params import ParamsError, validate_params
 
     data = yaml.safe_load((project_root / "params.yaml").read_text())
-    data["finetune"]["p"] = 1.0
-    with pytest.raises(ParamsError, match="finetune.p"):
+    data["finetune"]["gmixout"]["p"] = 1.0
+    with pytest.raises(ParamsError, match="finetune.gmixout.p"):
         validate_params(data, "params.yaml")
-    data["finetune"]["p"] = 0.5
-    data["finetune"]["anchr"] = "ema"
-    with pytest.raises(ParamsError, match="did you mean 'finetune.anchor'"):
+    data["finetune"]["gmixout"]["p"] = 0.5
+    data["finetune"]["gmixout"]["anchr"] = "ema"
+    with pytest.raises(ParamsError, match="did you mean 'finetune.gmixout.anchor'"):
         validate_params(data, "params.yaml")
 
 
@@ -164,7 +164,7 @@ def test_logged_pyfunc_predicts_like_the_stage(finetuned_project, tmp_path):
     assert (out["label"] == test["label"]).mean() == pytest.approx(metrics["test_accuracy"], abs=1e-6)
     text = open(f"{local}/requirements.txt").read()
     assert "torch==" in text and "transformers==" in text
-    # logged from code, not pickled (tests/test_no_pickle.py checks every file and a pickle-free load)
+    # logged from code, not pickled (tests/stages/test_no_pickle.py checks every file and a pickle-free load)
     flavor = yaml.safe_load((Path(local) / "MLmodel").read_text())["flavors"]["python_function"]
     assert flavor["model_code_path"].endswith("pyfunc.py") and "python_model" not in flavor
     assert flavor["config"] == {"crucible_model": "TextClassifier"}

@@ -12,7 +12,7 @@ import torch
 
 import tasks.stages.finetune as finetune
 from tasks.runtime.io import md5_file
-from tasks.runtime.stage import execute
+from tasks.stages import execute
 from test_finetune_stage import OUTPUTS, synthetic_tables
 
 torch.set_num_threads(1)

@@ -145,7 +145,8 @@ def test_merge_order(base):
 
 
 def test_null_removes_a_merge_method(base):
-    from tasks.runtime.params import DEFAULT_MERGE_METHODS, validate_params
+    from tasks.runtime.params import validate_params
+    from tasks.runtime.params_schema import DEFAULT_MERGE_METHODS
 
     base["merge"] = {"methods": {**DEFAULT_MERGE_METHODS, "ties": None, "opcm": None}}
     assert list(validate_params(base, "x").merge.methods) == ["gs3r", "task_arithmetic", "weight_average", "magmax"]

@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 
 from tasks.registry.serving import free_port, stop_server, wait_until_serving
-from test_register import registered_workspace, test_texts
+from support.workspaces import registered_workspace, test_texts
 
 BIN = Path(sys.executable).parent
 WAIT_S = 180  # loading torch, mlflow and the model on a busy 2-core machine

@@ -12,7 +12,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from tasks.runtime.io import md5_file
-from tasks.runtime.stage import execute
+from tasks.stages import execute
 
 torch.set_num_threads(1)
 TASKS = ("bbc", "rotten", "tweets")
@@ -47,15 +47,6 @@ def fake_finetunes(root, theta_0: dict, seed: int = 0) -> None:
                                   "text": [" ".join(rng.choice(words, 6)) for _ in range(16)],
                                   "label": [classes[i % len(classes)] for i in range(16)]})
         reference.to_parquet(root / "data" / task / "reference.parquet", index=False)
-
-
-@pytest.fixture(scope="module")
-def base_state():
-    from crucible.embed import load_encoder
-    from tasks.data.models import resolve_model
-
-    encoder, _ = load_encoder(resolve_model("all-MiniLM-L6-v2"))
-    return {k: v.detach().clone().contiguous() for k, v in encoder.state_dict().items()}
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from pathlib import Path
 import yaml
 from prefect.flows import Flow
 
-from tasks.runtime.stage import STAGES
+from tasks.stages import NAMES as STAGES
 
 
 def test_prefect_deployments_resolve(project_root: Path):
@@ -69,7 +69,7 @@ def test_task_runners_follow_params(monkeypatch):
     from flows.pipeline import task_runner
     from tasks.runtime.params import load_params
 
-    params = load_params(Path(__file__).resolve().parents[1] / "params.yaml")
+    params = load_params(Path(__file__).resolve().parents[2] / "params.yaml")
 
     def with_pipeline(**kw):
         return params.model_copy(update={"pipeline": params.pipeline.model_copy(update=kw)})
@@ -94,7 +94,7 @@ def test_a_missing_runner_integration_names_the_extra(monkeypatch):
     from flows.pipeline import task_runner
     from tasks.runtime.params import load_params
 
-    params = load_params(Path(__file__).resolve().parents[1] / "params.yaml")
+    params = load_params(Path(__file__).resolve().parents[2] / "params.yaml")
     for runner in ("dask", "ray"):
         monkeypatch.setitem(sys.modules, f"prefect_{runner}", None)  # as if not installed
         p = params.model_copy(update={"pipeline": params.pipeline.model_copy(update={"runner": runner})})

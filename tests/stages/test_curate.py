@@ -10,7 +10,7 @@ import yaml
 from crucible.schema import DataValidationError
 from tasks.stages.curate import DataQualityGateError
 from tasks.runtime.io import md5_file
-from tasks.runtime.stage import execute
+from tasks.stages import execute
 
 
 @pytest.fixture(scope="module")

