@@ -80,6 +80,8 @@ import torch
 from scipy.optimize import linear_sum_assignment
 from torch import nn
 
+from crucible.hooks import forward_hooks
+
 __all__ = ["LayerReport", "MoefyReport", "moefy", "capture_ffn", "balanced_groups", "group_mass", "fit_router",
            "router_quality", "all_experts_unit_weight", "save_moe"]
 
@@ -165,12 +167,12 @@ def capture_ffn(dense: nn.Module, input_ids: torch.Tensor, batch_size: int = 8,
     N * T calibration tokens, float32 on the CPU, captured with forward pre-hooks."""
     layers = dense.model.layers
     xs, acts = [[] for _ in layers], [[] for _ in layers]
-    handles = []
+    pairs = []
     for i, layer in enumerate(layers):
-        handles.append(layer.mlp.register_forward_pre_hook(
-            lambda m, args, i=i: xs[i].append(args[0].reshape(-1, args[0].shape[-1]).float().cpu())))
-        handles.append(layer.mlp.down_proj.register_forward_pre_hook(
-            lambda m, args, i=i: acts[i].append(args[0].reshape(-1, args[0].shape[-1]).float().cpu())))
+        pairs.append((layer.mlp,
+                      lambda m, args, i=i: xs[i].append(args[0].reshape(-1, args[0].shape[-1]).float().cpu())))
+        pairs.append((layer.mlp.down_proj,
+                      lambda m, args, i=i: acts[i].append(args[0].reshape(-1, args[0].shape[-1]).float().cpu())))
     was_training = dense.training
     dense.eval()
     device = next(dense.parameters()).device
@@ -180,11 +182,10 @@ def capture_ffn(dense: nn.Module, input_ids: torch.Tensor, batch_size: int = 8,
 
         starts = tqdm(starts, desc="moefy: capture")
     try:
-        for s in starts:
-            dense.model(input_ids=input_ids[s:s + batch_size].to(device), use_cache=False)  # lm_head not needed
+        with forward_hooks(pairs, pre=True):
+            for s in starts:
+                dense.model(input_ids=input_ids[s:s + batch_size].to(device), use_cache=False)  # lm_head not needed
     finally:
-        for h in handles:
-            h.remove()
         dense.train(was_training)
     return [(torch.cat(x), torch.cat(a)) for x, a in zip(xs, acts)]
 
@@ -387,16 +388,12 @@ def all_experts_unit_weight(model: nn.Module):
         index = torch.arange(n_experts, device=logits.device).repeat(n_tokens, 1)
         return logits, torch.full((n_tokens, n_experts), weight, dtype=scores.dtype, device=scores.device), index
 
-    handles = [m.gate.register_forward_hook(every_expert) for m in model.modules()
-               if isinstance(getattr(m, "gate", None), nn.Module) and hasattr(m, "experts")]
-    if not handles:
+    routers = [m.gate for m in model.modules() if isinstance(getattr(m, "gate", None), nn.Module) and hasattr(m, "experts")]
+    if not routers:
         raise ValueError(f"all_experts_unit_weight: {type(model).__name__} has no MoE block (a module with "
                          "`gate` and `experts`)")
-    try:
+    with forward_hooks([(router, every_expert) for router in routers]):
         yield model
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def save_moe(model: nn.Module, folder: str | Path, tokenizer=None, report: MoefyReport | None = None) -> Path:

@@ -56,6 +56,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from crucible.hooks import forward_hooks
 from crucible.moe.routing import forward_batch, moe_layers, read_safetensors, replay
 from crucible.quant import lowrank, mxfp4
 from crucible.quant.compensate import ALLOCATIONS, SCALINGS, CompensationPlan, LayerError
@@ -375,17 +376,16 @@ def expert_stats(model: nn.Module, batches: Iterable, routes=None, linears: bool
             lin_stats[name].update(args[0])  # returns None: a pre-hook's return value would replace args
         return fn
 
-    handles = [model.get_submodule(n).register_forward_pre_hook(experts_hook(n), with_kwargs=True) for n in stats]
-    handles += [model.get_submodule(n).register_forward_pre_hook(linear_hook(n)) for n in lin_stats]
+    expert_pairs = [(model.get_submodule(n), experts_hook(n)) for n in stats]
+    linear_pairs = [(model.get_submodule(n), linear_hook(n)) for n in lin_stats]
     was_training = model.training
     model.eval()
     try:
-        with replay(model, routes) if routes is not None else contextlib.nullcontext():
+        with forward_hooks(expert_pairs, pre=True, with_kwargs=True), forward_hooks(linear_pairs, pre=True), \
+                (replay(model, routes) if routes is not None else contextlib.nullcontext()):
             for batch in batches:
                 forward_batch(model, batch)
     finally:
-        for h in handles:
-            h.remove()
         model.train(was_training)
     if not any(s.tokens for s in stats.values()):
         raise ValueError("expert_stats: no calibration token reached the experts (empty batches?)")

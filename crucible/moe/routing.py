@@ -40,6 +40,8 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
+from crucible.hooks import forward_hooks
+
 __all__ = ["Routes", "moe_layers", "router_renormalises", "record_routes", "replay", "consistency", "expert_load",
            "hidden_drift", "forward_batch", "read_safetensors", "check_routes"]
 
@@ -259,15 +261,14 @@ def record_routes(model: nn.Module, batches: Iterable, logits: bool = False) -> 
                 lg[name].append(output[0].detach().reshape(index.shape[0], -1).to("cpu", torch.float32))
         return fn
 
-    handles = [b.gate.register_forward_hook(hook(n)) for n, b in layers.items()]
+    pairs = [(b.gate, hook(n)) for n, b in layers.items()]
     was_training = model.training
     model.eval()
     try:
-        for batch in batches:
-            forward_batch(model, batch)
+        with forward_hooks(pairs):
+            for batch in batches:
+                forward_batch(model, batch)
     finally:
-        for h in handles:
-            h.remove()
         model.train(was_training)
     first = next(iter(layers))
     for n in layers:
@@ -325,12 +326,8 @@ def replay(model: nn.Module, routes: Routes, strict: bool = True) -> Iterator[di
         return fn
 
     hooks = {n: hook(n, router_renormalises(b.gate)) for n, b in layers.items()}
-    handles = [b.gate.register_forward_hook(hooks[n], prepend=True) for n, b in layers.items()]
-    try:
+    with forward_hooks([(b.gate, hooks[n]) for n, b in layers.items()], prepend=True):
         yield cursor
-    finally:
-        for h in handles:
-            h.remove()
     if strict:
         short = {n: c for n, c in cursor.items() if c != total}
         if short:

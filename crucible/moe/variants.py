@@ -67,6 +67,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from crucible.hooks import forward_hooks
 from crucible.moe.qat import LOSSES, replay_qat
 from crucible.moe.quant import (cache_moe_dequantized, compensate_moe, expert_stats, moe_nbytes, moe_plan,
                                 plan_ranks, quantizable_linears, quantize_moe)
@@ -189,11 +190,8 @@ def _eval_pass(model: nn.Module, eval_ids: torch.Tensor, batch_size: int, refere
         from tqdm.auto import tqdm
 
         items = tqdm(batches, desc=f"eval {desc}", unit="batch")
-    handle = model.register_forward_hook(hook, with_kwargs=True)
-    try:
+    with forward_hooks([(model, hook)], with_kwargs=True):
         routes = record_routes(model, items)
-    finally:
-        handle.remove()
     ppl = math.exp(acc["nll"] / acc["count"])
     drift = None
     if reference is not None:

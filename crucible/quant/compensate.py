@@ -40,6 +40,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from crucible.hooks import forward_hooks
 from crucible.quant import lowrank, mxfp4
 
 SCALINGS = ("plain", "qera", "lqer")
@@ -69,16 +70,15 @@ def collect_input_stats(model: nn.Module, names: Iterable[str], batches: Iterabl
             stats[name].update(x)
         return fn
 
-    handles = [model.get_submodule(n).register_forward_pre_hook(hook(n)) for n in names]
+    pairs = [(model.get_submodule(n), hook(n)) for n in names]
     was_training = model.training
     model.eval()
     try:
-        for batch in batches:
-            current["mask"] = masks(batch) if masks is not None else None
-            (forward or (lambda mdl, b: mdl(*b)))(model, batch)
+        with forward_hooks(pairs, pre=True):
+            for batch in batches:
+                current["mask"] = masks(batch) if masks is not None else None
+                (forward or (lambda mdl, b: mdl(*b)))(model, batch)
     finally:
-        for h in handles:
-            h.remove()
         model.train(was_training)
     empty = [n for n, s in stats.items() if s.count == 0]
     if empty:
@@ -113,28 +113,27 @@ def collect_output_sensitivity(model: nn.Module, names: Iterable[str], batches: 
         return fwd
 
     flags = {p: p.requires_grad for p in model.parameters()}
-    handles = [model.get_submodule(n).register_forward_hook(hook(n)) for n in names]
+    pairs = [(model.get_submodule(n), hook(n)) for n in names]
     was_training = model.training
     model.eval()
     try:
-        # only the named layers' weights require grad, so their outputs carry the hooks' gradients
-        watched = [model.get_submodule(n).weight for n in names]
-        for p in model.parameters():
-            p.requires_grad_(False)
-        for w in watched:
-            w.requires_grad_(True)
-        with torch.enable_grad():
-            for batch in batches:
-                current["mask"] = masks(batch) if masks is not None else None
-                loss = loss_fn(model, batch)
-                if not torch.isfinite(loss):
-                    raise ValueError(f"collect_output_sensitivity: the loss is {float(loss.detach())}")
-                loss.backward()
-                for w in watched:
-                    w.grad = None
+        with forward_hooks(pairs):
+            # only the named layers' weights require grad, so their outputs carry the hooks' gradients
+            watched = [model.get_submodule(n).weight for n in names]
+            for p in model.parameters():
+                p.requires_grad_(False)
+            for w in watched:
+                w.requires_grad_(True)
+            with torch.enable_grad():
+                for batch in batches:
+                    current["mask"] = masks(batch) if masks is not None else None
+                    loss = loss_fn(model, batch)
+                    if not torch.isfinite(loss):
+                        raise ValueError(f"collect_output_sensitivity: the loss is {float(loss.detach())}")
+                    loss.backward()
+                    for w in watched:
+                        w.grad = None
     finally:
-        for h in handles:
-            h.remove()
         for p, f in flags.items():
             p.requires_grad_(f)
         model.train(was_training)
