@@ -344,30 +344,29 @@ def quantize_variants(moe_float: nn.Module, calib_ids: torch.Tensor, eval_ids: t
     was_training = moe_float.training
     moe_float.eval()
 
-    def timed(step: str, fn):
+    def timed(step: str, fn, *args, **kwargs):
         t0 = time.perf_counter()
-        out = fn()
+        out = fn(*args, **kwargs)
         seconds[step] = seconds.get(step, 0.0) + time.perf_counter() - t0
         return out
 
     if dense is not None:
         from crucible.moe.lm import perplexity
 
-        ppl = timed("eval dense", lambda: perplexity(dense, eval_ids, batch_size, progress))
+        ppl = timed("eval dense", perplexity, dense, eval_ids, batch_size, progress)
         variants["dense"] = {"perplexity": ppl, "bytes": {"total": sum(p.numel() * p.element_size() for p in
                                                                       {id(p): p for p in dense.parameters()}.values())}}
     if reference is None:
         reference = float_reference(moe_float, eval_ids, batch_size, progress)
         seconds["eval float (reference)"] = reference.seconds
     if include_float:
-        variants["float"] = timed("float metrics (the reference pass)", lambda: reference_metrics(moe_float, reference))
+        variants["float"] = timed("float metrics (the reference pass)", reference_metrics, moe_float, reference)
 
     calib_batches = _rows(calib_ids, batch_size)
-    routes = timed("record routes (calib)", lambda: record_routes(moe_float, calib_batches))
-    stats = timed("expert stats (calib)", lambda: expert_stats(moe_float, calib_batches, routes, linears=attention))
+    routes = timed("record routes (calib)", record_routes, moe_float, calib_batches)
+    stats = timed("expert stats (calib)", expert_stats, moe_float, calib_batches, routes, linears=attention)
     with _threads(svd_threads):
-        plan = timed("plan (quantization error SVD)",
-                     lambda: moe_plan(moe_float, stats, mode=mode, attention=attention))
+        plan = timed("plan (quantization error SVD)", moe_plan, moe_float, stats, mode=mode, attention=attention)
     del stats
     calib_load: dict[str, list[float]] = {}
     for key, layer in plan.layers.items():
@@ -382,10 +381,10 @@ def quantize_variants(moe_float: nn.Module, calib_ids: torch.Tensor, eval_ids: t
 
     base = timed("quantize (MXFP4)", quantize)
     if include_mxfp4:
-        variants["mxfp4"] = timed("eval mxfp4", lambda: evaluate_variant(base, eval_ids, reference, batch_size,
-                                                                          progress, "mxfp4"))
-    uniform = timed("ranks uniform", lambda: plan_ranks(plan, rank_budget, "uniform"))
-    aware = timed("ranks load_aware", lambda: plan_ranks(plan, rank_budget, "load_aware"))
+        variants["mxfp4"] = timed("eval mxfp4", evaluate_variant, base, eval_ids, reference, batch_size, progress,
+                                  "mxfp4")
+    uniform = timed("ranks uniform", plan_ranks, plan, rank_budget, "uniform")
+    aware = timed("ranks load_aware", plan_ranks, plan, rank_budget, "load_aware")
     if sum(uniform.values()) != sum(aware.values()) or sum(aware.values()) != rank_budget:
         raise AssertionError(f"quantize_variants: the allocations sum to {sum(uniform.values())} (uniform) and "
                              f"{sum(aware.values())} (load-aware), the budget is {rank_budget}")
@@ -399,19 +398,19 @@ def quantize_variants(moe_float: nn.Module, calib_ids: torch.Tensor, eval_ids: t
                            "none": plan.weighted_error({})},
         "matrices": _rank_rows(plan, uniform, aware)}
 
-    uq = timed("copy (uniform)", lambda: _clone_quantized(base))
-    timed("compensate uniform", lambda: compensate_moe(uq, plan, uniform))
-    variants["uniform"] = timed("eval uniform", lambda: evaluate_variant(uq, eval_ids, reference, batch_size,
-                                                                          progress, "uniform"))
+    uq = timed("copy (uniform)", _clone_quantized, base)
+    timed("compensate uniform", compensate_moe, uq, plan, uniform)
+    variants["uniform"] = timed("eval uniform", evaluate_variant, uq, eval_ids, reference, batch_size, progress,
+                                "uniform")
     if not (qat_uniform and qat_steps):
         del uq
         uq = None
     la = base  # the quantized base is not needed anymore: compensate it in place
     del base
-    timed("compensate load_aware", lambda: compensate_moe(la, plan, aware))
+    timed("compensate load_aware", compensate_moe, la, plan, aware)
     del plan
-    variants["load_aware"] = timed("eval load_aware", lambda: evaluate_variant(la, eval_ids, reference, batch_size,
-                                                                                progress, "load_aware"))
+    variants["load_aware"] = timed("eval load_aware", evaluate_variant, la, eval_ids, reference, batch_size,
+                                   progress, "load_aware")
     qat_info, history = None, []
     if qat_steps:
         def train(model, ckpt, logger):
@@ -420,16 +419,15 @@ def quantize_variants(moe_float: nn.Module, calib_ids: torch.Tensor, eval_ids: t
                               max_grad_norm=qat_max_grad_norm, log=logger)
 
         ckpt_dir = None if checkpoint_dir is None else Path(checkpoint_dir)
-        history = timed("qat (from load_aware)", lambda: train(la, ckpt_dir and ckpt_dir / "qat", log))
-        variants["qat"] = timed("eval qat", lambda: evaluate_variant(la, eval_ids, reference, batch_size, progress,
-                                                                      "qat"))
+        history = timed("qat (from load_aware)", train, la, ckpt_dir and ckpt_dir / "qat", log)
+        variants["qat"] = timed("eval qat", evaluate_variant, la, eval_ids, reference, batch_size, progress, "qat")
         losses = [float(h["loss"]) for h in history]
         qat_info = {"start": "load_aware", "steps": qat_steps, "lr": float(qat_lr), "loss": qat_loss,
                     "batches": len(calib_batches), "loss_first": losses[0], "loss_last": losses[-1], "history": losses}
         if uq is not None:
-            h_u = timed("qat (from uniform)", lambda: train(uq, ckpt_dir and ckpt_dir / "uniform_qat", None))
-            variants["uniform_qat"] = timed("eval uniform_qat", lambda: evaluate_variant(
-                uq, eval_ids, reference, batch_size, progress, "uniform_qat"))
+            h_u = timed("qat (from uniform)", train, uq, ckpt_dir and ckpt_dir / "uniform_qat", None)
+            variants["uniform_qat"] = timed("eval uniform_qat", evaluate_variant, uq, eval_ids, reference, batch_size,
+                                            progress, "uniform_qat")
             qat_info["uniform_history"] = [float(h["loss"]) for h in h_u]
             del uq
     moe_float.train(was_training)
