@@ -52,6 +52,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from crucible.seeding import torch_generator
+
 
 @dataclass(frozen=True)
 class GMixoutConfig:
@@ -164,7 +166,7 @@ class GMixout:
     def __init__(self, model: nn.Module, config: GMixoutConfig, layers: dict[str, MixLinear]):
         self.model, self.config, self.layers = model, config, layers
         self.step_count = 0
-        self.generator = torch.Generator(device="cpu").manual_seed(config.seed)
+        self.generator = torch_generator(config.seed)
 
     @classmethod
     def wrap(cls, model: nn.Module, config: GMixoutConfig) -> "GMixout":

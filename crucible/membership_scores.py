@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from crucible.seeding import numpy_rng
+
 
 def domain_classifier_scores(reference, pool, *, folds: int = 2, seed: int = 0, C: float = 1.0) -> np.ndarray:
     """Cross-fitted probability that a pooled item comes from the reference distribution.
@@ -29,7 +31,7 @@ def domain_classifier_scores(reference, pool, *, folds: int = 2, seed: int = 0, 
     if n < folds:
         raise ValueError(f"pool has {n} items, fewer than folds={folds}")
     stack = sparse.vstack if sparse.issparse(pool) else np.vstack
-    fold_of = np.random.default_rng(seed).permutation(n) % folds
+    fold_of = numpy_rng(seed).permutation(n) % folds
     scores = np.empty(n)
     for f in range(folds):
         train = fold_of != f

@@ -37,6 +37,7 @@ from scipy.optimize import minimize_scalar
 from scipy.special import log_softmax, softmax
 
 from crucible.design import RatioEstimate, ratio_estimate
+from crucible.seeding import numpy_rng
 
 __all__ = [
     "Teacher",
@@ -121,7 +122,7 @@ def fit_temperature(logits, y, *, bounds: tuple[float, float] = (0.05, 20.0)) ->
 def _calibration_split(y: np.ndarray, holdout: float, seed: int) -> np.ndarray:
     """A boolean mask of held-out items, stratified: each class with >= 2 items gives about
     `holdout` of them (at least one) and keeps at least one for fitting."""
-    rng = np.random.default_rng(seed)
+    rng = numpy_rng(seed)
     held = np.zeros(len(y), dtype=bool)
     for k in np.unique(y):
         rows = np.flatnonzero(y == k)

@@ -18,7 +18,7 @@ each change the other's weights). Every draw comes from a torch.Generator of its
   `RUN_DROPOUT_ATTENTION` (transformers' sdpa in eval mode; in training, eager attention whose
   dropout is the layer's RunDropout). They draw from the generator that `train` makes for the run,
   seeded with stream_seed(TrainConfig.seed, "dropout") and saved in checkpoints;
-- the batch order of epoch e: a permutation from a generator seeded with (seed, e);
+- the batch order of epoch e: a permutation from a generator seeded with epoch_seed(seed, e);
 - the mixout masks: GMixout's own generator (GMixoutConfig.seed), saved in checkpoints.
 So a run is a function of its inputs and seeds, whatever trains beside it, and a run resumed from
 its latest checkpoint ends with the same weights as an uninterrupted one. Bitwise equality also
@@ -48,9 +48,10 @@ from torch import nn
 from torch.nn import functional as F
 from tqdm.auto import tqdm
 
-from crucible.dropout import RUN_DROPOUT_ATTENTION, RunDropout, stream_seed, use_run_dropout  # noqa: F401
+from crucible.dropout import RunDropout, use_run_dropout
 from crucible.embed import mean_pool
 from crucible.gmixout import GMixout
+from crucible.seeding import epoch_seed, stream_seed, torch_generator
 
 # ---------------------------------------------------------------------------------------------------
 # model and data
@@ -69,7 +70,7 @@ class EncoderClassifier(nn.Module):
         self.dropout = RunDropout(dropout)
         hidden = encoder.config.hidden_size
         self.head = nn.utils.skip_init(nn.Linear, hidden, n_classes)
-        generator = torch.Generator().manual_seed(seed)
+        generator = torch_generator(seed)
         with torch.no_grad():  # nn.Linear.reset_parameters, drawn from `generator`
             nn.init.kaiming_uniform_(self.head.weight, a=math.sqrt(5), generator=generator)
             nn.init.uniform_(self.head.bias, -1 / math.sqrt(hidden), 1 / math.sqrt(hidden), generator=generator)
@@ -192,7 +193,7 @@ def batch_indices(n: int, batch_size: int, seed: int, step: int) -> torch.Tensor
     short. A pure function of its arguments, so a resumed run needs only the step."""
     per_epoch = math.ceil(n / batch_size)
     epoch, k = divmod(step, per_epoch)
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+    perm = torch.randperm(n, generator=torch_generator(epoch_seed(seed, epoch)))
     return perm[k * batch_size:(k + 1) * batch_size]
 
 
@@ -323,7 +324,7 @@ def train(model: EncoderClassifier, train_set: Examples, dev_set: Examples, cfg:
     stream_seed(cfg.seed, "dropout") and bound to the model's RunDropout modules; torch's global
     generator is neither seeded nor drawn from."""
     device = next(model.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(stream_seed(cfg.seed, "dropout"))
+    generator = torch_generator(stream_seed(cfg.seed, "dropout"), device=device)
     model.bind_generator(generator)
     optimizer = make_optimizer(model, cfg)
     warmup_steps = int(cfg.warmup * cfg.max_steps)

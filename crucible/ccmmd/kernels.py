@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from crucible.seeding import torch_generator
+
 __all__ = [
     "GaussianKernel",
     "median_bandwidth",
@@ -67,7 +69,7 @@ def median_bandwidth(*samples: torch.Tensor, subsample: int = 1000, seed: int = 
     when the median distance is 0 (all subsampled points identical).
     """
     z = torch.cat([s.detach().to("cpu", torch.float64) for s in samples])
-    g = torch.Generator().manual_seed(seed)
+    g = torch_generator(seed)
     if z.shape[0] > subsample:
         z = z[torch.randperm(z.shape[0], generator=g)[:subsample]]
     d = torch.pdist(z)

@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 from crucible.moe.quant import MXExperts, round_adapters
 from crucible.moe.routing import Routes, check_routes, forward_batch, moe_layers, replay
 from crucible.quant.linear import MXLinear
+from crucible.seeding import epoch_seed, torch_generator
 
 __all__ = ["LOSSES", "replay_qat", "adapter_parameters", "batch_order"]
 
@@ -66,7 +67,7 @@ def batch_order(step: int, n: int, seed: int, shuffle: bool = True) -> int:
     epoch, i = divmod(step, n)
     if not shuffle:
         return i
-    g = torch.Generator().manual_seed(int(seed) * 1_000_003 + epoch)
+    g = torch_generator(epoch_seed(int(seed), epoch))
     return int(torch.randperm(n, generator=g)[i])
 
 
