@@ -16,9 +16,10 @@ Experts", Findings of ACL 2022; the split of LLaMA's gated FFN as in LLaMA-MoE, 
   (down_proj[e], [H, I/E]).
 - Groups (`balanced_groups`): neurons that fire on the same tokens belong together, so that a token
   needs few experts. Each neuron's profile is its |a_j| over the calibration tokens, normalised to
-  unit length; spherical k-means (k-means++ seeding from `seed`) with a *balanced* assignment step,
-  solved exactly as a linear assignment (each centroid offered I/E slots,
-  scipy.optimize.linear_sum_assignment), so every group has exactly I/E neurons. Both steps never
+  unit length; spherical k-means (sklearn.cluster.kmeans_plusplus seeding, from
+  derive_seed(seed, "moefy", i) in layer i) with a *balanced* assignment step, solved exactly as a
+  linear assignment (each centroid offered I/E slots, scipy.optimize.linear_sum_assignment), so
+  every group has exactly I/E neurons. Both steps never
   lower the summed cosine, so the iteration converges; it stops when the assignment repeats, the
   summed cosine gains less than `tol` (relative), or after `iters` rounds.
 - Router (`fit_router`): per token the mass of group e is m_e = sum_{j in g_e} |a_j|; a ridge
@@ -81,6 +82,7 @@ from scipy.optimize import linear_sum_assignment
 from torch import nn
 
 from crucible.hooks import forward_hooks
+from crucible.seeding import derive_seed
 
 __all__ = ["LayerReport", "MoefyReport", "moefy", "capture_ffn", "balanced_groups", "group_mass", "fit_router",
            "router_quality", "all_experts_unit_weight", "save_moe"]
@@ -211,12 +213,11 @@ def balanced_groups(acts: torch.Tensor, n_groups: int, seed: int = 0, iters: int
     size = n_neurons // n_groups
     f = acts.detach().abs().double().T.contiguous()  # [I, T]
     f = f / f.norm(dim=1, keepdim=True).clamp_min(_TINY)
-    gen = torch.Generator().manual_seed(int(seed))
-    centers = f[torch.randint(n_neurons, (1,), generator=gen)]
-    for _ in range(1, n_groups):  # k-means++ on the cosine distance
-        dist = (1.0 - f @ centers.T).clamp_min(0).min(dim=1).values ** 2
-        probs = dist if float(dist.sum()) > 0 else torch.ones_like(dist)
-        centers = torch.cat([centers, f[torch.multinomial(probs, 1, generator=gen)]])
+    # k-means++ seeding on the unit profiles (squared Euclidean distance = 2 - 2 cosine)
+    from sklearn.cluster import kmeans_plusplus
+
+    seeds, _ = kmeans_plusplus(f.numpy(), n_groups, random_state=np.random.RandomState(int(seed)))
+    centers = torch.from_numpy(seeds)
     labels, objective = None, -math.inf
     for _ in range(iters):
         sim = (f @ centers.T).numpy()
@@ -336,7 +337,7 @@ def moefy(dense: nn.Module, calib_input_ids: torch.Tensor, n_experts: int = 8, t
     expert_weights, cluster_s, router_s = [], 0.0, 0.0
     for i, (x, a) in layer_iter:
         t0 = time.perf_counter()
-        groups = balanced_groups(a, n_experts, seed=int(seed) + i, iters=iters)
+        groups = balanced_groups(a, n_experts, seed=derive_seed(int(seed), "moefy", i), iters=iters)
         cluster_s += time.perf_counter() - t0
         t0 = time.perf_counter()
         mass = group_mass(a, groups)
