@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from crucible.moe.lm import perplexity
-from crucible.moe.quant import MXExperts
+from crucible.moe.mx_experts import MXExperts
 from crucible.moe.variants import (compensated_matrices, default_rank_budget, evaluate_variant, float_reference,
                                    max_rank_budget, quantize_variants)
 from moe_models import VOCAB, tiny_mixtral

@@ -39,7 +39,7 @@ from torch import nn
 from torch.nn import functional as F
 from tqdm.auto import tqdm
 
-from crucible.moe.quant import MXExperts, round_adapters
+from crucible.moe.mx_experts import MXExperts, round_adapters
 from crucible.moe.routing import Routes, check_routes, forward_batch, moe_layers, replay
 from crucible.quant.linear import MXLinear
 from crucible.seeding import epoch_seed, torch_generator

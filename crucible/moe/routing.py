@@ -10,7 +10,7 @@
 
 A MoE layer is a transformers SparseMoeBlock (Mixtral, Qwen3-MoE): a module with a router `gate`
 (weight [E, H], `top_k`; forward(hidden [T, H]) -> (logits [T, E], top-k weights [T, k], top-k
-index [T, k])) and `experts` (the fused experts, or crucible.moe.quant.MXExperts). Qwen3-MoE's dense
+index [T, k])) and `experts` (the fused experts, or crucible.moe.mx_experts.MXExperts). Qwen3-MoE's dense
 layers (`mlp_only_layers`, `decoder_sparse_step`) have no router and are not MoE layers here.
 
 Batches: each item of `batches` is one forward call: a LongTensor of input ids [B, T], a dict of

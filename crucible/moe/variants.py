@@ -28,7 +28,7 @@ crucible.moe.lm.perplexity's definition); its own routes against the float MoE's
 tokens (routing.consistency: per layer set and top-1 agreement); the hidden-state drift per decoder
 layer against the float MoE (routing.hidden_drift's definition: ||h_l - h_float,l|| / ||h_float,l||
 over all eval tokens); its token agreement (the share of eval positions whose argmax next token
-equals the float MoE's); its size (quant.moe_nbytes: bytes, bits per weight). "dense"
+equals the float MoE's); its size (mx_storage.moe_nbytes: bytes, bits per weight). "dense"
 (perplexity only) when `dense` is given.
 
 At most three models are alive at once (the float MoE, the quantized base, one compensated copy;
@@ -69,8 +69,9 @@ from torch import nn
 
 from crucible.hooks import forward_hooks
 from crucible.moe.qat import LOSSES, replay_qat
-from crucible.moe.quant import (cache_moe_dequantized, compensate_moe, expert_stats, moe_nbytes, moe_plan,
-                                plan_ranks, quantizable_linears, quantize_moe)
+from crucible.moe.compensate import compensate_moe, expert_stats, moe_plan, plan_ranks
+from crucible.moe.mx_experts import cache_moe_dequantized, quantizable_linears, quantize_moe
+from crucible.moe.mx_storage import moe_nbytes
 from crucible.moe.routing import Routes, consistency, expert_load, moe_layers, record_routes
 from crucible.quant import mxfp4
 
