@@ -3,6 +3,7 @@ and low-rank compensation of the quantization error under a rank budget.
 
 - `crucible.quant.mxfp4`: quantize / dequantize (torch path, bit-exact with torchao's MX floor mode);
 - `crucible.quant.triton_kernels`: the same on the GPU, and the fused dequant-matmul (lazy import);
+- `crucible.quant.triton_jit`: the Triton source of those kernels (built on first use);
 - `crucible.quant.linear`: MXLinear, quantize_model, save_quantized / load_quantized;
 - `crucible.quant.lowrank`: activation scales, the error SVD, compensate, allocate_ranks;
 - `crucible.quant.compensate`: the whole-model plan (calibration stats, ranks, adapters).
