@@ -32,7 +32,7 @@ from torch.nn import functional as F
 from crucible.hooks import forward_hooks
 from crucible.moe.mx_experts import KINDS, MXExperts, quantizable_linears
 from crucible.moe.routing import forward_batch, moe_layers, replay
-from crucible.quant import lowrank, mxfp4
+from crucible.quant import lowrank, mxfp4, rank_allocation
 from crucible.quant.compensate import ALLOCATIONS, SCALINGS, CompensationPlan, LayerError
 from crucible.quant.linear import MXLinear
 
@@ -178,9 +178,9 @@ def plan_ranks(plan: CompensationPlan | Mapping[str, LayerError], budget: int,
                          f"matrices), got {budget!r}")
     names = list(layers)
     if allocation == "uniform":
-        r = lowrank.uniform_ranks([layers[n].max_rank for n in names], int(budget))
+        r = rank_allocation.uniform_ranks([layers[n].max_rank for n in names], int(budget))
     else:
-        r = lowrank.allocate_ranks([layers[n].spectrum for n in names], [layers[n].load for n in names], int(budget))
+        r = rank_allocation.allocate_ranks([layers[n].spectrum for n in names], [layers[n].load for n in names], int(budget))
     return dict(zip(names, (int(x) for x in r)))
 
 

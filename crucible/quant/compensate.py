@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from crucible.hooks import forward_hooks
-from crucible.quant import lowrank, mxfp4
+from crucible.quant import lowrank, mxfp4, rank_allocation
 
 SCALINGS = ("plain", "qera", "lqer")
 LOADS = ("unit", "input_energy", "sensitivity")
@@ -220,17 +220,17 @@ class CompensationPlan:
                              f"{len(self.layers)} quantized matrices (sum of min(out, in))")
         names = list(self.layers)
         if allocation == "uniform":
-            r = lowrank.uniform_ranks([self.layers[n].max_rank for n in names], budget)
+            r = rank_allocation.uniform_ranks([self.layers[n].max_rank for n in names], budget)
         else:
-            r = lowrank.allocate_ranks([self.layers[n].spectrum for n in names],
-                                       [self.layers[n].load for n in names], budget)
+            r = rank_allocation.allocate_ranks([self.layers[n].spectrum for n in names],
+                                               [self.layers[n].load for n in names], budget)
         return dict(zip(names, (int(x) for x in r)))
 
     def weighted_error(self, ranks: dict[str, int]) -> float:
         """sum_i load_i * sum_{j > r_i} sigma_{i,j}^2 (the error the allocation minimises)."""
         names = list(self.layers)
-        return lowrank.weighted_error([self.layers[n].spectrum for n in names], [self.layers[n].load for n in names],
-                                      [ranks.get(n, 0) for n in names])
+        return rank_allocation.weighted_error([self.layers[n].spectrum for n in names],
+                                              [self.layers[n].load for n in names], [ranks.get(n, 0) for n in names])
 
     def adapters(self, ranks: dict[str, int]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """name -> (A, B) for every layer of positive rank."""
