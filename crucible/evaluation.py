@@ -1,4 +1,4 @@
-"""Three evaluation interfaces on frozen features (METHODS.md sec. 6).
+"""Three evaluation interfaces on frozen features (docs/methods.md, evaluate).
 
 Every model variant (base, each task's fine-tune, each merge after each arrival, the quantized
 model) is read through three interfaces on the same frozen features: mean-pooled encoder outputs,

@@ -1,4 +1,4 @@
-"""Proxy membership scores s_j in [0, 1] for pooled items (the CC-MMD proxy; METHODS.md sec. 1).
+"""Proxy membership scores s_j in [0, 1] for pooled items (the CC-MMD proxy; docs/methods.md, curate).
 
 A scorer needs no calibration: CC-MMD's audit correction removes its bias. A better scorer only
 lowers the variance. Scorers here take feature matrices (dense arrays or scipy sparse) and are

@@ -1,4 +1,4 @@
-"""Pseudo-labels for the curated pool, with design-corrected quality estimates (METHODS.md sec. 2).
+"""Pseudo-labels for the curated pool, with design-corrected quality estimates (docs/methods.md, pseudolabel).
 
 A teacher (a logistic-regression probe on frozen embeddings of the reference) labels every pooled
 item. Its probabilities are calibrated by temperature scaling (Guo et al. 2017, "On Calibration of
@@ -243,7 +243,7 @@ def training_weights(m, confidence, audited, member, *, w_max: float) -> np.ndar
     (the teacher's probability that the label is right, so the weight is the expected contribution
     of a clean, correctly labeled item) and q_j = 1 for an audited member (its label is the truth).
 
-    Treatment of m_j (METHODS.md sec. 1, use 2): sum_j m_j loss_j is design-unbiased for the
+    Treatment of m_j (docs/methods.md, pseudolabel): sum_j m_j loss_j is design-unbiased for the
     clean-only loss, but m_j is negative for an audited non-member (s_j - s_j / pi_j) and as large
     as 1 / pi_j for an audited member with a low score. Weights are clipped to [0, w_max]:
     - below 0: a negative weight would turn the loss into a reward for fitting a contaminant and

@@ -1,4 +1,4 @@
-"""Minimum-CC-MMD estimation of a parametric model (METHODS.md sec. 1, use 3).
+"""Minimum-CC-MMD estimation of a parametric model (docs/methods.md, curate, "Minimum-CC-MMD fitting").
 
 A model draws samples z_hat = G_theta(noise) by reparameterisation. The CC-MMD^2 between the model
 and the clean part of the pool, with model-side weights v and pool weights w (the corrected m_j),

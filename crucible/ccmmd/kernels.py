@@ -1,4 +1,4 @@
-"""Gaussian kernel sums for CC-MMD, blockwise and streaming (METHODS.md sec. 1, "Cost").
+"""Gaussian kernel sums for CC-MMD, blockwise and streaming (docs/methods.md, curate, "Kernel, bandwidths, sums").
 
 Every sum CC-MMD needs is a kernel matrix times a few weight vectors,
 

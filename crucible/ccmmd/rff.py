@@ -1,4 +1,4 @@
-"""Random Fourier features for the CC-MMD kernel sums, O(n D d) (METHODS.md sec. 1, "Cost").
+"""Random Fourier features for the CC-MMD kernel sums, O(n D d) (docs/methods.md, curate, "Kernel, bandwidths, sums").
 
 Bochner: exp(-|x - y|^2 / (2 h^2)) = E[cos(omega.(x - y))] with omega ~ N(0, I / h^2), so with
 phi(z) = sqrt(2 / D) cos(Omega z + beta), beta ~ U[0, 2 pi), k(x, y) ~= phi(x).phi(y), unbiased

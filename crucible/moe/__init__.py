@@ -1,4 +1,4 @@
-"""Mixture-of-Experts quantization (METHODS.md sec. 4; issue: MoE quantization).
+"""Mixture-of-Experts quantization (docs/methods.md, moe; issue: MoE quantization).
 
 - `crucible.moe.build`: a dense Llama-style model -> a transformers Mixtral MoE (MoEfication:
   balanced clustering of FFN neurons into experts, a fitted router);

@@ -1,5 +1,5 @@
-"""MoEfication: a dense Llama-architecture causal LM -> a transformers Mixtral MoE (METHODS.md sec. 4,
-ARCHITECTURE.md "Models").
+"""MoEfication: a dense Llama-architecture causal LM -> a transformers Mixtral MoE (docs/methods.md,
+moe; docs/architecture.md, "Models").
 
     moe, report = moefy(dense, calib_input_ids, n_experts=8, top_k=2, seed=0)
     report.frame()                       # per layer: router recall, mass covered, fit R^2, loads

@@ -180,7 +180,8 @@ def plan_ranks(plan: CompensationPlan | Mapping[str, LayerError], budget: int,
     if allocation == "uniform":
         r = rank_allocation.uniform_ranks([layers[n].max_rank for n in names], int(budget))
     else:
-        r = rank_allocation.allocate_ranks([layers[n].spectrum for n in names], [layers[n].load for n in names], int(budget))
+        r = rank_allocation.allocate_ranks([layers[n].spectrum for n in names], [layers[n].load for n in names],
+                                           int(budget))
     return dict(zip(names, (int(x) for x in r)))
 
 

@@ -1,4 +1,4 @@
-"""Limited routing replay QAT (METHODS.md sec. 4): train only the low-rank adapters of a quantized
+"""Limited routing replay QAT (docs/methods.md, moe): train only the low-rank adapters of a quantized
 MoE to match the float model, with the float model's routes forced.
 
     routes = record_routes(float_model, batches)                 # crucible.moe.routing

@@ -1,4 +1,4 @@
-"""Router top-k choices of a transformers MoE: record, replay, compare (METHODS.md sec. 4).
+"""Router top-k choices of a transformers MoE: record, replay, compare (docs/methods.md, moe).
 
     routes = record_routes(float_model, batches)        # per MoE layer: top-k expert ids [tokens, k]
     routes.save("routes.safetensors"); routes = Routes.load("routes.safetensors")
@@ -360,7 +360,7 @@ def consistency(a: Routes, b: Routes) -> dict[str, dict[str, float]]:
 
 def expert_load(routes: Routes) -> torch.Tensor:
     """[layers, E] float64: the share of tokens routed to each expert (count / tokens; each row sums
-    to top_k). This is the load of the load-aware rank allocation (METHODS.md sec. 4)."""
+    to top_k). This is the load of the load-aware rank allocation (docs/methods.md, moe)."""
     if routes.tokens == 0:
         raise ValueError("expert_load: the routes hold no token")
     rows = [torch.bincount(routes.indices[n].long().flatten(), minlength=routes.num_experts).double() / routes.tokens

@@ -1,4 +1,4 @@
-"""The MoE quantization comparison in one function (METHODS.md sec. 4; issue: MoE quantization):
+"""The MoE quantization comparison in one function (docs/methods.md, moe; issue: MoE quantization):
 float MoE, MXFP4, MXFP4 + uniform compensation, MXFP4 + load-aware compensation at the same total
 rank, and limited routing replay QAT, each scored on held-out token sequences.
 

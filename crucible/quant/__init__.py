@@ -1,4 +1,4 @@
-"""Quantization (METHODS.md sec. 4): the MXFP4 format, its Triton kernels, MXFP4 linear layers
+"""Quantization (docs/methods.md, quantize): the MXFP4 format, its Triton kernels, MXFP4 linear layers
 and low-rank compensation of the quantization error under a rank budget.
 
 - `crucible.quant.mxfp4`: quantize / dequantize (torch path, bit-exact with torchao's MX floor mode);

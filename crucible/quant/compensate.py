@@ -1,4 +1,4 @@
-"""MXFP4 with low-rank compensation of a whole model (METHODS.md sec. 4): calibration statistics,
+"""MXFP4 with low-rank compensation of a whole model (docs/methods.md, quantize): calibration statistics,
 one SVD per quantized matrix, ranks under a total budget, adapters.
 
     stats = collect_input_stats(model, names, batches)              # per layer: sums of |x|, x^2
