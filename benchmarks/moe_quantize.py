@@ -123,7 +123,8 @@ def main() -> None:
     from crucible.moe.build import moefy, save_moe
     from crucible.moe.dense import load_dense
     from crucible.moe.lm import token_sequences
-    from crucible.moe.variants import compensated_matrices, default_rank_budget, float_reference, quantize_variants
+    from crucible.moe.variant_eval import float_reference
+    from crucible.moe.variants import compensated_matrices, default_rank_budget, quantize_variants
 
     wall = time.perf_counter()
     seconds: dict[str, float] = {}

@@ -1,6 +1,6 @@
 """Building a contaminated pool and auditing it by a Poisson design (the demo's ingest).
 
-The pool is r = (1 - eps) q + eps z (METHODS.md sec. 1): each pooled item is a target item with
+The pool is r = (1 - eps) q + eps z (docs/methods.md, ingest): each pooled item is a target item with
 probability 1 - eps (membership M_j = 1) and a contaminant otherwise. Contaminants are real text
 from other corpora, or degenerate text made from the target: web boilerplate, near-duplicates and
 word-shuffled items. The audit draws I_j ~ Bernoulli(pi_j) independently (Poisson design) and a

@@ -1,4 +1,4 @@
-"""Survey-design estimators for an audited pool (CC-MMD; METHODS.md sec. 1, reused by sec. 2).
+"""Survey-design estimators for an audited pool (CC-MMD; docs/methods.md, curate, reused by pseudolabel).
 
 Every pool item j carries a proxy (a score, a confidence) known for all items, and a truth that an
 audit reveals only where I_j = 1. The audit is a Poisson design: I_j ~ Bernoulli(pi_j) independently,
@@ -17,7 +17,7 @@ saying what is valid.
 
 Corrected weights can be negative (an audited non-member with a high score) or large (an audited
 member with a low score and a small pi). That is what makes them unbiased; a caller that trains on
-them decides the treatment (METHODS.md sec. 1, use 2) and must say so.
+them decides the treatment (docs/methods.md, pseudolabel) and must say so.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def _audited_truth(name: str, truth, aud: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def corrected_membership(scores, audited, member, pi) -> torch.Tensor:
-    """Corrected membership m_j = s_j + (I_j / pi_j)(M_j - s_j) of CC-MMD (METHODS.md sec. 1).
+    """Corrected membership m_j = s_j + (I_j / pi_j)(M_j - s_j) of CC-MMD (docs/methods.md, curate).
 
     scores: (n,) proxy scores s_j in [0, 1] (no calibration assumed). audited: (n,) I_j in {0, 1}.
     member: (n,) M_j in {0, 1} where audited; ignored (any value, NaN too) elsewhere.
@@ -144,7 +144,7 @@ def linear_design_variance(g, proxy, audited, truth, pi) -> float:
     Horvitz-Thompson estimate on the audited items is
         sum_j (1 - pi_j) / pi_j^2 * I_j * (truth_j - proxy_j)^2 * g_j^2,
     unbiased over audit draws for fixed g. With g the gradient of a smooth statistic of m, this is
-    the delta-method variance (METHODS.md sec. 1). Shapes: all (n,). Raises ValueError as above.
+    the delta-method variance (docs/methods.md, curate). Shapes: all (n,). Raises ValueError as above.
     """
     s = as_vector("proxy", proxy)
     n = s.shape[0]

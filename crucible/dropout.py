@@ -6,17 +6,8 @@ RunDropout (torch's sdpa kernel cannot take a generator). In eval mode nothing c
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 from torch import nn
-
-
-def stream_seed(seed: int, stream: str) -> int:
-    """A seed in [0, 2^63) for one named random stream of a run, so that streams seeded from one
-    seed (dropout, head, mixout) are not the same sequence of draws."""
-    digest = hashlib.blake2b(f"{seed}/{stream}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
 
 
 class RunDropout(nn.Module):

@@ -1,4 +1,4 @@
-"""Three evaluation interfaces on frozen features (METHODS.md sec. 6).
+"""Three evaluation interfaces on frozen features (docs/methods.md, evaluate).
 
 Every model variant (base, each task's fine-tune, each merge after each arrival, the quantized
 model) is read through three interfaces on the same frozen features: mean-pooled encoder outputs,
@@ -29,9 +29,9 @@ are mapped to indices by np.unique's sorted order, or by first appearance when t
 sorted (mixed types in an object array). NMI and ARI are invariant to that mapping; the probe
 predicts the original label values. `head_accuracy` takes integer class indices in [0, k).
 
-nmi and ari are own numpy implementations from the contingency table that reproduce
-sklearn.metrics.normalized_mutual_info_score (arithmetic normalisation) and adjusted_rand_score,
-edge cases included: one cluster on both sides, or no rows, is a perfect match (1.0); one cluster
+nmi and ari are sklearn.metrics.normalized_mutual_info_score (arithmetic normalisation) and
+adjusted_rand_score, applied to the label codes (so labels sklearn cannot sort still work), with
+sklearn's edge cases: one cluster on both sides, or no rows, is a perfect match (1.0); one cluster
 on one side only gives NMI 0; identical partitions, e.g. all singletons on both sides, give 1.0.
 
 Everything is deterministic given `seed`, and every score is a plain Python float.
@@ -42,7 +42,6 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from math import log
 from typing import Any
 
 import numpy as np
@@ -154,75 +153,32 @@ def _algorithms(algorithms) -> tuple[str, ...]:
 
 # -- clustering agreement --------------------------------------------------------------------------
 
-def _contingency(labels_true, labels_pred) -> np.ndarray:
+def _label_codes(labels_true, labels_pred) -> tuple[np.ndarray, np.ndarray]:
+    """Both labelings as int64 codes (see `_encode`), after checking they are 1-D and of one length."""
     t = _labels_1d(labels_true, "labels_true")
     p = _labels_1d(labels_pred, "labels_pred")
     if t.shape[0] != p.shape[0]:
         raise ValueError(f"labels_true and labels_pred must have the same length, got {t.shape[0]} "
                          f"and {p.shape[0]}")
-    _, ti = _encode(t, "labels_true")
-    _, pi = _encode(p, "labels_pred")
-    nt = int(ti.max()) + 1 if ti.size else 0
-    npred = int(pi.max()) + 1 if pi.size else 0
-    table = np.zeros((nt, npred), dtype=np.int64)
-    np.add.at(table, (ti, pi), 1)
-    return table
-
-
-def _entropy(counts: np.ndarray) -> float:
-    if counts.size == 1:
-        return 0.0
-    c = counts.astype(np.float64)
-    total = c.sum()
-    return float(-np.sum((c / total) * (np.log(c) - log(total))))
+    return _encode(t, "labels_true")[1], _encode(p, "labels_pred")[1]
 
 
 def nmi(labels_true, labels_pred) -> float:
     """Normalised mutual information, arithmetic-mean normalisation: MI / ((H(true) + H(pred)) / 2),
-    natural logs. Equals sklearn.metrics.normalized_mutual_info_score with default arguments.
+    natural logs: sklearn.metrics.normalized_mutual_info_score with default arguments, on the label
+    codes. Both labelings with a single cluster (or no rows) -> 1.0; MI == 0 otherwise -> 0.0."""
+    from sklearn.metrics import normalized_mutual_info_score
 
-    Both labelings with a single cluster (or no rows) -> 1.0; MI == 0 otherwise -> 0.0.
-    """
-    table = _contingency(labels_true, labels_pred)
-    n_true, n_pred = table.shape
-    if (n_true == n_pred == 1) or (n_true == n_pred == 0):
-        return 1.0
-    if n_true == 1 or n_pred == 1:
-        return 0.0  # one side has zero entropy: MI is 0 and not a perfect match
-    rows, cols = np.nonzero(table)
-    nz = table[rows, cols].astype(np.float64)
-    total = float(table.sum())
-    a = table.sum(axis=1)
-    b = table.sum(axis=0)
-    p = nz / total
-    outer = a[rows].astype(np.int64) * b[cols].astype(np.int64)
-    log_outer = -np.log(outer) + log(a.sum()) + log(b.sum())
-    terms = p * (np.log(nz) - log(total)) + p * log_outer
-    terms = np.where(np.abs(terms) < np.finfo(np.float64).eps, 0.0, terms)
-    mi = float(np.clip(terms.sum(), 0.0, None))
-    if mi == 0:
-        return 0.0
-    normaliser = (_entropy(a) + _entropy(b)) / 2.0
-    return float(mi / normaliser)
+    return float(normalized_mutual_info_score(*_label_codes(labels_true, labels_pred)))
 
 
 def ari(labels_true, labels_pred) -> float:
-    """Adjusted Rand index (Hubert & Arabie) from the pair counts of the contingency table.
-    Equals sklearn.metrics.adjusted_rand_score: identical partitions (incl. no rows, one cluster
-    each side, all singletons each side) -> 1.0; can be negative, 0 in expectation at random."""
-    table = _contingency(labels_true, labels_pred)
-    n = int(table.sum())
-    sum_sq = int((table.astype(object) ** 2).sum()) if table.size else 0
-    a = [int(v) for v in table.sum(axis=1)]
-    b = [int(v) for v in table.sum(axis=0)]
-    # ordered pair counts (i != j): together in both / only in true / only in pred / in neither
-    tp = sum_sq - n
-    fn = sum(v * v for v in a) - sum_sq   # same true class, different predicted cluster
-    fp = sum(v * v for v in b) - sum_sq   # same predicted cluster, different true class
-    tn = n * n - fp - fn - sum_sq
-    if fn == 0 and fp == 0:
-        return 1.0
-    return float(2.0 * (tp * tn - fn * fp) / ((tp + fn) * (fn + tn) + (tp + fp) * (fp + tn)))
+    """Adjusted Rand index (Hubert & Arabie): sklearn.metrics.adjusted_rand_score on the label codes.
+    Identical partitions (incl. no rows, one cluster each side, all singletons each side) -> 1.0;
+    can be negative, 0 in expectation at random."""
+    from sklearn.metrics import adjusted_rand_score
+
+    return float(adjusted_rand_score(*_label_codes(labels_true, labels_pred)))
 
 
 # -- head ------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ with probability p and rescales the rest so that the expectation is kept:
     w_mix = (M * u + (1 - M) * w - p * u) / (1 - p),   M ~ Bernoulli(p) elementwise,
 
 i.e. w_mix = u where M = 1 and u + (w - u) / (1 - p) where M = 0, so E_M[w_mix] = w and the gradient
-reaches w only where M = 0. GMixout ("We revisit Mixout ...", METHODS.md sec. 3) generalises it:
+reaches w only where M = 0. GMixout ("We revisit Mixout ...", docs/methods.md, finetune) generalises it:
 - anchor: 'pretrained' (u = the weights at wrap time, fixed) or 'ema' (after every optimizer step
   u <- beta * u + (1 - beta) * w);
 - period: the mask is resampled every k steps (at steps 0, k, 2k, ...) rather than every step;
@@ -51,6 +51,8 @@ from typing import Literal
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from crucible.seeding import torch_generator
 
 
 @dataclass(frozen=True)
@@ -164,7 +166,7 @@ class GMixout:
     def __init__(self, model: nn.Module, config: GMixoutConfig, layers: dict[str, MixLinear]):
         self.model, self.config, self.layers = model, config, layers
         self.step_count = 0
-        self.generator = torch.Generator(device="cpu").manual_seed(config.seed)
+        self.generator = torch_generator(config.seed)
 
     @classmethod
     def wrap(cls, model: nn.Module, config: GMixoutConfig) -> "GMixout":

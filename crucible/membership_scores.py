@@ -1,4 +1,4 @@
-"""Proxy membership scores s_j in [0, 1] for pooled items (the CC-MMD proxy; METHODS.md sec. 1).
+"""Proxy membership scores s_j in [0, 1] for pooled items (the CC-MMD proxy; docs/methods.md, curate).
 
 A scorer needs no calibration: CC-MMD's audit correction removes its bias. A better scorer only
 lowers the variance. Scorers here take feature matrices (dense arrays or scipy sparse) and are
@@ -8,6 +8,8 @@ cross-fitted: an item's score comes from a model that never saw it.
 from __future__ import annotations
 
 import numpy as np
+
+from crucible.seeding import numpy_rng
 
 
 def domain_classifier_scores(reference, pool, *, folds: int = 2, seed: int = 0, C: float = 1.0) -> np.ndarray:
@@ -29,7 +31,7 @@ def domain_classifier_scores(reference, pool, *, folds: int = 2, seed: int = 0, 
     if n < folds:
         raise ValueError(f"pool has {n} items, fewer than folds={folds}")
     stack = sparse.vstack if sparse.issparse(pool) else np.vstack
-    fold_of = np.random.default_rng(seed).permutation(n) % folds
+    fold_of = numpy_rng(seed).permutation(n) % folds
     scores = np.empty(n)
     for f in range(folds):
         train = fold_of != f

@@ -1,4 +1,4 @@
-"""Pseudo-labels for the curated pool, with design-corrected quality estimates (METHODS.md sec. 2).
+"""Pseudo-labels for the curated pool, with design-corrected quality estimates (docs/methods.md, pseudolabel).
 
 A teacher (a logistic-regression probe on frozen embeddings of the reference) labels every pooled
 item. Its probabilities are calibrated by temperature scaling (Guo et al. 2017, "On Calibration of
@@ -37,6 +37,7 @@ from scipy.optimize import minimize_scalar
 from scipy.special import log_softmax, softmax
 
 from crucible.design import RatioEstimate, ratio_estimate
+from crucible.seeding import numpy_rng
 
 __all__ = [
     "Teacher",
@@ -121,7 +122,7 @@ def fit_temperature(logits, y, *, bounds: tuple[float, float] = (0.05, 20.0)) ->
 def _calibration_split(y: np.ndarray, holdout: float, seed: int) -> np.ndarray:
     """A boolean mask of held-out items, stratified: each class with >= 2 items gives about
     `holdout` of them (at least one) and keeps at least one for fitting."""
-    rng = np.random.default_rng(seed)
+    rng = numpy_rng(seed)
     held = np.zeros(len(y), dtype=bool)
     for k in np.unique(y):
         rows = np.flatnonzero(y == k)
@@ -242,7 +243,7 @@ def training_weights(m, confidence, audited, member, *, w_max: float) -> np.ndar
     (the teacher's probability that the label is right, so the weight is the expected contribution
     of a clean, correctly labeled item) and q_j = 1 for an audited member (its label is the truth).
 
-    Treatment of m_j (METHODS.md sec. 1, use 2): sum_j m_j loss_j is design-unbiased for the
+    Treatment of m_j (docs/methods.md, pseudolabel): sum_j m_j loss_j is design-unbiased for the
     clean-only loss, but m_j is negative for an audited non-member (s_j - s_j / pi_j) and as large
     as 1 / pi_j for an audited member with a low score. Weights are clipped to [0, w_max]:
     - below 0: a negative weight would turn the loss into a reward for fitting a contaminant and

@@ -1,4 +1,4 @@
-"""The data contracts of ARCHITECTURE.md ("Data contracts"), checked on every read.
+"""The data contracts of docs/architecture.md ("Data contracts"), checked on every read.
 
 Four tables per task (reference, pool, audit, test) plus the demo's truth file. A check that fails
 raises `DataValidationError` naming the file, the column, the first offending row and its value,

@@ -18,7 +18,7 @@ each change the other's weights). Every draw comes from a torch.Generator of its
   `RUN_DROPOUT_ATTENTION` (transformers' sdpa in eval mode; in training, eager attention whose
   dropout is the layer's RunDropout). They draw from the generator that `train` makes for the run,
   seeded with stream_seed(TrainConfig.seed, "dropout") and saved in checkpoints;
-- the batch order of epoch e: a permutation from a generator seeded with (seed, e);
+- the batch order of epoch e: a permutation from a generator seeded with epoch_seed(seed, e);
 - the mixout masks: GMixout's own generator (GMixoutConfig.seed), saved in checkpoints.
 So a run is a function of its inputs and seeds, whatever trains beside it, and a run resumed from
 its latest checkpoint ends with the same weights as an uninterrupted one. Bitwise equality also
@@ -26,18 +26,14 @@ needs the same torch build, CPU and intra-op thread count (torch.get_num_threads
 parallel CPU reductions (sums: bias gradients, pooling, the loss) split the work by thread count,
 so 1 and 2 threads differ in the last bits (MKL's matmuls gave the same bits at 1 and 2 threads).
 
-Checkpoints are safetensors plus JSON (no pickle): every tensor of the model, optimizer,
-scheduler, GMixout and RNG states goes into `state.safetensors`, the rest of the nested structure
-into `state.json`, written to `step-<step as 7 digits>.tmp/` and renamed into place. Pure torch: the caller
-supplies a `log(metrics, step)` callback for tracking.
+Checkpoints (crucible.checkpoint: safetensors plus JSON, no pickle) hold the model, optimizer,
+scheduler, GMixout and RNG states. Pure torch: the caller supplies a `log(metrics, step)` callback
+for tracking.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -48,9 +44,11 @@ from torch import nn
 from torch.nn import functional as F
 from tqdm.auto import tqdm
 
-from crucible.dropout import RUN_DROPOUT_ATTENTION, RunDropout, stream_seed, use_run_dropout  # noqa: F401
+from crucible.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from crucible.dropout import RunDropout, use_run_dropout
 from crucible.embed import mean_pool
 from crucible.gmixout import GMixout
+from crucible.seeding import epoch_seed, stream_seed, torch_generator
 
 # ---------------------------------------------------------------------------------------------------
 # model and data
@@ -69,7 +67,7 @@ class EncoderClassifier(nn.Module):
         self.dropout = RunDropout(dropout)
         hidden = encoder.config.hidden_size
         self.head = nn.utils.skip_init(nn.Linear, hidden, n_classes)
-        generator = torch.Generator().manual_seed(seed)
+        generator = torch_generator(seed)
         with torch.no_grad():  # nn.Linear.reset_parameters, drawn from `generator`
             nn.init.kaiming_uniform_(self.head.weight, a=math.sqrt(5), generator=generator)
             nn.init.uniform_(self.head.bias, -1 / math.sqrt(hidden), 1 / math.sqrt(hidden), generator=generator)
@@ -192,7 +190,7 @@ def batch_indices(n: int, batch_size: int, seed: int, step: int) -> torch.Tensor
     short. A pure function of its arguments, so a resumed run needs only the step."""
     per_epoch = math.ceil(n / batch_size)
     epoch, k = divmod(step, per_epoch)
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+    perm = torch.randperm(n, generator=torch_generator(epoch_seed(seed, epoch)))
     return perm[k * batch_size:(k + 1) * batch_size]
 
 
@@ -223,69 +221,6 @@ def evaluate(model: EncoderClassifier, data: Examples, batch_size: int = 64, pad
     logits = predict(model, data.input_ids, batch_size, pad_id)
     return {"accuracy": float((logits.argmax(1) == data.labels).float().mean()),
             "loss": float(weighted_cross_entropy(logits, data.labels, data.weights))}
-
-
-# ---------------------------------------------------------------------------------------------------
-# checkpoints: safetensors + JSON, no pickle
-
-
-def _split(obj, tensors: dict, path: str):
-    """The JSON skeleton of a nested state; its tensors move into `tensors` under their path."""
-    if torch.is_tensor(obj):
-        tensors[path] = obj.detach().cpu().contiguous().clone()
-        return {"__tensor__": path}
-    if isinstance(obj, dict):
-        return {"__dict__": [[k, _split(v, tensors, f"{path}.{k}")] for k, v in obj.items()]}
-    if isinstance(obj, (list, tuple)):
-        return {"__list__": [_split(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)],
-                "tuple": isinstance(obj, tuple)}
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    raise TypeError(f"checkpoint: cannot store {type(obj).__name__} at {path}")
-
-
-def _join(obj, tensors: dict):
-    if isinstance(obj, dict):
-        if "__tensor__" in obj:
-            return tensors[obj["__tensor__"]]
-        if "__dict__" in obj:
-            return {k: _join(v, tensors) for k, v in obj["__dict__"]}
-        items = [_join(v, tensors) for v in obj["__list__"]]
-        return tuple(items) if obj["tuple"] else items
-    return obj
-
-
-def save_checkpoint(directory: Path | str, step: int, state: dict, keep: int = 2) -> Path:
-    """Write `state` (nested dicts/lists of tensors and JSON scalars) to directory/step-<step as 7 digits>/
-    atomically; keep the newest `keep` checkpoints."""
-    from safetensors.torch import save_file
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    final, tmp = directory / f"step-{step:07d}", directory / f"step-{step:07d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    tensors: dict = {}
-    skeleton = _split(state, tensors, "s")
-    save_file(tensors, str(tmp / "state.safetensors"))
-    (tmp / "state.json").write_text(json.dumps(skeleton))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    for old in sorted(directory.glob("step-???????"))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def latest_checkpoint(directory: Path | str) -> Path | None:
-    found = sorted(Path(directory).glob("step-???????")) if Path(directory).is_dir() else []
-    return found[-1] if found else None
-
-
-def load_checkpoint(path: Path | str) -> dict:
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    return _join(json.loads((path / "state.json").read_text()), load_file(str(path / "state.safetensors")))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -323,7 +258,7 @@ def train(model: EncoderClassifier, train_set: Examples, dev_set: Examples, cfg:
     stream_seed(cfg.seed, "dropout") and bound to the model's RunDropout modules; torch's global
     generator is neither seeded nor drawn from."""
     device = next(model.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(stream_seed(cfg.seed, "dropout"))
+    generator = torch_generator(stream_seed(cfg.seed, "dropout"), device=device)
     model.bind_generator(generator)
     optimizer = make_optimizer(model, cfg)
     warmup_steps = int(cfg.warmup * cfg.max_steps)

@@ -1,6 +1,6 @@
 """CC-MMD: contamination-corrected MMD between a clean reference and an audited pool.
 
-Method: METHODS.md sec. 1. ``cc_mmd`` is the estimator; ``kernel_matvec`` the exact blockwise kernel
+Method: docs/methods.md, curate. ``cc_mmd`` is the estimator; ``kernel_matvec`` the exact blockwise kernel
 sums it runs on (torch, or Triton on CUDA); ``rff_matvec`` their random-feature approximation;
 ``fit_min_ccmmd`` minimum-CC-MMD estimation of a parametric model.
 """

@@ -1,6 +1,6 @@
 """CC-MMD: contamination-corrected MMD^2 between a clean reference and an audited pool.
 
-Method: METHODS.md sec. 1. Reference X (m, d) from p; pool Y (n, d) from (1 - eps) q + eps z with
+Method: docs/methods.md, curate. Reference X (m, d) from p; pool Y (n, d) from (1 - eps) q + eps z with
 latent membership M_j; proxy scores s_j for all; a Poisson audit reveals M_j where I_j = 1. With the
 corrected membership m_j = s_j + (I_j / pi_j)(M_j - s_j) and, for any weights w,
 

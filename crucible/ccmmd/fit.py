@@ -1,4 +1,4 @@
-"""Minimum-CC-MMD estimation of a parametric model (METHODS.md sec. 1, use 3).
+"""Minimum-CC-MMD estimation of a parametric model (docs/methods.md, curate, "Minimum-CC-MMD fitting").
 
 A model draws samples z_hat = G_theta(noise) by reparameterisation. The CC-MMD^2 between the model
 and the clean part of the pool, with model-side weights v and pool weights w (the corrected m_j),
@@ -27,6 +27,8 @@ from typing import Callable
 
 import numpy as np
 import torch
+
+from crucible.seeding import numpy_rng, torch_generator
 
 from .kernels import _gammas, check_features, kernel_matvec
 
@@ -107,7 +109,7 @@ def fit_min_ccmmd(sampler: Callable[[dict, torch.Tensor], torch.Tensor], params:
     w = torch.as_tensor(weights, dtype=torch.float64)
     if w.shape != (z.shape[0],):
         raise ValueError(f"weights: expected shape ({z.shape[0]},), got {tuple(w.shape)}")
-    g = torch.Generator().manual_seed(seed)
+    g = torch_generator(seed)
     noise = torch.randn(noise_shape, generator=g, dtype=torch.float64)
     v = w if (model_weights is None and paired) else (
         torch.ones(noise_shape[0], dtype=torch.float64) if model_weights is None
@@ -150,7 +152,7 @@ def contaminated_regression(n: int, eps: float, *, p: int = 3, sigma: float = 0.
     Membership M_j ~ Bernoulli(1 - eps); x ~ N(0, I_p) for both. Returns numpy arrays x (n, p),
     y (n,), member (n,), and beta (p,).
     """
-    rng = np.random.default_rng(seed)
+    rng = numpy_rng(seed)
     beta = np.linspace(1.0, -1.0, p) if beta is None else np.asarray(beta, float)
     beta_c = -beta if contaminant_beta is None else np.asarray(contaminant_beta, float)
     x = rng.standard_normal((n, p))

@@ -1,4 +1,4 @@
-"""Gaussian kernel sums for CC-MMD, blockwise and streaming (METHODS.md sec. 1, "Cost").
+"""Gaussian kernel sums for CC-MMD, blockwise and streaming (docs/methods.md, curate, "Kernel, bandwidths, sums").
 
 Every sum CC-MMD needs is a kernel matrix times a few weight vectors,
 
@@ -25,6 +25,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from crucible.seeding import torch_generator
 
 __all__ = [
     "GaussianKernel",
@@ -67,7 +69,7 @@ def median_bandwidth(*samples: torch.Tensor, subsample: int = 1000, seed: int = 
     when the median distance is 0 (all subsampled points identical).
     """
     z = torch.cat([s.detach().to("cpu", torch.float64) for s in samples])
-    g = torch.Generator().manual_seed(seed)
+    g = torch_generator(seed)
     if z.shape[0] > subsample:
         z = z[torch.randperm(z.shape[0], generator=g)[:subsample]]
     d = torch.pdist(z)

@@ -1,4 +1,4 @@
-"""Random Fourier features for the CC-MMD kernel sums, O(n D d) (METHODS.md sec. 1, "Cost").
+"""Random Fourier features for the CC-MMD kernel sums, O(n D d) (docs/methods.md, curate, "Kernel, bandwidths, sums").
 
 Bochner: exp(-|x - y|^2 / (2 h^2)) = E[cos(omega.(x - y))] with omega ~ N(0, I / h^2), so with
 phi(z) = sqrt(2 / D) cos(Omega z + beta), beta ~ U[0, 2 pi), k(x, y) ~= phi(x).phi(y), unbiased
@@ -19,6 +19,8 @@ import math
 
 import torch
 
+from crucible.seeding import torch_generator
+
 from .kernels import _gammas, check_features
 
 __all__ = ["rff_features", "rff_matvec"]
@@ -36,7 +38,7 @@ def rff_features(z: torch.Tensor, bandwidths, n_features: int, seed: int = 0,
     if int(n_features) < 1:
         raise ValueError(f"n_features: {n_features}; valid values are integers >= 1")
     d = z.shape[1]
-    g = torch.Generator().manual_seed(int(seed))
+    g = torch_generator(int(seed))
     zz = z.detach().to(torch.float64)
     if shift is not None:
         zz = zz - shift.to(zz)

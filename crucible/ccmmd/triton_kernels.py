@@ -1,4 +1,4 @@
-"""Triton kernel for the blockwise weighted Gaussian kernel sums of CC-MMD (METHODS.md sec. 1).
+"""Triton kernel for the blockwise weighted Gaussian kernel sums of CC-MMD (docs/methods.md, curate).
 
 Same contract and same results (to float32 rounding) as the torch path in ``kernels.py``: given the
 augmented features x' = [2 x, -|x|^2, 1] and y' = [y, 1, -|y|^2] (so x'.y' = -|x - y|^2), each

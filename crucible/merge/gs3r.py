@@ -1,5 +1,5 @@
 """GS3R: Global Singular Subspace Separation and Restoration, with Pre-merge Restoration and
-Flushing (PRF), for continual model merging (METHODS.md sec. 5, our reading of the abstract).
+Flushing (PRF), for continual model merging (docs/methods.md, merge; our reading of the abstract).
 
 Per matrix parameter (m, n) the state is a low-rank factorisation of the merged update,
 

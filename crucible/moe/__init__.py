@@ -1,11 +1,14 @@
-"""Mixture-of-Experts quantization (METHODS.md sec. 4; issue: MoE quantization).
+"""Mixture-of-Experts quantization (docs/methods.md, moe; issue: MoE quantization).
 
 - `crucible.moe.build`: a dense Llama-style model -> a transformers Mixtral MoE (MoEfication:
   balanced clustering of FFN neurons into experts, a fitted router);
 - `crucible.moe.lm`: perplexity and token sequences for causal LMs;
 - `crucible.moe.routing`: record / replay the router's top-k choices, routing consistency,
   expert load, hidden-state drift;
-- `crucible.moe.quant`: MXFP4 experts (fused 3-D parameters) with per-expert low-rank adapters,
-  load-aware or uniform ranks;
+- `crucible.moe.mx_experts`: MXFP4 experts (fused 3-D parameters) with per-expert low-rank adapters,
+  quantize_moe;
+- `crucible.moe.compensate`: calibration statistics, the error SVDs, load-aware or uniform ranks, the
+  adapters;
+- `crucible.moe.mx_storage`: the quantized MoE's size in bytes, its safetensors file;
 - `crucible.moe.qat`: limited routing replay QAT (frozen router and quantized weights, adapters train).
 """

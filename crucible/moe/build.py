@@ -1,5 +1,5 @@
-"""MoEfication: a dense Llama-architecture causal LM -> a transformers Mixtral MoE (METHODS.md sec. 4,
-ARCHITECTURE.md "Models").
+"""MoEfication: a dense Llama-architecture causal LM -> a transformers Mixtral MoE (docs/methods.md,
+moe; docs/architecture.md, "Models").
 
     moe, report = moefy(dense, calib_input_ids, n_experts=8, top_k=2, seed=0)
     report.frame()                       # per layer: router recall, mass covered, fit R^2, loads
@@ -14,20 +14,11 @@ Experts", Findings of ACL 2022; the split of LLaMA's gated FFN as in LLaMA-MoE, 
   expert outputs exactly; expert e holds the rows g_e of gate_proj and up_proj (fused as
   gate_up_proj[e] = [gate rows; up rows], [2 I/E, H]) and the columns g_e of down_proj
   (down_proj[e], [H, I/E]).
-- Groups (`balanced_groups`): neurons that fire on the same tokens belong together, so that a token
-  needs few experts. Each neuron's profile is its |a_j| over the calibration tokens, normalised to
-  unit length; spherical k-means (k-means++ seeding from `seed`) with a *balanced* assignment step,
-  solved exactly as a linear assignment (each centroid offered I/E slots,
-  scipy.optimize.linear_sum_assignment), so every group has exactly I/E neurons. Both steps never
-  lower the summed cosine, so the iteration converges; it stops when the assignment repeats, the
-  summed cosine gains less than `tol` (relative), or after `iters` rounds.
-- Router (`fit_router`): per token the mass of group e is m_e = sum_{j in g_e} |a_j|; a ridge
-  least-squares map from the FFN input (the post-attention-norm hidden state) to the shares
-  m_e / sum m, centred per token (the softmax ignores a per-token shift), becomes `mlp.gate.weight`
-  [E, H]. Predicted shares differ by tenths, so the router's softmax gives nearly equal weights to
-  its top-k while ranking the groups by predicted mass. The router is fitted on the dense model's
-  hidden states (not the MoE's own, which drift layer by layer), and has no bias, so a preference
-  for one group is only expressible through the mean of the hidden state.
+- Groups (`balanced_groups`, crucible.moe.moefy_fit): neurons that fire on the same tokens belong
+  together, so that a token needs few experts; balanced spherical k-means gives every expert exactly
+  I/E neurons. Layer i is clustered with seed derive_seed(seed, "moefy", i).
+- Router (`fit_router`, crucible.moe.moefy_fit): a ridge least-squares map from the FFN input to
+  the groups' shares of the activation mass becomes `mlp.gate.weight` [E, H].
 - Combine weights: Mixtral renormalises the top-k softmax weights to sum to 1, so a token's FFN
   output is sum_{e in top-k} w_e y_e with sum w_e = 1, about 1/k of the sum of its selected
   groups. `expert_scale` (default top_k) multiplies every expert's down_proj so that nearly equal
@@ -50,12 +41,7 @@ Contract
   intermediate_size; top_k not an int in [1, n_experts]; expert_scale not finite > 0; ridge < 0;
   calib_input_ids not a 2-D integer tensor, empty, or out of range; a non-Llama dense model; a
   NaN/inf weight (naming the parameter). Deterministic given seed and inputs.
-- balanced_groups(acts [T, I], n_groups, seed=0, iters=30, tol=1e-4) -> LongTensor [n_groups, I / n_groups]:
-  a partition of range(I), each row ascending, rows ordered by their first neuron.
-- group_mass(acts [T, I], groups [E, s]) -> [T, E] float64: the sum of |a_j| over each group.
-- fit_router(hidden [T, H], mass [T, E], ridge=1e-3) -> weight [E, H] float32. ridge is relative to
-  the mean diagonal of X^T X.
-- router_quality(hidden, mass, weight, top_k) -> dict(recall, mass_covered, oracle_mass, r2, load).
+- balanced_groups, group_mass, fit_router, router_quality: crucible.moe.moefy_fit.
 - all_experts_unit_weight(model): context manager; every MoE block's router (`mlp.gate`, a module
   next to `mlp.experts`) selects all E experts, each at weight 1 / moefy_expert_scale (1 when the
   config has none), so each expert contributes its unscaled FFN slice at unit weight.
@@ -75,15 +61,14 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
-from scipy.optimize import linear_sum_assignment
 from torch import nn
 
-__all__ = ["LayerReport", "MoefyReport", "moefy", "capture_ffn", "balanced_groups", "group_mass", "fit_router",
-           "router_quality", "all_experts_unit_weight", "save_moe"]
+from crucible.hooks import forward_hooks
+from crucible.moe.moefy_fit import _int_param, balanced_groups, fit_router, group_mass, router_quality
+from crucible.seeding import derive_seed
 
-_TINY = 1e-12
+__all__ = ["LayerReport", "MoefyReport", "moefy", "capture_ffn", "all_experts_unit_weight", "save_moe"]
 
 
 @dataclass
@@ -119,14 +104,6 @@ class MoefyReport:
 
 
 # --------------------------------------------------------------------------- validation
-
-def _int_param(value, name: str, low: int, high: int | None = None, where: str = "moefy") -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low \
-            or (high is not None and value > high):
-        bound = f"an int >= {low}" if high is None else f"an int in [{low}, {high}]"
-        raise ValueError(f"{where}: {name}={value!r} must be {bound}")
-    return int(value)
-
 
 def _check_dense(dense: nn.Module) -> None:
     cfg = getattr(dense, "config", None)
@@ -165,12 +142,12 @@ def capture_ffn(dense: nn.Module, input_ids: torch.Tensor, batch_size: int = 8,
     N * T calibration tokens, float32 on the CPU, captured with forward pre-hooks."""
     layers = dense.model.layers
     xs, acts = [[] for _ in layers], [[] for _ in layers]
-    handles = []
+    pairs = []
     for i, layer in enumerate(layers):
-        handles.append(layer.mlp.register_forward_pre_hook(
-            lambda m, args, i=i: xs[i].append(args[0].reshape(-1, args[0].shape[-1]).float().cpu())))
-        handles.append(layer.mlp.down_proj.register_forward_pre_hook(
-            lambda m, args, i=i: acts[i].append(args[0].reshape(-1, args[0].shape[-1]).float().cpu())))
+        pairs.append((layer.mlp,
+                      lambda m, args, i=i: xs[i].append(args[0].reshape(-1, args[0].shape[-1]).float().cpu())))
+        pairs.append((layer.mlp.down_proj,
+                      lambda m, args, i=i: acts[i].append(args[0].reshape(-1, args[0].shape[-1]).float().cpu())))
     was_training = dense.training
     dense.eval()
     device = next(dense.parameters()).device
@@ -180,105 +157,12 @@ def capture_ffn(dense: nn.Module, input_ids: torch.Tensor, batch_size: int = 8,
 
         starts = tqdm(starts, desc="moefy: capture")
     try:
-        for s in starts:
-            dense.model(input_ids=input_ids[s:s + batch_size].to(device), use_cache=False)  # lm_head not needed
+        with forward_hooks(pairs, pre=True):
+            for s in starts:
+                dense.model(input_ids=input_ids[s:s + batch_size].to(device), use_cache=False)  # lm_head not needed
     finally:
-        for h in handles:
-            h.remove()
         dense.train(was_training)
     return [(torch.cat(x), torch.cat(a)) for x, a in zip(xs, acts)]
-
-
-def _balanced_assign(sim: np.ndarray, size: int) -> np.ndarray:
-    """Labels [I] maximising the summed similarity with exactly `size` neurons per group."""
-    rows, cols = linear_sum_assignment(-np.repeat(sim, size, axis=1))
-    labels = np.empty(sim.shape[0], dtype=np.int64)
-    labels[rows] = cols // size
-    return labels
-
-
-def balanced_groups(acts: torch.Tensor, n_groups: int, seed: int = 0, iters: int = 30,
-                    tol: float = 1e-4) -> torch.Tensor:
-    """Balanced spherical k-means of the neurons' normalised |activation| profiles (see the module
-    docstring). acts [T, I] -> LongTensor [n_groups, I / n_groups]."""
-    if acts.dim() != 2:
-        raise ValueError(f"balanced_groups: acts shape={list(acts.shape)} must be [T, I]")
-    n_neurons = acts.shape[1]
-    n_groups = _int_param(n_groups, "n_groups", 1, where="balanced_groups")
-    if n_neurons % n_groups:
-        raise ValueError(f"balanced_groups: n_groups={n_groups} must divide the number of neurons {n_neurons}")
-    size = n_neurons // n_groups
-    f = acts.detach().abs().double().T.contiguous()  # [I, T]
-    f = f / f.norm(dim=1, keepdim=True).clamp_min(_TINY)
-    gen = torch.Generator().manual_seed(int(seed))
-    centers = f[torch.randint(n_neurons, (1,), generator=gen)]
-    for _ in range(1, n_groups):  # k-means++ on the cosine distance
-        dist = (1.0 - f @ centers.T).clamp_min(0).min(dim=1).values ** 2
-        probs = dist if float(dist.sum()) > 0 else torch.ones_like(dist)
-        centers = torch.cat([centers, f[torch.multinomial(probs, 1, generator=gen)]])
-    labels, objective = None, -math.inf
-    for _ in range(iters):
-        sim = (f @ centers.T).numpy()
-        new = _balanced_assign(sim, size)
-        new_objective = float(sim[np.arange(n_neurons), new].sum())  # the summed cosine never drops
-        if labels is not None and (np.array_equal(new, labels) or new_objective - objective <= tol * abs(new_objective)):
-            labels = new
-            break
-        labels, objective = new, new_objective
-        lab = torch.from_numpy(labels)
-        centers = torch.zeros_like(centers).index_add_(0, lab, f)
-        centers = centers / centers.norm(dim=1, keepdim=True).clamp_min(_TINY)
-    groups = [np.flatnonzero(labels == e) for e in range(n_groups)]
-    groups.sort(key=lambda g: int(g[0]))
-    return torch.from_numpy(np.stack(groups)).long()
-
-
-def group_mass(acts: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-    """[T, E] float64: per token, the sum of |a_j| over each group's neurons."""
-    return acts.detach().abs().double()[:, groups].sum(-1)
-
-
-def _centred_share(mass: torch.Tensor) -> torch.Tensor:
-    """Each token's mass shares minus their mean 1/E: the softmax ignores a per-token shift."""
-    m = mass.detach().double()
-    share = m / m.sum(1, keepdim=True).clamp_min(_TINY)
-    return share - share.mean(1, keepdim=True)
-
-
-def fit_router(hidden: torch.Tensor, mass: torch.Tensor, ridge: float = 1e-3) -> torch.Tensor:
-    """Ridge least squares from the FFN input [T, H] to the groups' mass shares [T, E]; the router
-    weight [E, H] float32 (Mixtral's router has no bias)."""
-    if hidden.dim() != 2 or mass.dim() != 2 or hidden.shape[0] != mass.shape[0]:
-        raise ValueError(f"fit_router: hidden shape={list(hidden.shape)} and mass shape={list(mass.shape)} "
-                         "must be [T, H] and [T, E]")
-    if not (math.isfinite(ridge) and ridge >= 0):
-        raise ValueError(f"fit_router: ridge={ridge!r} must be finite and >= 0")
-    x = hidden.detach().double()
-    target = _centred_share(mass)
-    gram = x.T @ x
-    lam = ridge * float(gram.diagonal().mean()) if float(gram.diagonal().mean()) > 0 else ridge
-    eye = torch.eye(gram.shape[0], dtype=gram.dtype)
-    weight = torch.linalg.lstsq(gram + (lam + _TINY) * eye, x.T @ target).solution  # [H, E]
-    return weight.T.float().contiguous()
-
-
-def router_quality(hidden: torch.Tensor, mass: torch.Tensor, weight: torch.Tensor, top_k: int) -> dict:
-    """The router's recall of the oracle top-k groups, the mass its top-k covers, R^2, loads."""
-    logits = hidden.detach().double() @ weight.detach().double().T
-    m = mass.detach().double()
-    total = m.sum(1).clamp_min(_TINY)
-    chosen = logits.topk(top_k, dim=1).indices
-    oracle = m.topk(top_k, dim=1).indices
-    hits = (chosen.unsqueeze(2) == oracle.unsqueeze(1)).any(2).sum(1).double() / top_k
-    share = _centred_share(m)
-    ss_res = float(((logits - logits.mean(1, keepdim=True) - share) ** 2).sum())
-    ss_tot = float(((share - share.mean(0)) ** 2).sum())
-    load = torch.bincount(chosen.flatten(), minlength=m.shape[1]).double() / chosen.numel()
-    return {"recall": float(hits.mean()),
-            "mass_covered": float((m.gather(1, chosen).sum(1) / total).mean()),
-            "oracle_mass": float((m.gather(1, oracle).sum(1) / total).mean()),
-            "r2": 1.0 - ss_res / ss_tot if ss_tot > 0 else float("nan"),
-            "load": [float(v) for v in load]}
 
 
 def _mixtral_config(cfg, n_experts: int, top_k: int, expert_scale: float):
@@ -335,7 +219,7 @@ def moefy(dense: nn.Module, calib_input_ids: torch.Tensor, n_experts: int = 8, t
     expert_weights, cluster_s, router_s = [], 0.0, 0.0
     for i, (x, a) in layer_iter:
         t0 = time.perf_counter()
-        groups = balanced_groups(a, n_experts, seed=int(seed) + i, iters=iters)
+        groups = balanced_groups(a, n_experts, seed=derive_seed(int(seed), "moefy", i), iters=iters)
         cluster_s += time.perf_counter() - t0
         t0 = time.perf_counter()
         mass = group_mass(a, groups)
@@ -387,16 +271,12 @@ def all_experts_unit_weight(model: nn.Module):
         index = torch.arange(n_experts, device=logits.device).repeat(n_tokens, 1)
         return logits, torch.full((n_tokens, n_experts), weight, dtype=scores.dtype, device=scores.device), index
 
-    handles = [m.gate.register_forward_hook(every_expert) for m in model.modules()
-               if isinstance(getattr(m, "gate", None), nn.Module) and hasattr(m, "experts")]
-    if not handles:
+    routers = [m.gate for m in model.modules() if isinstance(getattr(m, "gate", None), nn.Module) and hasattr(m, "experts")]
+    if not routers:
         raise ValueError(f"all_experts_unit_weight: {type(model).__name__} has no MoE block (a module with "
                          "`gate` and `experts`)")
-    try:
+    with forward_hooks([(router, every_expert) for router in routers]):
         yield model
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def save_moe(model: nn.Module, folder: str | Path, tokenizer=None, report: MoefyReport | None = None) -> Path:

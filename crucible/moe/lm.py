@@ -30,9 +30,10 @@ import math
 import numbers
 from typing import Sequence
 
-import numpy as np
 import torch
 from torch import nn
+
+from crucible.seeding import numpy_rng
 
 __all__ = ["perplexity", "token_sequences"]
 
@@ -121,7 +122,7 @@ def token_sequences(tokenizer, texts: Sequence[str], seq_len: int, n: int, seed:
         raise ValueError(f"token_sequences: tokenizer {type(tokenizer).__name__} has no eos_token_id to separate texts")
     need = n * seq_len
     ids: list[int] = []
-    for i in np.random.default_rng(seed).permutation(len(texts)):
+    for i in numpy_rng(seed).permutation(len(texts)):
         ids.extend(tokenizer(texts[int(i)], add_special_tokens=False)["input_ids"])
         ids.append(int(eos))
         if len(ids) >= need:

@@ -1,4 +1,4 @@
-"""Limited routing replay QAT (METHODS.md sec. 4): train only the low-rank adapters of a quantized
+"""Limited routing replay QAT (docs/methods.md, moe): train only the low-rank adapters of a quantized
 MoE to match the float model, with the float model's routes forced.
 
     routes = record_routes(float_model, batches)                 # crucible.moe.routing
@@ -21,9 +21,9 @@ The float model's targets are computed once per batch and cached (logits: tokens
 Deterministic given `seed`: the batch order is a pure function of (seed, epoch) and nothing else
 is random. Resumable: every `checkpoint_every` steps (and at the last) the adapters, the AdamW state,
 the step and the history are written to checkpoint_dir/step-<7 digits>/ as safetensors + JSON (no
-pickle, crucible.train.save_checkpoint); a later call with the same checkpoint_dir continues from the
+pickle, crucible.checkpoint.save_checkpoint); a later call with the same checkpoint_dir continues from the
 newest one and ends with the same adapters as an uninterrupted run. At the end the adapters are
-rounded to their storage dtype (quant.round_adapters), so save_quantized_moe writes what the model
+rounded to their storage dtype (mx_experts.round_adapters), so save_quantized_moe writes what the model
 computes.
 """
 
@@ -39,9 +39,10 @@ from torch import nn
 from torch.nn import functional as F
 from tqdm.auto import tqdm
 
-from crucible.moe.quant import MXExperts, round_adapters
+from crucible.moe.mx_experts import MXExperts, round_adapters
 from crucible.moe.routing import Routes, check_routes, forward_batch, moe_layers, replay
 from crucible.quant.linear import MXLinear
+from crucible.seeding import epoch_seed, torch_generator
 
 __all__ = ["LOSSES", "replay_qat", "adapter_parameters", "batch_order"]
 
@@ -66,7 +67,7 @@ def batch_order(step: int, n: int, seed: int, shuffle: bool = True) -> int:
     epoch, i = divmod(step, n)
     if not shuffle:
         return i
-    g = torch.Generator().manual_seed(int(seed) * 1_000_003 + epoch)
+    g = torch_generator(epoch_seed(int(seed), epoch))
     return int(torch.randperm(n, generator=g)[i])
 
 
@@ -114,7 +115,7 @@ def replay_qat(qmodel: nn.Module, float_model: nn.Module, batches: Sequence, rou
     (including the steps of earlier, resumed runs). `log(metrics, step)` is called after each step.
     ValueError for bad arguments, routes that do not fit, no adapter to train (compensate_moe first:
     an adapter of rank 0 has nothing to train), or a checkpoint written with other settings."""
-    from crucible.train import latest_checkpoint, load_checkpoint, save_checkpoint
+    from crucible.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
     batches = list(batches)
     _check(steps, lr, loss, temperature, checkpoint_every, batches, routes, qmodel)

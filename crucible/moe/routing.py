@@ -1,4 +1,4 @@
-"""Router top-k choices of a transformers MoE: record, replay, compare (METHODS.md sec. 4).
+"""Router top-k choices of a transformers MoE: record, replay, compare (docs/methods.md, moe).
 
     routes = record_routes(float_model, batches)        # per MoE layer: top-k expert ids [tokens, k]
     routes.save("routes.safetensors"); routes = Routes.load("routes.safetensors")
@@ -10,7 +10,7 @@
 
 A MoE layer is a transformers SparseMoeBlock (Mixtral, Qwen3-MoE): a module with a router `gate`
 (weight [E, H], `top_k`; forward(hidden [T, H]) -> (logits [T, E], top-k weights [T, k], top-k
-index [T, k])) and `experts` (the fused experts, or crucible.moe.quant.MXExperts). Qwen3-MoE's dense
+index [T, k])) and `experts` (the fused experts, or crucible.moe.mx_experts.MXExperts). Qwen3-MoE's dense
 layers (`mlp_only_layers`, `decoder_sparse_step`) have no router and are not MoE layers here.
 
 Batches: each item of `batches` is one forward call: a LongTensor of input ids [B, T], a dict of
@@ -39,6 +39,8 @@ from typing import Iterable, Iterator
 
 import torch
 from torch import nn
+
+from crucible.hooks import forward_hooks
 
 __all__ = ["Routes", "moe_layers", "router_renormalises", "record_routes", "replay", "consistency", "expert_load",
            "hidden_drift", "forward_batch", "read_safetensors", "check_routes"]
@@ -259,15 +261,14 @@ def record_routes(model: nn.Module, batches: Iterable, logits: bool = False) -> 
                 lg[name].append(output[0].detach().reshape(index.shape[0], -1).to("cpu", torch.float32))
         return fn
 
-    handles = [b.gate.register_forward_hook(hook(n)) for n, b in layers.items()]
+    pairs = [(b.gate, hook(n)) for n, b in layers.items()]
     was_training = model.training
     model.eval()
     try:
-        for batch in batches:
-            forward_batch(model, batch)
+        with forward_hooks(pairs):
+            for batch in batches:
+                forward_batch(model, batch)
     finally:
-        for h in handles:
-            h.remove()
         model.train(was_training)
     first = next(iter(layers))
     for n in layers:
@@ -325,12 +326,8 @@ def replay(model: nn.Module, routes: Routes, strict: bool = True) -> Iterator[di
         return fn
 
     hooks = {n: hook(n, router_renormalises(b.gate)) for n, b in layers.items()}
-    handles = [b.gate.register_forward_hook(hooks[n], prepend=True) for n, b in layers.items()]
-    try:
+    with forward_hooks([(b.gate, hooks[n]) for n, b in layers.items()], prepend=True):
         yield cursor
-    finally:
-        for h in handles:
-            h.remove()
     if strict:
         short = {n: c for n, c in cursor.items() if c != total}
         if short:
@@ -363,7 +360,7 @@ def consistency(a: Routes, b: Routes) -> dict[str, dict[str, float]]:
 
 def expert_load(routes: Routes) -> torch.Tensor:
     """[layers, E] float64: the share of tokens routed to each expert (count / tokens; each row sums
-    to top_k). This is the load of the load-aware rank allocation (METHODS.md sec. 4)."""
+    to top_k). This is the load of the load-aware rank allocation (docs/methods.md, moe)."""
     if routes.tokens == 0:
         raise ValueError("expert_load: the routes hold no token")
     rows = [torch.bincount(routes.indices[n].long().flatten(), minlength=routes.num_experts).double() / routes.tokens

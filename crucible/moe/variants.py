@@ -1,8 +1,8 @@
-"""The MoE quantization comparison in one function (METHODS.md sec. 4; issue: MoE quantization):
+"""The MoE quantization comparison in one function (docs/methods.md, moe; issue: MoE quantization):
 float MoE, MXFP4, MXFP4 + uniform compensation, MXFP4 + load-aware compensation at the same total
 rank, and limited routing replay QAT, each scored on held-out token sequences.
 
-    ref = float_reference(moe, eval_ids)                          # optional: reuse across calls
+    ref = float_reference(moe, eval_ids)                          # optional (crucible.moe.variant_eval)
     out = quantize_variants(moe, calib_ids, eval_ids, rank_budget=default_rank_budget(moe),
                             qat_steps=24, qat_lr=1e-3, seed=0, dense=dense, reference=ref)
     out.metrics["variants"]["load_aware"]["perplexity"]; out.model   # the load-aware + QAT model
@@ -22,14 +22,8 @@ Steps (each timed in metrics["seconds"]):
    router and MXFP4 codes, the float MoE's calibration routes replayed, only the expert adapters train
    toward the float MoE's next-token distributions on the calibration batches: variant "qat". With
    `qat_uniform` the same training also starts from the uniform model: variant "uniform_qat".
-Every variant is evaluated in one forward pass over eval_ids (batches of `batch_size`, no replay:
-the model routes by itself; "float" is the reference pass itself): perplexity (exactly
-crucible.moe.lm.perplexity's definition); its own routes against the float MoE's on the same
-tokens (routing.consistency: per layer set and top-1 agreement); the hidden-state drift per decoder
-layer against the float MoE (routing.hidden_drift's definition: ||h_l - h_float,l|| / ||h_float,l||
-over all eval tokens); its token agreement (the share of eval positions whose argmax next token
-equals the float MoE's); its size (quant.moe_nbytes: bytes, bits per weight). "dense"
-(perplexity only) when `dense` is given.
+Every variant is evaluated by crucible.moe.variant_eval.evaluate_variant against the float
+reference ("float" is the reference pass itself); "dense" (perplexity only) when `dense` is given.
 
 At most three models are alive at once (the float MoE, the quantized base, one compensated copy;
 with `qat_uniform` the uniform copy is kept for its QAT, so the float MoE and two quantized ones);
@@ -37,11 +31,7 @@ the plan (float64 SVDs) is dropped before QAT. Deterministic given `seed` (torch
 batch order is seeded; nothing else draws random numbers); only metrics["seconds"] varies between runs.
 
 metrics (JSON-serialisable):
-    variants: {name: {perplexity, token_agreement, consistency: {layer: {set, top1}}, consistency_mean: {set, top1},
-               drift: {"layers.<l>": d}, drift_mean, drift_last, load: {layer: [E shares of the eval
-               tokens under the variant's own routing]}, bytes: moe_nbytes(model) (without bits_per_weight),
-               bits_per_weight: moe_nbytes(model)["bits_per_weight"]["model"], bits_per_weight_detail}}
-              ("dense": perplexity, bytes)
+    variants: {name: evaluate_variant's metrics (crucible.moe.variant_eval)}   ("dense": perplexity, bytes)
     ranks: {budget, total: {uniform, load_aware}, experts_share: {uniform, load_aware} (the share of the
             budget on expert matrices), weighted_error: {uniform, load_aware} (the load-weighted
             discarded energy load-aware minimises), matrices: [{name, module, kind, expert, load,
@@ -67,14 +57,16 @@ from typing import Callable
 import torch
 from torch import nn
 
+from crucible.moe.compensate import compensate_moe, expert_stats, moe_plan, plan_ranks
+from crucible.moe.mx_experts import cache_moe_dequantized, quantizable_linears, quantize_moe
 from crucible.moe.qat import LOSSES, replay_qat
-from crucible.moe.quant import (cache_moe_dequantized, compensate_moe, expert_stats, moe_nbytes, moe_plan,
-                                plan_ranks, quantizable_linears, quantize_moe)
-from crucible.moe.routing import Routes, consistency, expert_load, moe_layers, record_routes
+from crucible.moe.routing import moe_layers, record_routes
+from crucible.moe.variant_eval import (FloatReference, _check_ids, _check_int, _rows, evaluate_variant,
+                                       float_reference, reference_metrics)
 from crucible.quant import mxfp4
 
-__all__ = ["VARIANTS", "MoEVariants", "FloatReference", "float_reference", "quantize_variants",
-           "compensated_matrices", "max_rank_budget", "default_rank_budget", "evaluate_variant", "reference_metrics"]
+__all__ = ["VARIANTS", "MoEVariants", "quantize_variants", "compensated_matrices", "max_rank_budget",
+           "default_rank_budget"]
 
 VARIANTS = ("dense", "float", "mxfp4", "uniform", "load_aware", "qat", "uniform_qat")
 _EXPERT_KEY = re.compile(r"^(?P<module>.+)\.(?P<kind>gate_up|down)_proj\.(?P<e>\d+)$")
@@ -108,141 +100,6 @@ def max_rank_budget(model: nn.Module, attention: bool = True) -> int:
 def default_rank_budget(model: nn.Module, attention: bool = True, per_matrix: int = 8) -> int:
     """per_matrix x the number of compensated matrices (an average rank of `per_matrix` each)."""
     return min(int(per_matrix) * len(compensated_matrices(model, attention)), max_rank_budget(model, attention))
-
-
-def _check_int(value, name: str, low: int, high: int | None = None) -> int:
-    if (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low
-            or (high is not None and value > high)):
-        span = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"quantize_variants: {name} must be an int {span}, got {value!r}")
-    return int(value)
-
-
-def _check_ids(ids, name: str, vocab: int) -> torch.Tensor:
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point() or ids.dtype == torch.bool:
-        raise ValueError(f"quantize_variants: {name} must be an integer tensor [N, T], got "
-                         f"{type(ids).__name__} {getattr(ids, 'dtype', '')} {list(getattr(ids, 'shape', []))}")
-    if ids.shape[0] < 1 or ids.shape[1] < 2:
-        raise ValueError(f"quantize_variants: {name} shape {list(ids.shape)} needs N >= 1 rows of T >= 2 tokens")
-    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
-        raise ValueError(f"quantize_variants: {name} holds ids in [{int(ids.min())}, {int(ids.max())}], outside the "
-                         f"vocabulary [0, {vocab})")
-    return ids.long()
-
-
-# --------------------------------------------------------------------------- one evaluation pass
-
-@dataclass
-class FloatReference:
-    """The float MoE on the eval sequences: perplexity, routes (no replay) and hidden states per batch."""
-
-    perplexity: float
-    routes: Routes
-    hidden: list[tuple[torch.Tensor, ...]]      # per eval batch: output_hidden_states[1:] (float32)
-    predictions: list[torch.Tensor]             # per eval batch: argmax next-token ids [B, T - 1]
-    eval_shape: tuple[int, int]
-    batch_size: int
-    seconds: float = 0.0
-
-
-def _rows(ids: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
-    return [ids[s:s + batch_size] for s in range(0, ids.shape[0], batch_size)]
-
-
-@torch.no_grad()
-def _eval_pass(model: nn.Module, eval_ids: torch.Tensor, batch_size: int, reference: FloatReference | None,
-               keep_hidden: bool, progress: bool, desc: str):
-    """One forward per batch of eval_ids: perplexity, routes, hidden drift vs reference (if given),
-    and the hidden states themselves (if keep_hidden)."""
-    batches = [{"input_ids": b, "attention_mask": torch.ones_like(b), "output_hidden_states": True,
-                "use_cache": False} for b in _rows(eval_ids, batch_size)]
-    acc = {"nll": 0.0, "count": 0, "i": 0, "diff": None, "ref": None, "agree": 0}
-    kept: list[tuple[torch.Tensor, ...]] = []
-    preds: list[torch.Tensor] = []
-
-    def hook(module, args, kwargs, output):
-        ids = kwargs["input_ids"]
-        logp = torch.log_softmax(output.logits[:, :-1].float(), dim=-1)
-        token_nll = -logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-        if not bool(torch.isfinite(token_nll).all()):
-            raise ValueError(f"quantize_variants: {desc}: the log-probabilities of the eval targets are not finite")
-        acc["nll"] += float(token_nll.double().sum())
-        acc["count"] += token_nll.numel()
-        pred = logp.argmax(-1)
-        hs = tuple(h.detach().float() for h in output.hidden_states[1:])
-        if keep_hidden:
-            kept.append(tuple(h.clone() for h in hs))
-            preds.append(pred)
-        if reference is not None:
-            acc["agree"] += int((pred == reference.predictions[acc["i"]]).sum())
-            ref = reference.hidden[acc["i"]]
-            if len(ref) != len(hs):
-                raise ValueError(f"quantize_variants: {desc} has {len(hs)} layers, the float reference {len(ref)}")
-            d = [float((x.double() - y.double()).pow(2).sum()) for x, y in zip(hs, ref)]
-            e = [float(y.double().pow(2).sum()) for y in ref]
-            acc["diff"] = d if acc["diff"] is None else [p + q for p, q in zip(acc["diff"], d)]
-            acc["ref"] = e if acc["ref"] is None else [p + q for p, q in zip(acc["ref"], e)]
-        acc["i"] += 1
-
-    items = batches
-    if progress:
-        from tqdm.auto import tqdm
-
-        items = tqdm(batches, desc=f"eval {desc}", unit="batch")
-    handle = model.register_forward_hook(hook, with_kwargs=True)
-    try:
-        routes = record_routes(model, items)
-    finally:
-        handle.remove()
-    ppl = math.exp(acc["nll"] / acc["count"])
-    drift = None
-    if reference is not None:
-        drift = {f"layers.{i}": math.sqrt(d / r) if r > 0 else float("nan")
-                 for i, (d, r) in enumerate(zip(acc["diff"], acc["ref"]))}
-    return ppl, routes, drift, kept, preds, acc["agree"] / acc["count"]
-
-
-def float_reference(moe_float: nn.Module, eval_ids: torch.Tensor, batch_size: int = 8,
-                    progress: bool = False) -> FloatReference:
-    """The float MoE's perplexity, routes and hidden states on eval_ids (for quantize_variants)."""
-    eval_ids = _check_ids(eval_ids, "eval_ids", int(moe_float.config.vocab_size))
-    _check_int(batch_size, "batch_size", 1)
-    t0 = time.perf_counter()
-    ppl, routes, _, hidden, preds, _ = _eval_pass(moe_float, eval_ids, batch_size, None, True, progress, "float")
-    return FloatReference(ppl, routes, hidden, preds, tuple(eval_ids.shape), int(batch_size), time.perf_counter() - t0)
-
-
-def _metrics(ppl: float, reference: FloatReference, routes: Routes, drift: dict, model: nn.Module,
-             agreement: float) -> dict:
-    cons = {n: {"set": c["set_agreement"], "top1": c["top1_agreement"]}
-            for n, c in consistency(reference.routes, routes).items()}
-    size = moe_nbytes(model)
-    d = list(drift.values())
-    return {"perplexity": ppl, "token_agreement": agreement, "consistency": cons,
-            "consistency_mean": {k: sum(c[k] for c in cons.values()) / len(cons) for k in ("set", "top1")},
-            "drift": drift, "drift_mean": sum(d) / len(d), "drift_last": d[-1],
-            "load": {n: [float(x) for x in row] for n, row in zip(routes.layers, expert_load(routes))},
-            "bytes": {k: v for k, v in size.items() if k != "bits_per_weight"},
-            "bits_per_weight": size["bits_per_weight"]["model"], "bits_per_weight_detail": size["bits_per_weight"]}
-
-
-def reference_metrics(moe_float: nn.Module, reference: FloatReference) -> dict:
-    """The float variant's metrics from its reference pass: its routes against themselves (consistency
-    1), drift 0, its perplexity and size; `load` is the float MoE's expert load on the eval tokens."""
-    n_layers = len(reference.hidden[0])
-    return _metrics(reference.perplexity, reference, reference.routes, {f"layers.{i}": 0.0 for i in range(n_layers)},
-                    moe_float, 1.0)
-
-
-def evaluate_variant(model: nn.Module, eval_ids: torch.Tensor, reference: FloatReference, batch_size: int | None = None,
-                     progress: bool = False, name: str = "variant") -> dict:
-    """The metrics of one model on eval_ids against the float reference (see the module docstring)."""
-    batch_size = reference.batch_size if batch_size is None else batch_size
-    if tuple(eval_ids.shape) != reference.eval_shape or batch_size != reference.batch_size:
-        raise ValueError(f"evaluate_variant: eval_ids {list(eval_ids.shape)} in batches of {batch_size}, the reference "
-                         f"was taken on {list(reference.eval_shape)} in batches of {reference.batch_size}")
-    ppl, routes, drift, _, _, agree = _eval_pass(model, eval_ids, batch_size, reference, False, progress, name)
-    return _metrics(ppl, reference, routes, drift, model, agree)
 
 
 # --------------------------------------------------------------------------- the comparison
@@ -346,30 +203,29 @@ def quantize_variants(moe_float: nn.Module, calib_ids: torch.Tensor, eval_ids: t
     was_training = moe_float.training
     moe_float.eval()
 
-    def timed(step: str, fn):
+    def timed(step: str, fn, *args, **kwargs):
         t0 = time.perf_counter()
-        out = fn()
+        out = fn(*args, **kwargs)
         seconds[step] = seconds.get(step, 0.0) + time.perf_counter() - t0
         return out
 
     if dense is not None:
         from crucible.moe.lm import perplexity
 
-        ppl = timed("eval dense", lambda: perplexity(dense, eval_ids, batch_size, progress))
+        ppl = timed("eval dense", perplexity, dense, eval_ids, batch_size, progress)
         variants["dense"] = {"perplexity": ppl, "bytes": {"total": sum(p.numel() * p.element_size() for p in
                                                                       {id(p): p for p in dense.parameters()}.values())}}
     if reference is None:
         reference = float_reference(moe_float, eval_ids, batch_size, progress)
         seconds["eval float (reference)"] = reference.seconds
     if include_float:
-        variants["float"] = timed("float metrics (the reference pass)", lambda: reference_metrics(moe_float, reference))
+        variants["float"] = timed("float metrics (the reference pass)", reference_metrics, moe_float, reference)
 
     calib_batches = _rows(calib_ids, batch_size)
-    routes = timed("record routes (calib)", lambda: record_routes(moe_float, calib_batches))
-    stats = timed("expert stats (calib)", lambda: expert_stats(moe_float, calib_batches, routes, linears=attention))
+    routes = timed("record routes (calib)", record_routes, moe_float, calib_batches)
+    stats = timed("expert stats (calib)", expert_stats, moe_float, calib_batches, routes, linears=attention)
     with _threads(svd_threads):
-        plan = timed("plan (quantization error SVD)",
-                     lambda: moe_plan(moe_float, stats, mode=mode, attention=attention))
+        plan = timed("plan (quantization error SVD)", moe_plan, moe_float, stats, mode=mode, attention=attention)
     del stats
     calib_load: dict[str, list[float]] = {}
     for key, layer in plan.layers.items():
@@ -384,10 +240,10 @@ def quantize_variants(moe_float: nn.Module, calib_ids: torch.Tensor, eval_ids: t
 
     base = timed("quantize (MXFP4)", quantize)
     if include_mxfp4:
-        variants["mxfp4"] = timed("eval mxfp4", lambda: evaluate_variant(base, eval_ids, reference, batch_size,
-                                                                          progress, "mxfp4"))
-    uniform = timed("ranks uniform", lambda: plan_ranks(plan, rank_budget, "uniform"))
-    aware = timed("ranks load_aware", lambda: plan_ranks(plan, rank_budget, "load_aware"))
+        variants["mxfp4"] = timed("eval mxfp4", evaluate_variant, base, eval_ids, reference, batch_size, progress,
+                                  "mxfp4")
+    uniform = timed("ranks uniform", plan_ranks, plan, rank_budget, "uniform")
+    aware = timed("ranks load_aware", plan_ranks, plan, rank_budget, "load_aware")
     if sum(uniform.values()) != sum(aware.values()) or sum(aware.values()) != rank_budget:
         raise AssertionError(f"quantize_variants: the allocations sum to {sum(uniform.values())} (uniform) and "
                              f"{sum(aware.values())} (load-aware), the budget is {rank_budget}")
@@ -401,19 +257,19 @@ def quantize_variants(moe_float: nn.Module, calib_ids: torch.Tensor, eval_ids: t
                            "none": plan.weighted_error({})},
         "matrices": _rank_rows(plan, uniform, aware)}
 
-    uq = timed("copy (uniform)", lambda: _clone_quantized(base))
-    timed("compensate uniform", lambda: compensate_moe(uq, plan, uniform))
-    variants["uniform"] = timed("eval uniform", lambda: evaluate_variant(uq, eval_ids, reference, batch_size,
-                                                                          progress, "uniform"))
+    uq = timed("copy (uniform)", _clone_quantized, base)
+    timed("compensate uniform", compensate_moe, uq, plan, uniform)
+    variants["uniform"] = timed("eval uniform", evaluate_variant, uq, eval_ids, reference, batch_size, progress,
+                                "uniform")
     if not (qat_uniform and qat_steps):
         del uq
         uq = None
     la = base  # the quantized base is not needed anymore: compensate it in place
     del base
-    timed("compensate load_aware", lambda: compensate_moe(la, plan, aware))
+    timed("compensate load_aware", compensate_moe, la, plan, aware)
     del plan
-    variants["load_aware"] = timed("eval load_aware", lambda: evaluate_variant(la, eval_ids, reference, batch_size,
-                                                                                progress, "load_aware"))
+    variants["load_aware"] = timed("eval load_aware", evaluate_variant, la, eval_ids, reference, batch_size,
+                                   progress, "load_aware")
     qat_info, history = None, []
     if qat_steps:
         def train(model, ckpt, logger):
@@ -422,16 +278,15 @@ def quantize_variants(moe_float: nn.Module, calib_ids: torch.Tensor, eval_ids: t
                               max_grad_norm=qat_max_grad_norm, log=logger)
 
         ckpt_dir = None if checkpoint_dir is None else Path(checkpoint_dir)
-        history = timed("qat (from load_aware)", lambda: train(la, ckpt_dir and ckpt_dir / "qat", log))
-        variants["qat"] = timed("eval qat", lambda: evaluate_variant(la, eval_ids, reference, batch_size, progress,
-                                                                      "qat"))
+        history = timed("qat (from load_aware)", train, la, ckpt_dir and ckpt_dir / "qat", log)
+        variants["qat"] = timed("eval qat", evaluate_variant, la, eval_ids, reference, batch_size, progress, "qat")
         losses = [float(h["loss"]) for h in history]
         qat_info = {"start": "load_aware", "steps": qat_steps, "lr": float(qat_lr), "loss": qat_loss,
                     "batches": len(calib_batches), "loss_first": losses[0], "loss_last": losses[-1], "history": losses}
         if uq is not None:
-            h_u = timed("qat (from uniform)", lambda: train(uq, ckpt_dir and ckpt_dir / "uniform_qat", None))
-            variants["uniform_qat"] = timed("eval uniform_qat", lambda: evaluate_variant(
-                uq, eval_ids, reference, batch_size, progress, "uniform_qat"))
+            h_u = timed("qat (from uniform)", train, uq, ckpt_dir and ckpt_dir / "uniform_qat", None)
+            variants["uniform_qat"] = timed("eval uniform_qat", evaluate_variant, uq, eval_ids, reference, batch_size,
+                                            progress, "uniform_qat")
             qat_info["uniform_history"] = [float(h["loss"]) for h in h_u]
             del uq
     moe_float.train(was_training)

@@ -1,4 +1,4 @@
-"""MXFP4 with low-rank compensation of a whole model (METHODS.md sec. 4): calibration statistics,
+"""MXFP4 with low-rank compensation of a whole model (docs/methods.md, quantize): calibration statistics,
 one SVD per quantized matrix, ranks under a total budget, adapters.
 
     stats = collect_input_stats(model, names, batches)              # per layer: sums of |x|, x^2
@@ -40,7 +40,8 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from crucible.quant import lowrank, mxfp4
+from crucible.hooks import forward_hooks
+from crucible.quant import lowrank, mxfp4, rank_allocation
 
 SCALINGS = ("plain", "qera", "lqer")
 LOADS = ("unit", "input_energy", "sensitivity")
@@ -69,16 +70,15 @@ def collect_input_stats(model: nn.Module, names: Iterable[str], batches: Iterabl
             stats[name].update(x)
         return fn
 
-    handles = [model.get_submodule(n).register_forward_pre_hook(hook(n)) for n in names]
+    pairs = [(model.get_submodule(n), hook(n)) for n in names]
     was_training = model.training
     model.eval()
     try:
-        for batch in batches:
-            current["mask"] = masks(batch) if masks is not None else None
-            (forward or (lambda mdl, b: mdl(*b)))(model, batch)
+        with forward_hooks(pairs, pre=True):
+            for batch in batches:
+                current["mask"] = masks(batch) if masks is not None else None
+                (forward or (lambda mdl, b: mdl(*b)))(model, batch)
     finally:
-        for h in handles:
-            h.remove()
         model.train(was_training)
     empty = [n for n, s in stats.items() if s.count == 0]
     if empty:
@@ -113,28 +113,27 @@ def collect_output_sensitivity(model: nn.Module, names: Iterable[str], batches: 
         return fwd
 
     flags = {p: p.requires_grad for p in model.parameters()}
-    handles = [model.get_submodule(n).register_forward_hook(hook(n)) for n in names]
+    pairs = [(model.get_submodule(n), hook(n)) for n in names]
     was_training = model.training
     model.eval()
     try:
-        # only the named layers' weights require grad, so their outputs carry the hooks' gradients
-        watched = [model.get_submodule(n).weight for n in names]
-        for p in model.parameters():
-            p.requires_grad_(False)
-        for w in watched:
-            w.requires_grad_(True)
-        with torch.enable_grad():
-            for batch in batches:
-                current["mask"] = masks(batch) if masks is not None else None
-                loss = loss_fn(model, batch)
-                if not torch.isfinite(loss):
-                    raise ValueError(f"collect_output_sensitivity: the loss is {float(loss.detach())}")
-                loss.backward()
-                for w in watched:
-                    w.grad = None
+        with forward_hooks(pairs):
+            # only the named layers' weights require grad, so their outputs carry the hooks' gradients
+            watched = [model.get_submodule(n).weight for n in names]
+            for p in model.parameters():
+                p.requires_grad_(False)
+            for w in watched:
+                w.requires_grad_(True)
+            with torch.enable_grad():
+                for batch in batches:
+                    current["mask"] = masks(batch) if masks is not None else None
+                    loss = loss_fn(model, batch)
+                    if not torch.isfinite(loss):
+                        raise ValueError(f"collect_output_sensitivity: the loss is {float(loss.detach())}")
+                    loss.backward()
+                    for w in watched:
+                        w.grad = None
     finally:
-        for h in handles:
-            h.remove()
         for p, f in flags.items():
             p.requires_grad_(f)
         model.train(was_training)
@@ -221,17 +220,17 @@ class CompensationPlan:
                              f"{len(self.layers)} quantized matrices (sum of min(out, in))")
         names = list(self.layers)
         if allocation == "uniform":
-            r = lowrank.uniform_ranks([self.layers[n].max_rank for n in names], budget)
+            r = rank_allocation.uniform_ranks([self.layers[n].max_rank for n in names], budget)
         else:
-            r = lowrank.allocate_ranks([self.layers[n].spectrum for n in names],
-                                       [self.layers[n].load for n in names], budget)
+            r = rank_allocation.allocate_ranks([self.layers[n].spectrum for n in names],
+                                               [self.layers[n].load for n in names], budget)
         return dict(zip(names, (int(x) for x in r)))
 
     def weighted_error(self, ranks: dict[str, int]) -> float:
         """sum_i load_i * sum_{j > r_i} sigma_{i,j}^2 (the error the allocation minimises)."""
         names = list(self.layers)
-        return lowrank.weighted_error([self.layers[n].spectrum for n in names], [self.layers[n].load for n in names],
-                                      [ranks.get(n, 0) for n in names])
+        return rank_allocation.weighted_error([self.layers[n].spectrum for n in names],
+                                              [self.layers[n].load for n in names], [ranks.get(n, 0) for n in names])
 
     def adapters(self, ranks: dict[str, int]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """name -> (A, B) for every layer of positive rank."""

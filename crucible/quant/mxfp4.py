@@ -1,4 +1,4 @@
-"""MXFP4 (OCP Microscaling, FP4 E2M1 elements, E8M0 block scales), the torch path (METHODS.md sec. 4).
+"""MXFP4 (OCP Microscaling, FP4 E2M1 elements, E8M0 block scales), the torch path (docs/methods.md, quantize).
 
     q = quantize(w)                 # MXFP4Tensor: packed uint8 [..., K // 2], scales uint8 [..., K // 32]
     w_hat = dequantize(q)           # float32 (or dtype=...) of w's shape

@@ -43,7 +43,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +51,8 @@ import torch
 
 from crucible.gmixout import GMixout, GMixoutConfig
 from crucible.schema import validate_disjoint, validate_table
-from crucible.train import EncoderClassifier, Examples, TrainConfig, evaluate, stream_seed, tokenize, train
+from crucible.seeding import derive_seed, numpy_rng, stream_seed
+from crucible.train import EncoderClassifier, Examples, TrainConfig, evaluate, tokenize, train
 from tasks.runtime.declaration import StageSpec
 from tasks.runtime.io import AtomicOutputs, read_stage_output, read_table
 from tasks.data.models import resolve_model
@@ -82,7 +82,7 @@ def checkpoint_dir(root: Path | str, task: str) -> Path:
 
 def task_seed(seed: int, task: str) -> int:
     """The stage's seed for a task: stable across runs and independent of task order."""
-    return int(np.random.default_rng([seed, zlib.crc32(task.encode()), zlib.crc32(b"finetune")]).integers(2**31))
+    return derive_seed(seed, task, "finetune")
 
 
 def read_labeled(path: Path) -> pd.DataFrame:
@@ -104,7 +104,7 @@ def read_labeled(path: Path) -> pd.DataFrame:
 def split_dev(labeled: pd.DataFrame, fraction: float, seed: int) -> np.ndarray:
     """Boolean mask of the dev rows: per class, round(fraction x n) (at least 1, leaving at least 1
     for training) of the reference-sourced rows, drawn with `seed`."""
-    rng = np.random.default_rng(seed)
+    rng = numpy_rng(seed)
     dev = np.zeros(len(labeled), dtype=bool)
     ref = labeled["source"].to_numpy() == "reference"
     for label in sorted(labeled.loc[ref, "label"].unique()):

@@ -24,7 +24,6 @@ The same params give byte-identical files.
 
 from __future__ import annotations
 
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +32,7 @@ import pandas as pd
 from crucible.contamination import build_pool, draw_poisson_sample, poisson_inclusion_probabilities
 from crucible.schema import (DataValidationError, validate_audit_against_pool, validate_disjoint,
                              validate_labels_against_reference, validate_reference_classes, validate_table)
+from crucible.seeding import numpy_rng
 from tasks.runtime.declaration import StageSpec
 from tasks.data.corpora import load_corpus
 from tasks.runtime.io import AtomicOutputs, read_table
@@ -58,7 +58,7 @@ def task_dir(root: Path, task: str) -> Path:
 
 def task_rng(params: Params, task: str, purpose: str) -> np.random.Generator:
     """A generator per (seed, task, purpose): stable across runs and independent of task order."""
-    return np.random.default_rng([params.pipeline.seed, zlib.crc32(task.encode()), zlib.crc32(purpose.encode())])
+    return numpy_rng(params.pipeline.seed, task, purpose)
 
 
 def _lexical_scores(reference: pd.DataFrame, pool: pd.DataFrame, seed: int) -> np.ndarray:

@@ -20,7 +20,7 @@ agreement), hidden-state drift per layer, bytes and bits per weight.
 
 Outputs (published together):
 - models/moe/quantize/model.safetensors: the qat model (load_aware without QAT), packed MXFP4 +
-  adapters (crucible.moe.quant.save_quantized_moe; loads onto the build's architecture);
+  adapters (crucible.moe.mx_storage.save_quantized_moe; loads onto the build's architecture);
 - models/moe/quantize/{consistency,drift,ranks}.csv and moe.png: per layer consistency and drift
   of every variant, and every matrix's rank (uniform, load-aware) against its expert's load;
 - models/moe/moe.json (DVC metrics; the report's MoE section): the figures above, the build's
@@ -82,7 +82,7 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from crucible.moe.quant import save_quantized_moe
+    from crucible.moe.mx_storage import save_quantized_moe
     from crucible.moe.variants import default_rank_budget, quantize_variants
     from tasks.data.moe_text import sequences
 

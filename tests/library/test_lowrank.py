@@ -1,4 +1,4 @@
-"""crucible.quant.lowrank: closed forms (Eckart-Young, hand-computed scales) and brute force."""
+"""crucible.quant.lowrank and .rank_allocation: closed forms (Eckart-Young, hand-computed scales) and brute force."""
 
 import itertools
 import math
@@ -7,11 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from crucible.quant.lowrank import (
-    SCALE_FLOOR, ErrorSVD, InputStats, activation_scale, allocate_ranks, compensate, error_spectrum,
-    factorize, uniform_ranks, weighted_error,
-)
+from crucible.quant.lowrank import SCALE_FLOOR, ErrorSVD, InputStats, activation_scale, compensate, error_spectrum, factorize
 from crucible.quant.mxfp4 import dequantize, quantize
+from crucible.quant.rank_allocation import allocate_ranks, uniform_ranks, weighted_error
 
 
 # --------------------------------------------------------------------------- helpers

@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from crucible.moe.build import (all_experts_unit_weight, balanced_groups, fit_router, group_mass, moefy,
-                                router_quality, save_moe)
+from crucible.moe.build import all_experts_unit_weight, moefy, save_moe
+from crucible.moe.moefy_fit import balanced_groups, fit_router, group_mass, router_quality
 from crucible.moe.lm import perplexity, token_sequences
 
 VOCAB = 256

@@ -1,5 +1,5 @@
-"""crucible.moe.quant and crucible.moe.qat on tiny random Mixtral / Qwen3-MoE models: MXFP4 experts
-against their dequantized reference, rank-full compensation = exact, load-aware ranks, size
+"""crucible.moe.mx_experts, .compensate, .mx_storage and .qat on tiny random Mixtral / Qwen3-MoE
+models: MXFP4 experts against their dequantized reference, rank-full compensation = exact, load-aware ranks, size
 accounting, the file format, and limited routing replay QAT (frozen router and packed weights,
 consistency up, error down, exact resume)."""
 
@@ -8,9 +8,10 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from crucible.moe.compensate import compensate_moe, expert_stats, moe_plan, plan_ranks
+from crucible.moe.mx_experts import MXExperts, quantize_moe
+from crucible.moe.mx_storage import load_quantized_moe, moe_nbytes, save_quantized_moe
 from crucible.moe.qat import adapter_parameters, replay_qat
-from crucible.moe.quant import (MXExperts, compensate_moe, expert_stats, load_quantized_moe, moe_nbytes, moe_plan,
-                                plan_ranks, quantize_moe, save_quantized_moe)
 from crucible.moe.routing import Routes, consistency, moe_layers, record_routes
 from crucible.quant import mxfp4
 from crucible.quant.linear import MXLinear

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from crucible.moe.quant import quantize_moe
+from crucible.moe.mx_experts import quantize_moe
 from crucible.moe.routing import (Routes, consistency, expert_load, hidden_drift, moe_layers, record_routes, replay,
                                   router_renormalises)
 from support.moe_models import tiny_mixtral, tiny_qwen3, token_batches

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from crucible.moe.lm import perplexity
-from crucible.moe.quant import MXExperts
-from crucible.moe.variants import (compensated_matrices, default_rank_budget, evaluate_variant, float_reference,
-                                   max_rank_budget, quantize_variants)
+from crucible.moe.mx_experts import MXExperts
+from crucible.moe.variant_eval import evaluate_variant, float_reference
+from crucible.moe.variants import compensated_matrices, default_rank_budget, max_rank_budget, quantize_variants
 from support.moe_models import VOCAB, tiny_mixtral
 
 torch.set_num_threads(1)

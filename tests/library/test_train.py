@@ -10,9 +10,10 @@ import pytest
 import torch
 from transformers import BertConfig, BertModel
 
+from crucible.checkpoint import latest_checkpoint, load_checkpoint
 from crucible.gmixout import GMixout, GMixoutConfig
-from crucible.train import (EncoderClassifier, Examples, RunDropout, TrainConfig, collate, latest_checkpoint,
-                            linear_schedule, load_checkpoint, train, weighted_cross_entropy, wise_ft)
+from crucible.train import (EncoderClassifier, Examples, RunDropout, TrainConfig, collate, linear_schedule, train,
+                            weighted_cross_entropy, wise_ft)
 
 torch.set_num_threads(1)
 

@@ -121,7 +121,7 @@ def test_a_killed_finetune_leaves_data_untouched_and_resumes_to_the_same_bytes(a
     resumed_from = []
 
     def resume(*args, **kwargs):
-        from crucible.train import latest_checkpoint
+        from crucible.checkpoint import latest_checkpoint
 
         resumed_from.append(latest_checkpoint(kwargs["checkpoint_dir"]).name)
         return real_train(*args, **kwargs)

@@ -102,7 +102,7 @@ def test_quantize_compares_the_variants_and_writes_a_loadable_model(tmp_path, pr
     import pandas as pd
     from transformers import AutoModelForCausalLM
 
-    from crucible.moe.quant import load_quantized_moe
+    from crucible.moe.mx_storage import load_quantized_moe
 
     root = _workspace(tmp_path, project_root, tiny_lm)
     execute("moe_build", None, root)

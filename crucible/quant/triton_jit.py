@@ -1,0 +1,224 @@
+"""The Triton source of the MXFP4 kernels that crucible.quant.triton_kernels launches: quantize,
+dequantize and the fused dequant-matmul, defined by `build()` on first use (triton is imported
+there, not at import time). Their contract, the wrappers with their argument checks, and the notes
+on the Triton interpreter are in crucible.quant.triton_kernels.
+
+Tiling of ``mx_linear`` (one kernel launch)
+- Programs own BLOCK_M x BLOCK_N output tiles, ordered in groups of GROUP_M row blocks (L2 reuse),
+  and loop over K in BLOCK_K steps (BLOCK_K >= 32: whole MX blocks). Each step loads the x tile
+  (BLOCK_M, BLOCK_K), the packed bytes (BLOCK_N, BLOCK_K // 2) and the scale bytes
+  (BLOCK_N, BLOCK_K // 32) of W as plain 2-D tiles (all three are software-pipelined into shared
+  memory by cp.async), and dequantizes W in registers: each nibble becomes its E2M1 value with a few
+  selects, times its block's scale (broadcast over the block's 16 bytes), and the low and high
+  nibbles are interleaved back into K order (``tl.interleave``). The float W never reaches memory.
+- bfloat16 x on a GPU: the dequantized tile is cast to bfloat16 (lossless: an E2M1 value times a
+  power of two has at most two significant bits and bfloat16 has float32's exponent range) and fed
+  to the tensor cores (wgmma on Hopper) with a float32 accumulator. float32 x: ``precision``
+  "tf32x3" (default: three TF32 products, float32 accuracy on tensor cores; W is exact in TF32),
+  "tf32" (x rounded to TF32) or "ieee" (FMA; slow, small tiles only).
+- Low-rank adapter, computed in the same kernel: in the same K loop the program also accumulates
+  t = x_tile @ b_tile^T (BLOCK_M, R) (R = r padded to a power of two >= 16 by masked loads, no
+  copies), and the epilogue adds t @ a_tile^T (TF32 for bfloat16 x, below bfloat16's resolution;
+  ``precision`` for float32 x) and the bias, then stores. Every column block recomputes its rows' t:
+  R / BLOCK_N extra MACs (1/8 for r <= 16 and BLOCK_N = 128), in exchange for no second launch and
+  no second pass over x. For bfloat16 x, b is rounded to bfloat16 (x @ b^T runs on bf16 tensor cores).
+- Defaults (``default_config``): bfloat16 128 x 128 x 64 tiles, 8 warps, 3 stages (157 registers,
+  no spills, 72 KiB shared memory on sm_90 by ptxas); BLOCK_M 64 when 128-row tiles would leave SMs
+  idle; tiles shrink (powers of two >= 16) for small M or N. float32: BLOCK_K = 32.
+  ``tl.dot`` needs every dimension >= 16. M, N and K need not be multiples of the blocks (masked
+  loads and stores); K must be a multiple of 32, the MX block.
+"""
+
+from __future__ import annotations
+
+
+def build() -> dict:
+    """Define (jit) the kernels; {"quantize", "dequantize", "mx_linear"} -> the triton.jit function."""
+    import triton
+    import triton.language as tl
+
+    # Helpers are module globals: jitted functions resolve callees through their module's globals
+    # (the interpreter does not see closures).
+    global _mx_load_f32, _mx_e2m1_code, _mx_special_code, _mx_e2m1_value, _mx_scale_value, _mx_bf16_bits
+
+    @triton.jit
+    def _mx_load_f32(ptr, offs, mask, BF16_BITS: tl.constexpr):
+        # float32 values of x; BF16_BITS: ptr is x viewed as int16, widened exactly by a shift
+        if BF16_BITS:
+            v = tl.load(ptr + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
+            return (v << 16).to(tl.float32, bitcast=True)
+        else:
+            return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _mx_e2m1_code(s):
+        # 4-bit code of float32 s (already divided by the scale): nearest E2M1 magnitude, ties to the
+        # even code, saturating at 6; sign from the sign bit; NaN -> 3 | sign
+        a = tl.abs(s)
+        mag = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+               + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+               + (a > 5.0).to(tl.int32))
+        mag = tl.where(s != s, 3, mag)
+        sign = (s.to(tl.int32, bitcast=True) >> 31) & 1
+        return mag | (sign << 3)
+
+    @triton.jit
+    def _mx_special_code(x):
+        # code of an element of a NaN block: sign bit of x, magnitude 3 for NaN and +-inf, else 0
+        sign = (x.to(tl.int32, bitcast=True) >> 31) & 1
+        finite = tl.abs(x) <= 3.4028234663852886e38
+        return tl.where(finite, 0, 3) | (sign << 3)
+
+    @triton.jit
+    def _mx_e2m1_value(c):
+        # float32 value of the 4-bit code c (int32): 0, .5, 1, 1.5, 2, 3, 4, 6 with sign bit 8
+        m = c & 7
+        mf = m.to(tl.float32)
+        v = tl.where(m < 4, mf * 0.5, tl.where(m < 7, mf - 2.0, 6.0))
+        return tl.where(c >= 8, -v, v)
+
+    @triton.jit
+    def _mx_scale_value(b):
+        # float32 2^(b - 127) of the E8M0 byte b (int32), from its bits; 2^-127 is subnormal; NaN for 255
+        bits = tl.where(b == 0, 0x400000, tl.where(b == 255, 0x7FC00000, b << 23))
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _mx_bf16_bits(v):
+        # bfloat16 bits (int16) of float32 v, round to nearest even, NaN -> 0x7FC0 (torch's CPU rule)
+        u = v.to(tl.uint32, bitcast=True)
+        r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        r = tl.where(v != v, 0x7FC0, r)
+        return (r & 0xFFFF).to(tl.uint16).to(tl.int16, bitcast=True)
+
+    @triton.jit
+    def _quantize_kernel(x_ptr, packed_ptr, scales_ptr, nblocks,
+                         CEIL: tl.constexpr, BF16_BITS: tl.constexpr, BLOCK_B: tl.constexpr):
+        # x viewed as (nblocks, 32): one row per MX block, split into its even and odd elements
+        pid = tl.program_id(0)
+        rb = pid.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
+        rj = tl.arange(0, 16)
+        bmask = rb < nblocks
+        m2 = bmask[:, None]
+        xv = _mx_load_f32(x_ptr, rb[:, None] * 32 + tl.arange(0, 32)[None, :], m2, BF16_BITS)
+        nan = xv != xv
+        has_nan = tl.max(nan.to(tl.int32), axis=1) > 0
+        # amax of the finite and infinite elements (a NaN block's amax is never used)
+        amax = tl.max(tl.where(nan, 0.0, tl.abs(xv)), axis=1)
+        if CEIL:
+            bits = tl.div_rn(amax, 6.0).to(tl.int32, bitcast=True)
+            e = (((bits + 0x7FFFFF) >> 23) & 0xFF) - 127
+            # finite blocks are capped at 2^125 (mxfp4._CEIL_EMAX): at 2^126 the grid overflows float32
+            e = tl.where(amax > 3.4028234663852886e38, e, tl.minimum(e, 125))
+        else:
+            bits = amax.to(tl.int32, bitcast=True)
+            e = ((bits >> 23) & 0xFF) - 129
+        e = tl.minimum(tl.maximum(e, -127), 127)
+        n = -e
+        inv = tl.where(n > -127, (n + 127) << 23, 0x400000).to(tl.float32, bitcast=True)
+        inv = tl.where(has_nan, 0.0, inv)
+        byte = tl.where(has_nan, 255, e + 127)
+        tl.store(scales_ptr + rb, byte.to(tl.uint8), mask=bmask)
+        xe, xo = tl.split(tl.reshape(xv, (BLOCK_B, 16, 2)))
+        ce = _mx_e2m1_code(xe * inv[:, None])
+        co = _mx_e2m1_code(xo * inv[:, None])
+        # a NaN block's codes come from x itself: sign bit, and 3 for NaN and +-inf (mxfp4.quantize)
+        ce = tl.where(has_nan[:, None], _mx_special_code(xe), ce)
+        co = tl.where(has_nan[:, None], _mx_special_code(xo), co)
+        tl.store(packed_ptr + rb[:, None] * 16 + rj[None, :], (ce | (co << 4)).to(tl.uint8), mask=m2)
+
+    @triton.jit
+    def _dequantize_kernel(packed_ptr, scales_ptr, out_ptr, nblocks,
+                           OUT: tl.constexpr, BLOCK_B: tl.constexpr):
+        # OUT: 0 float32, 1 bfloat16 (out viewed as int16), 2 float16
+        pid = tl.program_id(0)
+        rb = pid.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
+        rj = tl.arange(0, 16)
+        bmask = rb < nblocks
+        m2 = bmask[:, None]
+        p = tl.load(packed_ptr + rb[:, None] * 16 + rj[None, :], mask=m2, other=0).to(tl.int32)
+        s = _mx_scale_value(tl.load(scales_ptr + rb, mask=bmask, other=127).to(tl.int32))
+        ve = _mx_e2m1_value(p & 0xF) * s[:, None]
+        vo = _mx_e2m1_value(p >> 4) * s[:, None]
+        offs = rb[:, None] * 32 + tl.arange(0, 32)[None, :]
+        if OUT == 1:
+            tl.store(out_ptr + offs, tl.interleave(_mx_bf16_bits(ve), _mx_bf16_bits(vo)), mask=m2)
+        elif OUT == 2:
+            tl.store(out_ptr + offs, tl.interleave(ve.to(tl.float16), vo.to(tl.float16)), mask=m2)
+        else:
+            tl.store(out_ptr + offs, tl.interleave(ve, vo), mask=m2)
+
+    @triton.jit
+    def _mx_linear_kernel(x_ptr, p_ptr, s_ptr, bias_ptr, a_ptr, b_ptr, y_ptr, M, N, K, r,
+                          HAS_BIAS: tl.constexpr, HAS_LR: tl.constexpr, R: tl.constexpr,
+                          X_BITS: tl.constexpr, DOT_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
+                          PREC: tl.constexpr, EPI_PREC: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          GROUP_M: tl.constexpr):
+        pid = tl.program_id(0)
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        in_group = GROUP_M * num_pid_n
+        first_m = (pid // in_group) * GROUP_M
+        group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % in_group) % group_m
+        pid_n = (pid % in_group) // group_m
+
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mmask = rm < M
+        nmask = rn < N
+        rm64 = rm.to(tl.int64)
+        rn64 = rn.to(tl.int64)
+        kp = K // 2
+        ks = K // 32
+        rr = tl.arange(0, R)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        t = tl.zeros((BLOCK_M, R), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            kmask = rk < K
+            xmask = mmask[:, None] & kmask[None, :]
+            xoffs = rm64[:, None] * K + rk[None, :]
+            if DOT_BF16:
+                xt = tl.load(x_ptr + xoffs, mask=xmask, other=0.0)
+            else:
+                xt = _mx_load_f32(x_ptr, xoffs, xmask, X_BITS)
+            # W tile (BLOCK_N, BLOCK_K), dequantized in registers: packed bytes (BLOCK_N, BLOCK_K // 2),
+            # scales (BLOCK_N, BLOCK_K // 32) broadcast over their 16 bytes, low/high nibbles interleaved
+            jk = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            pb = tl.load(p_ptr + rn64[:, None] * kp + jk[None, :], mask=nmask[:, None] & (jk < kp)[None, :],
+                         other=0).to(tl.int32)
+            sk = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            sb = tl.load(s_ptr + rn64[:, None] * ks + sk[None, :], mask=nmask[:, None] & (sk < ks)[None, :],
+                         other=127).to(tl.int32)
+            sv = _mx_scale_value(sb)
+            sv = tl.reshape(tl.broadcast_to(sv[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)), (BLOCK_N, BLOCK_K // 2))
+            lo = _mx_e2m1_value(pb & 0xF) * sv
+            hi = _mx_e2m1_value(pb >> 4) * sv
+            if DOT_BF16:
+                w = tl.interleave(lo.to(tl.bfloat16), hi.to(tl.bfloat16))
+                acc = tl.dot(xt, tl.trans(w), acc)
+            else:
+                w = tl.interleave(lo, hi)
+                acc = tl.dot(xt, tl.trans(w), acc, input_precision=PREC)
+            if HAS_LR:
+                bt = tl.load(b_ptr + rr[None, :] * K + rk[:, None],
+                             mask=(rr[None, :] < r) & kmask[:, None], other=0.0)
+                if DOT_BF16:
+                    t = tl.dot(xt, bt.to(tl.bfloat16), t)
+                else:
+                    t = tl.dot(xt, bt, t, input_precision=PREC)
+        if HAS_LR:
+            at = tl.load(a_ptr + rn64[None, :] * r + rr[:, None], mask=(rr[:, None] < r) & nmask[None, :], other=0.0)
+            acc = tl.dot(t, at, acc, input_precision=EPI_PREC)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=nmask, other=0.0)[None, :]
+        ymask = mmask[:, None] & nmask[None, :]
+        yoffs = rm64[:, None] * N + rn64[None, :]
+        if OUT_BF16:
+            tl.store(y_ptr + yoffs, _mx_bf16_bits(acc), mask=ymask)
+        else:
+            tl.store(y_ptr + yoffs, acc, mask=ymask)
+
+    return {"quantize": _quantize_kernel, "dequantize": _dequantize_kernel, "mx_linear": _mx_linear_kernel}
