@@ -97,11 +97,10 @@ def read_inputs(root: Path, params: Params) -> dict:
                 raise ValueError(f"{root / QUANTIZE / 'features.safetensors'}: its rows for {key[7:]!r} differ from "
                                  f"the merge stage's ({root / MERGE / 'features.safetensors'}); both must score the "
                                  f"same test and probe rows: {_rerun('quantize')}")
-    path = root / MERGE / "heads.safetensors"
-    heads, _ = read_safetensors(path, "task heads", _rerun("merge"))
-    missing = [t for t in order if f"{t}.weight" not in heads or f"{t}.bias" not in heads]
-    if missing:
-        raise ValueError(f"{path}: no head for tasks {missing}; {_rerun('merge')}")
+    classes = merge_meta["classes"]
+    heads, _ = read_safetensors(root / MERGE / "heads.safetensors", "task heads", _rerun("merge"),
+                                shapes={f"{t}.{k}": shape for t in order
+                                        for k, shape in (("weight", (len(classes[t]), None)), ("bias", (len(classes[t]),)))})
     quant_config = json.loads((root / QUANTIZE / "config.json").read_text())
     return {"order": order, "tensors": {**merged, **quant}, "variants": merge_meta["variants"] + quant_meta["variants"],
             "classes": merge_meta["classes"], "heads": heads, "quantize_config": quant_config}
