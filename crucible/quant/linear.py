@@ -300,16 +300,11 @@ def load_quantized(path: Path | str, skeleton: nn.Module) -> nn.Module:
     """Rebuild a quantized model from `path` into `skeleton` (the same architecture, any weights):
     its listed linear layers become MXLinear from the packed tensors, every other tensor is loaded
     strictly; returned in eval mode. Raises ValueError naming the file for a truncated or foreign file, a missing or extra
-    tensor, or a shape that does not fit the architecture."""
-    from safetensors import SafetensorError, safe_open
+    tensor, a shape that does not fit the architecture, or NaN / inf in a float tensor (naming it)."""
+    from crucible.serialize import read_safetensors
 
     path = Path(path)
-    try:
-        with safe_open(str(path), framework="pt") as fh:
-            meta = fh.metadata() or {}
-            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise ValueError(f"{path}: not a readable safetensors file ({exc})") from None
+    tensors, meta = read_safetensors(path)
     if "crucible.mx" not in meta:
         raise ValueError(f"{path}: no 'crucible.mx' metadata; not a quantized model written by save_quantized")
     info = json.loads(meta["crucible.mx"])
@@ -358,11 +353,9 @@ def load_quantized(path: Path | str, skeleton: nn.Module) -> nn.Module:
     missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
     if missing or extra:
         raise ValueError(f"{path}: tensors do not fit the architecture: missing {missing[:5]}, unexpected {extra[:5]}")
-    for k, v in tensors.items():
-        if not torch.isfinite(v).all():
-            raise ValueError(f"{path}: tensor '{k}' holds NaN or inf")
     try:
         skeleton.load_state_dict(tensors, strict=False)
     except RuntimeError as exc:
         raise ValueError(f"{path}: tensors do not fit the architecture: {str(exc)[:500]}") from None
     return skeleton.eval()
+
