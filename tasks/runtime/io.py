@@ -1,4 +1,5 @@
-"""Reading validated tables and safetensors files, and writing outputs atomically.
+"""Reading validated tables and safetensors files, writing outputs atomically, PNG figures with
+fixed metadata, and the md5 of a file.
 
 Every output is written to a temporary file beside its destination and renamed into place only
 when complete (os.replace is atomic on POSIX), so a killed stage leaves the previous outputs
@@ -64,15 +65,22 @@ def read_stage_output(path: Path | str, what: str, columns, stage: str) -> pd.Da
 # Defined in crucible.serialize (imported above) so that the logged pyfunc, which carries
 # crucible's code only, reads its files the same way.
 
+# Every PNG the pipeline writes (stage figures, the report's figures): a fixed resolution, and no
+# Software key, so that the bytes depend on the figure alone, not on the matplotlib version
+# (matplotlib's PNGs carry no date).
+PNG_DPI = 110
+PNG_METADATA = {"Software": None}
 
-def figure_png(fig, dpi: int = 110) -> bytes:
-    """A matplotlib figure as PNG bytes (for AtomicOutputs.bytes); closes the figure."""
+
+def figure_png(fig) -> bytes:
+    """A matplotlib figure as PNG bytes (for AtomicOutputs.bytes) with the fixed metadata; closes
+    the figure."""
     import io
 
     import matplotlib.pyplot as plt
 
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
+    fig.savefig(buf, format="png", dpi=PNG_DPI, metadata=PNG_METADATA)
     plt.close(fig)
     return buf.getvalue()
 

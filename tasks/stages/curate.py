@@ -68,11 +68,13 @@ def _truth_membership(root: Path, task: str, pool: pd.DataFrame) -> np.ndarray |
     return truth.loc[pool["id"], "member"].to_numpy(dtype=np.float64)
 
 
-def plot(path_png, scores: np.ndarray, truth: np.ndarray | None, result, task: str) -> None:
+def plot(scores: np.ndarray, truth: np.ndarray | None, result, task: str) -> bytes:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from tasks.runtime.io import figure_png
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     bins = np.linspace(0, 1, 26)
@@ -93,8 +95,7 @@ def plot(path_png, scores: np.ndarray, truth: np.ndarray | None, result, task: s
     b.set(title="MMD^2 to the reference", ylabel="MMD^2")
     b.legend()
     fig.tight_layout()
-    fig.savefig(path_png, dpi=110, format="png", metadata={"Software": None})
-    plt.close(fig)
+    return figure_png(fig)
 
 
 def run(params: Params, task: str, root: Path, log) -> dict:
@@ -138,7 +139,7 @@ def run(params: Params, task: str, root: Path, log) -> dict:
     with AtomicOutputs() as out:
         out.parquet(curated, base / "curated.parquet")
         out.json(metrics, base / "curate.json")
-        out.file(base / "curate.png", lambda p: plot(p, scores, truth, result, task))
+        out.bytes(plot(scores, truth, result, task), base / "curate.png")
     log.log_artifact(base / "curate.png")
     log.log_artifact(base / "curate.json")
     return metrics
