@@ -5,6 +5,7 @@ file format that rebuilds the quantized model without its float weights.
     quantize_model(model, r"encoder\\.layer\\.\\d+\\.", adapters={...})    # in place; returns the MXLinears
     save_quantized(model, "model.safetensors", metadata={...})
     model = load_quantized("model.safetensors", skeleton)              # skeleton: same architecture, any init
+    encoder, tokenizer = load_quantized_encoder("model.safetensors", model_dir)  # a transformers encoder
 
 An MXLinear computes y = x @ dequant(Wq)^T + bias + (x @ B^T) @ A^T: the packed MXFP4 weight
 (crucible.quant.mxfp4) and an optional rank-r low-rank adapter (A: (out, r), B: (r, in)) that
@@ -359,3 +360,18 @@ def load_quantized(path: Path | str, skeleton: nn.Module) -> nn.Module:
         raise ValueError(f"{path}: tensors do not fit the architecture: {str(exc)[:500]}") from None
     return skeleton.eval()
 
+
+def load_quantized_encoder(path: Path | str, architecture: Path | str, dequantize_once: bool = False):
+    """(encoder, tokenizer) of a quantized transformers encoder: the architecture and the tokenizer
+    from the model folder `architecture` (its config and tokenizer files; no float weights are
+    read), every weight from the file `path` written by save_quantized (load_quantized); in eval
+    mode. `dequantize_once`: keep each matrix dequantized (cache_dequantized; serving on the CPU).
+    The one loader of the quantize stage's model: the stage (tasks/stages/quantize.py) and the
+    logged pyfunc (tasks/registry/pyfunc.py, which carries crucible's code only) both call it."""
+    from transformers import AutoConfig, AutoModel, AutoTokenizer
+
+    skeleton = AutoModel.from_config(AutoConfig.from_pretrained(str(architecture), local_files_only=True))
+    encoder = load_quantized(path, skeleton)
+    if dequantize_once:
+        cache_dequantized(encoder)
+    return encoder, AutoTokenizer.from_pretrained(str(architecture), local_files_only=True)

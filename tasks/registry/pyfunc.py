@@ -123,27 +123,24 @@ def proba_columns(classes: dict[str, list[str]], order: list[str]) -> list[str]:
 def load_encoder_from(folder: Path, kind: str):
     """(encoder, tokenizer) from a multi-task model's artifact folder: the architecture and tokenizer
     from folder/encoder/, the weights from folder/model.safetensors. `quantized`: the packed MXFP4
-    file rebuilt by crucible.quant.load_quantized into the bare architecture (no float weights read;
-    the quantize stage's loader does the same); `float`: a plain state dict with exactly the
-    architecture's tensor names and shapes."""
+    file, by crucible.quant.load_quantized_encoder (the quantize stage's loader too; no float
+    weights read), each matrix dequantized once (serving on the CPU: not once per request);
+    `float`: a plain state dict with exactly the architecture's tensor names and shapes."""
+    folder = Path(folder)
+    if kind == "quantized":
+        from crucible.quant import load_quantized_encoder
+
+        return load_quantized_encoder(folder / "model.safetensors", folder / "encoder", dequantize_once=True)
+    if kind != "float":
+        raise ValueError(f"{folder / CONFIG_NAME}: field 'kind' = {kind!r}; expected one of {MODEL_KINDS}")
     from transformers import AutoConfig, AutoModel, AutoTokenizer
 
-    folder = Path(folder)
-    skeleton = AutoModel.from_config(AutoConfig.from_pretrained(str(folder / "encoder"), local_files_only=True))
-    if kind == "quantized":
-        from crucible.quant import cache_dequantized, load_quantized
+    from crucible.serialize import read_safetensors
 
-        encoder = load_quantized(folder / "model.safetensors", skeleton)
-        cache_dequantized(encoder)  # serving on the CPU: dequantize each matrix once, not per request
-    elif kind == "float":
-        from crucible.serialize import read_safetensors
-
-        state, _ = read_safetensors(folder / "model.safetensors", "merged encoder", REBUILD,
-                                    shapes={k: tuple(v.shape) for k, v in skeleton.state_dict().items()})
-        skeleton.load_state_dict(state, strict=True)
-        encoder = skeleton
-    else:
-        raise ValueError(f"{folder / CONFIG_NAME}: field 'kind' = {kind!r}; expected one of {MODEL_KINDS}")
+    encoder = AutoModel.from_config(AutoConfig.from_pretrained(str(folder / "encoder"), local_files_only=True))
+    state, _ = read_safetensors(folder / "model.safetensors", "merged encoder", REBUILD,
+                                shapes={k: tuple(v.shape) for k, v in encoder.state_dict().items()})
+    encoder.load_state_dict(state, strict=True)
     encoder.eval()
     return encoder, AutoTokenizer.from_pretrained(str(folder / "encoder"), local_files_only=True)
 

@@ -106,19 +106,14 @@ def read_merged(root: Path, base_model: str) -> dict:
 
 
 def load_quantized_encoder(folder: Path | str, base_model: str | None = None):
-    """(encoder, tokenizer) from a models/quantize/ folder: the base architecture built from its
-    config (no float weights read) with the packed MXFP4 layers loaded (crucible.quant.load_quantized)."""
-    from transformers import AutoConfig, AutoModel, AutoTokenizer
-
-    from crucible.quant import load_quantized
+    """(encoder, tokenizer) from a models/quantize/ folder: crucible.quant.load_quantized_encoder
+    (the registered pyfunc's loader too) with the architecture of `base_model` (default: the one
+    its config.json names); no float weights are read."""
+    from crucible.quant import load_quantized_encoder as load
 
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
-    path = resolve_model(base_model or config["base_model"])
-    skeleton = AutoModel.from_config(AutoConfig.from_pretrained(path, local_files_only=True))
-    encoder = load_quantized(folder / "model.safetensors", skeleton)
-    encoder.eval()
-    return encoder, AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return load(folder / "model.safetensors", resolve_model(base_model or config["base_model"]))
 
 
 # ---------------------------------------------------------------------------------------------------
