@@ -20,6 +20,8 @@ import os
 import re
 from pathlib import Path
 
+from tasks.runtime.io import md5_file
+
 LOCK = "dvc.lock"
 MD5 = "crucible.lineage.md5."
 PARAMS = "crucible.lineage.params."
@@ -97,14 +99,6 @@ def lineage_tags(root: Path, commit: str, exclude: tuple[str, ...] = ("register"
     return tags
 
 
-def file_md5(path: Path) -> str:
-    h = hashlib.md5()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def dir_md5(path: Path) -> str:
     """DVC's hash of a directory output: md5 of the JSON list of {md5, relpath} of its files,
     sorted by relpath, with '.dir' appended."""
@@ -114,7 +108,7 @@ def dir_md5(path: Path) -> str:
         dirnames[:] = [d for d in dirnames if d not in (".git", ".dvc")]
         for name in filenames:
             full = Path(dirpath) / name
-            entries.append({"md5": file_md5(full), "relpath": full.relative_to(path).as_posix()})
+            entries.append({"md5": md5_file(full), "relpath": full.relative_to(path).as_posix()})
     entries.sort(key=lambda e: e["relpath"])
     return hashlib.md5(json.dumps(entries, sort_keys=True).encode("utf-8")).hexdigest() + ".dir"
 
@@ -124,7 +118,7 @@ def disk_md5(path: Path) -> str | None:
     if path.is_dir():
         return dir_md5(path)
     if path.is_file():
-        return file_md5(path)
+        return md5_file(path)
     return None
 
 
