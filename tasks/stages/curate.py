@@ -6,7 +6,7 @@ data-quality measure with its interval, and the corrected per-item weights.
 Reads data/<task>/{reference,pool,audit}.parquet and embeddings.safetensors (stage `embed`), scores
 every pooled item with a proxy membership score (params `curate.scorer`), computes CC-MMD^2 with a
 delta-method interval beside the naive (every item clean) and audit-only estimates and
-eps_hat = 1 - N_hat / n (crucible.ccmmd; METHODS.md sec. 1). Where the demo's truth covers the pool,
+eps_hat = 1 - N_hat / n (crucible.ccmmd; docs/methods.md, curate). Where the demo's truth covers the pool,
 the oracle and the true eps are reported beside them.
 
 Outputs: data/<task>/curated.parquet (id, text, score, audited, m, keep), curate.json (metrics),

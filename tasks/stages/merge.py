@@ -1,4 +1,4 @@
-"""Stage `merge` (once, over all tasks): continual merging of the task models (METHODS.md sec. 5;
+"""Stage `merge` (once, over all tasks): continual merging of the task models (docs/methods.md, merge;
 crucible.merge), every method of `merge.methods` on the same arrival sequence.
 
     crucible stage merge

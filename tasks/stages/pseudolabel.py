@@ -1,5 +1,5 @@
 """Stage `pseudolabel` (per task): teacher labels for the curated pool, with design-corrected
-estimates of their quality (METHODS.md sec. 2; crucible.pseudolabel).
+estimates of their quality (docs/methods.md, pseudolabel; crucible.pseudolabel).
 
     crucible stage pseudolabel --task bbc
 

@@ -1,5 +1,5 @@
 """Stage `quantize` (once): the merged encoder's linear layers in MXFP4, with low-rank compensation
-of the quantization error under one total rank budget (METHODS.md sec. 4; crucible.quant).
+of the quantization error under one total rank budget (docs/methods.md, quantize; crucible.quant).
 
     crucible stage quantize
 
