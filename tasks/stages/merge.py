@@ -118,6 +118,7 @@ class _PeakSampler:
 
 
 _SCRATCH = "a merge worker's scratch file; rerun `crucible stage merge`"
+_FINETUNE = "rebuild it with `crucible stage finetune` for its task"
 
 
 def _shapes(state: dict) -> dict:
@@ -155,12 +156,10 @@ def merge_worker(spec: dict) -> dict:
     for j, path in enumerate(spec["models"]):
         with sampler.window():
             t0 = time.perf_counter()
-            # finite=False: the parent checked every task model (read_task_model); task_vector checks
+            # finite=False: the parent checked each task model (read_task_model); task_vector checks
             # names, shapes and dtypes against theta_0
-            theta, _ = read_safetensors(path, "task model", "rebuild it with `crucible stage finetune` for its task",
-                                        finite=False)
-            tau = task_vector(theta, theta_0, inplace=True, source=str(path), base_source=spec["theta0"])
-            del theta
+            tau = task_vector(read_safetensors(path, "task model", _FINETUNE, finite=False)[0], theta_0, inplace=True,
+                              source=str(path), base_source=spec["theta0"])
             t1 = time.perf_counter()
             merger.add(tau, source=str(path))
             del tau
