@@ -1,4 +1,5 @@
-"""safetensors bytes that are the same for the same tensors and metadata.
+"""safetensors files: bytes that are the same for the same tensors and metadata, and the one
+checked reader.
 
 safetensors keeps the metadata in a hash map whose iteration order is random per process, so the
 same tensors with two or more metadata keys can be written with differently ordered headers (and
@@ -6,12 +7,24 @@ a different md5: DVC sees a changed output, a reproducibility check fails). `saf
 writes with safetensors, then re-serialises the JSON header with sorted keys; the tensor data
 section is already in a fixed order and its offsets are relative to the end of the header, so it
 is kept byte for byte.
+
+`read_safetensors` reads a file and checks it: it exists, it is not truncated or corrupt, its
+tensors have the expected names and shapes, and every floating tensor is finite. Each error names
+the file, the tensor and the value at fault, and says how to rebuild the file. It lives here, not
+in tasks/, because the logged MLflow model (tasks/registry/pyfunc.py) carries crucible's code only;
+the stages import it as tasks.runtime.io.read_safetensors.
 """
 
 from __future__ import annotations
 
 import json
 import struct
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+# expected tensors: {name: shape} (None in a shape: any size), or a callable (tensors, metadata)
+# -> None when they fit, else the problem as text (naming the tensor and the value)
+Shapes = Mapping[str, Sequence[int | None]] | Callable[[dict, dict], str | None]
 
 
 def canonical_header(data: bytes) -> bytes:
@@ -30,3 +43,102 @@ def safetensors_bytes(tensors: dict, metadata: dict[str, str] | None = None) -> 
     from safetensors.torch import save
 
     return canonical_header(save(tensors, metadata=metadata))
+
+
+def read_safetensors(path: Path | str, what: str = "", rebuild: str = "", *, shapes: Shapes | None = None,
+                     finite: bool = True) -> tuple[dict, dict[str, str]]:
+    """(tensors, metadata) of the safetensors file `path`, checked.
+
+    what: what the file holds, for the messages ("task heads"); rebuild: the command that remakes
+    it, appended to every message; shapes: the expected tensors, {name: shape} (exactly these
+    names; None in a shape matches any size) or a callable (tensors, metadata) -> problem or None;
+    finite: every floating tensor must hold no NaN or inf.
+
+    FileNotFoundError for a missing file; ValueError naming the file for a truncated or corrupt one
+    (and the first tensor whose bytes lie past the end), a missing, unexpected or wrongly shaped
+    tensor (its name, its shape and the expected one), or a non-finite value (the tensor, how many,
+    the first one and where)."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    tail = f"; {rebuild}" if rebuild else ""
+    of = f" of the {what}" if what else ""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: {what or 'safetensors file'} not found{tail}")
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            meta = dict(fh.metadata() or {})
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"{path}: {what + ' is ' if what else ''}not a readable safetensors file"
+                         f"{_truncation(path) or ', truncated or corrupt'} ({exc}){tail}") from None
+    if shapes is not None:
+        problem = shapes(tensors, meta) if callable(shapes) else shape_problem(tensors, shapes, of)
+        if problem:
+            raise ValueError(f"{path}: {problem}{tail}")
+    if finite:
+        for name, t in tensors.items():
+            problem = nonfinite(t)
+            if problem:
+                raise ValueError(f"{path}: tensor {name!r}{of} has {problem}{tail}")
+    return tensors, meta
+
+
+def _shape_text(shape) -> str:
+    return "[" + ", ".join("*" if d is None else str(d) for d in shape) + "]"
+
+
+def shape_problem(tensors: dict, expected: Mapping[str, Sequence[int | None]], of: str = "") -> str | None:
+    """The first way `tensors` differ from `expected` ({name: shape}, None: any size), as text; None
+    when they fit."""
+    missing = [n for n in expected if n not in tensors]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        return (f"tensor {missing[0]!r}{of} is missing{more}; expected shape {_shape_text(expected[missing[0]])}, "
+                f"the file holds {len(tensors)} tensors")
+    for name, shape in expected.items():
+        got = tuple(tensors[name].shape)
+        if len(got) != len(shape) or any(e is not None and e != g for e, g in zip(shape, got)):
+            return f"tensor {name!r}{of} has shape {list(got)}, expected {_shape_text(shape)}"
+    extra = sorted(set(tensors) - set(expected))
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        return (f"unexpected tensor {extra[0]!r}{of} of shape {list(tensors[extra[0]].shape)}{more}; "
+                f"expected only {sorted(expected)[:5]}{' ...' if len(expected) > 5 else ''}")
+    return None
+
+
+def nonfinite(t) -> str | None:
+    """'<k> NaN or inf values of <n> (first: <value> at [i, j])' for a floating tensor holding
+    any, else None."""
+    import torch
+
+    if not t.is_floating_point():
+        return None
+    bad = ~torch.isfinite(t)
+    if not bool(bad.any()):
+        return None
+    flat = int(bad.reshape(-1).nonzero()[0])
+    index, rest = [], flat
+    for size in reversed(t.shape):
+        index.insert(0, rest % size)
+        rest //= size
+    return (f"{int(bad.sum())} NaN or inf values of {t.numel()} (first: {t.reshape(-1)[flat].item()} at "
+            f"{index})")
+
+
+def _truncation(path: Path) -> str:
+    """', truncated: tensor X needs data bytes up to b, the file holds a' when the header says so,
+    else ''."""
+    try:
+        data = path.read_bytes()
+        (n,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8:8 + n])
+    except Exception:  # noqa: BLE001 - only a diagnosis; the caller raises anyway
+        return ""
+    have = len(data) - 8 - n
+    entries = sorted(((v["data_offsets"][1], k) for k, v in header.items() if k != "__metadata__"))
+    for end, name in entries:
+        if end > have:
+            return f", truncated: tensor '{name}' needs data bytes up to {end}, the file holds {max(have, 0)}"
+    return ""

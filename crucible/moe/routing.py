@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -203,32 +202,12 @@ class Routes:
 
 
 def read_safetensors(path: Path | str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(tensors, metadata) of a safetensors file. ValueError naming the file for an unreadable one,
-    and the first tensor whose bytes lie past the end for a truncated one."""
-    from safetensors import SafetensorError, safe_open
+    """(tensors, metadata) of a safetensors file: crucible.serialize.read_safetensors (a ValueError
+    naming the file, and for a truncated one the first tensor whose bytes lie past the end) without
+    its finite check: the callers check each tensor themselves, naming it."""
+    from crucible.serialize import read_safetensors as read
 
-    path = Path(path)
-    try:
-        with safe_open(str(path), framework="pt") as fh:
-            return {k: fh.get_tensor(k) for k in fh.keys()}, dict(fh.metadata() or {})
-    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-        raise ValueError(f"{path}: not a readable safetensors file{_truncation(path)} ({exc})") from None
-
-
-def _truncation(path: Path) -> str:
-    """', truncated: tensor X needs bytes up to b, the file has a' when the header says so, else ''."""
-    try:
-        data = path.read_bytes()
-        (n,) = struct.unpack("<Q", data[:8])
-        header = json.loads(data[8:8 + n])
-    except Exception:  # noqa: BLE001 - only a diagnosis; the caller raises anyway
-        return ""
-    have = len(data) - 8 - n
-    entries = sorted(((v["data_offsets"][1], k) for k, v in header.items() if k != "__metadata__"))
-    for end, name in entries:
-        if end > have:
-            return f", truncated: tensor '{name}' needs data bytes up to {end}, the file holds {max(have, 0)}"
-    return ""
+    return read(path, finite=False)
 
 
 # --------------------------------------------------------------------------- record

@@ -5,6 +5,7 @@ file format that rebuilds the quantized model without its float weights.
     quantize_model(model, r"encoder\\.layer\\.\\d+\\.", adapters={...})    # in place; returns the MXLinears
     save_quantized(model, "model.safetensors", metadata={...})
     model = load_quantized("model.safetensors", skeleton)              # skeleton: same architecture, any init
+    encoder, tokenizer = load_quantized_encoder("model.safetensors", model_dir)  # a transformers encoder
 
 An MXLinear computes y = x @ dequant(Wq)^T + bias + (x @ B^T) @ A^T: the packed MXFP4 weight
 (crucible.quant.mxfp4) and an optional rank-r low-rank adapter (A: (out, r), B: (r, in)) that
@@ -300,16 +301,11 @@ def load_quantized(path: Path | str, skeleton: nn.Module) -> nn.Module:
     """Rebuild a quantized model from `path` into `skeleton` (the same architecture, any weights):
     its listed linear layers become MXLinear from the packed tensors, every other tensor is loaded
     strictly; returned in eval mode. Raises ValueError naming the file for a truncated or foreign file, a missing or extra
-    tensor, or a shape that does not fit the architecture."""
-    from safetensors import SafetensorError, safe_open
+    tensor, a shape that does not fit the architecture, or NaN / inf in a float tensor (naming it)."""
+    from crucible.serialize import read_safetensors
 
     path = Path(path)
-    try:
-        with safe_open(str(path), framework="pt") as fh:
-            meta = fh.metadata() or {}
-            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise ValueError(f"{path}: not a readable safetensors file ({exc})") from None
+    tensors, meta = read_safetensors(path)
     if "crucible.mx" not in meta:
         raise ValueError(f"{path}: no 'crucible.mx' metadata; not a quantized model written by save_quantized")
     info = json.loads(meta["crucible.mx"])
@@ -358,11 +354,24 @@ def load_quantized(path: Path | str, skeleton: nn.Module) -> nn.Module:
     missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
     if missing or extra:
         raise ValueError(f"{path}: tensors do not fit the architecture: missing {missing[:5]}, unexpected {extra[:5]}")
-    for k, v in tensors.items():
-        if not torch.isfinite(v).all():
-            raise ValueError(f"{path}: tensor '{k}' holds NaN or inf")
     try:
         skeleton.load_state_dict(tensors, strict=False)
     except RuntimeError as exc:
         raise ValueError(f"{path}: tensors do not fit the architecture: {str(exc)[:500]}") from None
     return skeleton.eval()
+
+
+def load_quantized_encoder(path: Path | str, architecture: Path | str, dequantize_once: bool = False):
+    """(encoder, tokenizer) of a quantized transformers encoder: the architecture and the tokenizer
+    from the model folder `architecture` (its config and tokenizer files; no float weights are
+    read), every weight from the file `path` written by save_quantized (load_quantized); in eval
+    mode. `dequantize_once`: keep each matrix dequantized (cache_dequantized; serving on the CPU).
+    The one loader of the quantize stage's model: the stage (tasks/stages/quantize.py) and the
+    logged pyfunc (tasks/registry/pyfunc.py, which carries crucible's code only) both call it."""
+    from transformers import AutoConfig, AutoModel, AutoTokenizer
+
+    skeleton = AutoModel.from_config(AutoConfig.from_pretrained(str(architecture), local_files_only=True))
+    encoder = load_quantized(path, skeleton)
+    if dequantize_once:
+        cache_dequantized(encoder)
+    return encoder, AutoTokenizer.from_pretrained(str(architecture), local_files_only=True)

@@ -32,13 +32,24 @@ def read_task_model(root: Path, task: str, base_model: str) -> dict:
                          f"embed.model is {base_model!r}; every task model must be fine-tuned from the same base "
                          f"(rerun finetune@{task})")
     read_safetensors(paths["model.safetensors"], f"fine-tuned encoder of task {task!r}", rebuild)
-    head, meta = read_safetensors(paths["head.safetensors"], f"head of task {task!r}", rebuild)
-    classes = json.loads(meta.get("classes", "null"))
-    if set(head) != {"weight", "bias"} or classes is None or head["weight"].shape[0] != len(classes):
-        raise ValueError(f"{paths['head.safetensors']}: expected tensors 'weight' (n_classes, hidden) and 'bias' "
-                         f"and metadata 'classes'; got tensors {sorted(head)}, classes {classes}; {rebuild}")
-    return {"task": task, "model": paths["model.safetensors"], "head": head, "classes": classes,
+    what = f"head of task {task!r}"
+    head, meta = read_safetensors(paths["head.safetensors"], what, rebuild, shapes=lambda t, m: _head_problem(t, m, what))
+    return {"task": task, "model": paths["model.safetensors"], "head": head, "classes": json.loads(meta["classes"]),
             "max_length": int(config.get("max_length", 64))}
+
+
+def _head_problem(tensors: dict, meta: dict, what: str) -> str | None:
+    """A fine-tune's head file: metadata `classes` (a JSON list), tensors `weight` (n_classes,
+    hidden) and `bias` (n_classes,)."""
+    from crucible.serialize import shape_problem
+
+    try:
+        classes = json.loads(meta.get("classes", "null"))
+    except json.JSONDecodeError:
+        classes = None
+    if not isinstance(classes, list):
+        return f"metadata 'classes' = {meta.get('classes')!r}; expected a JSON list of the task's classes"
+    return shape_problem(tensors, {"weight": (len(classes), None), "bias": (len(classes),)}, f" of the {what}")
 
 
 class Scorer:
@@ -168,23 +179,33 @@ class FeatureStore:
 def read_features(path: Path, stage: str) -> tuple[dict, dict]:
     """(tensors, metadata with `variants`, `classes`, `tasks` decoded) of a FeatureStore file; each
     error names the file and the stage that makes it."""
-    from safetensors import SafetensorError, safe_open
+    from tasks.runtime.io import read_safetensors
 
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: features not found; run the {stage} stage first "
-                                f"(`crucible stage {stage}` or `dvc repro {stage}`)")
+    tensors, meta = read_safetensors(path, "features", f"run the {stage} stage first (`crucible stage {stage}` or "
+                                                       f"`dvc repro {stage}`)", shapes=_features_problem)
+    return tensors, {k: json.loads(meta[k]) for k in ("variants", "classes", "tasks")}
+
+
+def _features_problem(tensors: dict, meta: dict) -> str | None:
+    """A FeatureStore file: metadata variants, classes, tasks (JSON); every variant's features
+    `<variant>/<task>/<split>` of its tasks, as many rows as `labels/<task>/<split>`."""
     try:
-        with safe_open(str(path), "pt") as fh:
-            meta = fh.metadata() or {}
-            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise ValueError(f"{path}: not a readable safetensors file ({exc}); rerun the {stage} stage") from None
-    try:
-        meta = {k: json.loads(meta[k]) for k in ("variants", "classes", "tasks")}
+        decoded = {k: json.loads(meta[k]) for k in ("variants", "classes", "tasks")}
     except (KeyError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: metadata lacks {exc}; expected variants, classes, tasks (rerun {stage})") from None
-    return tensors, meta
+        return f"metadata lacks {exc}; expected variants, classes, tasks"
+    for v in decoded["variants"]:
+        for t in v["tasks"]:
+            for split in ("test", "probe"):
+                name, labels = f"{v['name']}/{t}/{split}", tensors.get(f"labels/{t}/{split}")
+                if labels is None or name not in tensors:
+                    if split == "test" or labels is not None:
+                        return f"tensor {name!r} (or 'labels/{t}/{split}') of variant {v['name']!r} is missing"
+                    continue
+                rows = tensors[name].shape[0] if tensors[name].dim() == 2 else None
+                if rows != labels.shape[0]:
+                    return (f"tensor {name!r} has shape {list(tensors[name].shape)}, expected "
+                            f"[{labels.shape[0]}, hidden] (the rows of 'labels/{t}/{split}')")
+    return None
 
 
 def read_tests(root: Path, params, limit: int | None) -> dict[str, pd.DataFrame]:

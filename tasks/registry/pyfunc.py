@@ -51,27 +51,29 @@ TOKENIZER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "sp
 MODEL_KINDS = ("quantized", "float")
 CONFIG_NAME = "crucible.json"  # the multi-task model's own config inside its artifact folder
 MODEL_CLASS_KEY = "crucible_model"  # the model_config key naming the class this file builds
+# how to remake a logged model whose files are damaged (the messages of crucible.serialize.read_safetensors)
+REBUILD = "log the model again (`crucible stage register`, or `crucible stage finetune` for a task model)"
 
 
 class TextClassifier(mlflow.pyfunc.PythonModel):
     """crucible.train.EncoderClassifier behind MLflow's pyfunc interface."""
 
     def load_context(self, context) -> None:
-        from safetensors import safe_open
-        from safetensors.torch import load_file
         from transformers import AutoConfig, AutoModel, AutoTokenizer
 
+        from crucible.serialize import read_safetensors
         from crucible.train import EncoderClassifier
 
         folder = Path(context.artifacts["model_dir"])
         self.config = json.loads((folder / "crucible_config.json").read_text())
         self.tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
         encoder = AutoModel.from_config(AutoConfig.from_pretrained(str(folder), local_files_only=True))
-        encoder.load_state_dict(load_file(str(folder / "model.safetensors")), strict=False)
-        with safe_open(str(folder / "head.safetensors"), framework="pt") as fh:
-            self.classes = json.loads(fh.metadata()["classes"])
+        state, _ = read_safetensors(folder / "model.safetensors", "fine-tuned encoder", REBUILD)
+        encoder.load_state_dict(state, strict=False)
+        head, meta = read_safetensors(folder / "head.safetensors", "head", REBUILD)
+        self.classes = json.loads(meta["classes"])
         self.model = EncoderClassifier(encoder, len(self.classes))
-        self.model.head.load_state_dict(load_file(str(folder / "head.safetensors")))
+        self.model.head.load_state_dict(head)
         self.model.eval()
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> pd.DataFrame:
@@ -121,24 +123,24 @@ def proba_columns(classes: dict[str, list[str]], order: list[str]) -> list[str]:
 def load_encoder_from(folder: Path, kind: str):
     """(encoder, tokenizer) from a multi-task model's artifact folder: the architecture and tokenizer
     from folder/encoder/, the weights from folder/model.safetensors. `quantized`: the packed MXFP4
-    file rebuilt by crucible.quant.load_quantized into the bare architecture (no float weights read;
-    the quantize stage's loader does the same); `float`: a plain state dict, loaded strictly."""
+    file, by crucible.quant.load_quantized_encoder (the quantize stage's loader too; no float
+    weights read), each matrix dequantized once (serving on the CPU: not once per request);
+    `float`: a plain state dict with exactly the architecture's tensor names and shapes."""
+    folder = Path(folder)
+    if kind == "quantized":
+        from crucible.quant import load_quantized_encoder
+
+        return load_quantized_encoder(folder / "model.safetensors", folder / "encoder", dequantize_once=True)
+    if kind != "float":
+        raise ValueError(f"{folder / CONFIG_NAME}: field 'kind' = {kind!r}; expected one of {MODEL_KINDS}")
     from transformers import AutoConfig, AutoModel, AutoTokenizer
 
-    folder = Path(folder)
-    skeleton = AutoModel.from_config(AutoConfig.from_pretrained(str(folder / "encoder"), local_files_only=True))
-    if kind == "quantized":
-        from crucible.quant import cache_dequantized, load_quantized
+    from crucible.serialize import read_safetensors
 
-        encoder = load_quantized(folder / "model.safetensors", skeleton)
-        cache_dequantized(encoder)  # serving on the CPU: dequantize each matrix once, not per request
-    elif kind == "float":
-        from safetensors.torch import load_file
-
-        skeleton.load_state_dict(load_file(str(folder / "model.safetensors")), strict=True)
-        encoder = skeleton
-    else:
-        raise ValueError(f"{folder / CONFIG_NAME}: field 'kind' = {kind!r}; expected one of {MODEL_KINDS}")
+    encoder = AutoModel.from_config(AutoConfig.from_pretrained(str(folder / "encoder"), local_files_only=True))
+    state, _ = read_safetensors(folder / "model.safetensors", "merged encoder", REBUILD,
+                                shapes={k: tuple(v.shape) for k, v in encoder.state_dict().items()})
+    encoder.load_state_dict(state, strict=True)
     encoder.eval()
     return encoder, AutoTokenizer.from_pretrained(str(folder / "encoder"), local_files_only=True)
 
@@ -151,8 +153,8 @@ class MultiTaskClassifier(mlflow.pyfunc.PythonModel):
 
     def load(self, folder: Path) -> "MultiTaskClassifier":
         import torch
-        from safetensors.torch import load_file
 
+        from crucible.serialize import read_safetensors
         from crucible.train import EncoderClassifier
 
         folder = Path(folder)
@@ -163,7 +165,9 @@ class MultiTaskClassifier(mlflow.pyfunc.PythonModel):
         self.batch_size = int(self.config.get("batch_size", 64))
         self.columns = proba_columns(self.classes, self.order)
         self.encoder, self.tokenizer = load_encoder_from(folder, self.config["kind"])
-        heads = load_file(str(folder / "heads.safetensors"))
+        heads, _ = read_safetensors(folder / "heads.safetensors", "task heads", REBUILD,
+                                    shapes={f"{t}.{k}": shape for t, cls in self.classes.items()
+                                            for k, shape in (("weight", (len(cls), None)), ("bias", (len(cls),)))})
         self.models = {}
         for t in self.order:
             model = EncoderClassifier(self.encoder, len(self.classes[t]), dropout=0.0)

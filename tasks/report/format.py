@@ -1,12 +1,15 @@
-"""Formatting shared by the report's page and figures: numbers, signs, labels, escaping."""
+"""Formatting shared by the report's page and figures: numbers, signs, labels, escaping.
+
+`fmt` and `esc` return markupsafe.Markup (escaped text), so the page's Jinja2 templates
+(autoescape on) insert them as they are and escape every other string."""
 
 from __future__ import annotations
 
-import html
 import math
 import numbers
 
 import numpy as np
+from markupsafe import Markup, escape
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 DASH = "\u2013"
@@ -31,32 +34,29 @@ FIGURE_HOME = {"merge": "curves", "quantize": "quantize", "curate": "curation", 
 # formatting
 
 
-class Markup(str):
-    """HTML already escaped: inserted as is."""
+def esc(value) -> Markup:
+    """`value` as escaped HTML text (a Markup is already escaped: returned as it is)."""
+    return escape(value)
 
 
-def esc(value) -> str:
-    return value if isinstance(value, Markup) else html.escape(str(value), quote=True)
-
-
-def fmt(x) -> str:
+def fmt(x) -> Markup:
     """A value as text: reals to 3 decimals (non-zero ones under 5e-4 in scientific notation, so that
     a small MMD^2 does not read 0.000), NaN and None as an en dash, integers as integers; escaped."""
     if x is None:
-        return DASH
+        return Markup(DASH)
     if isinstance(x, (bool, np.bool_)):
-        return str(bool(x))
+        return Markup(str(bool(x)))
     if isinstance(x, numbers.Integral):
-        return str(int(x))
+        return Markup(str(int(x)))
     if isinstance(x, numbers.Real):
         x = float(x)
         if math.isnan(x):
-            return DASH
+            return Markup(DASH)
         if math.isinf(x):
-            return "\u221e" if x > 0 else "-\u221e"
-        return f"{x:.2e}" if x != 0 and abs(x) < 5e-4 else f"{x:.3f}"
+            return Markup("\u221e" if x > 0 else "-\u221e")
+        return Markup(f"{x:.2e}" if x != 0 and abs(x) < 5e-4 else f"{x:.3f}")
     if isinstance(x, (list, tuple)):
-        return ", ".join(fmt(v) for v in x)
+        return Markup(", ").join(fmt(v) for v in x)
     return esc(x)
 
 

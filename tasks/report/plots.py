@@ -1,15 +1,14 @@
 """The evaluate report's figures (matplotlib, Agg): ACC and BWT by interface, the accuracy curves,
 the accuracy matrices, CC-MMD and the pseudo-label estimates. Each returns PNG bytes that depend on
-the data alone (no date, no Software key)."""
+the data alone (tasks.runtime.io.figure_png: no date, no Software key)."""
 
 from __future__ import annotations
-
-import io
 
 import numpy as np
 import pandas as pd
 
 from tasks.report.format import FORGETTING_TOL, _finite, interface_label
+from tasks.runtime.io import figure_png
 
 
 def _pyplot():
@@ -23,14 +22,6 @@ def _pyplot():
 
 RC = {"axes.spines.top": False, "axes.spines.right": False, "axes.grid": True, "grid.alpha": 0.3,
       "axes.titlesize": 11, "axes.labelsize": 10, "legend.fontsize": 9, "legend.frameon": False, "font.size": 9}
-
-
-def png(fig) -> bytes:
-    """PNG bytes without the Software key (matplotlib's PNGs carry no date); closes the figure."""
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, metadata={"Software": None})
-    _pyplot().close(fig)
-    return buf.getvalue()
 
 
 def method_colors(methods: list[str]) -> dict:
@@ -74,7 +65,7 @@ def plot_interfaces(summary: pd.DataFrame, interfaces: list[str], main: str, col
             ax.axhline(0, color="black", lw=0.8, zorder=4)
             ax.axhspan(-FORGETTING_TOL, FORGETTING_TOL, color="#9ca3af", alpha=0.2, lw=0, zorder=1)
     _legend_below(fig, axes[0], len(methods))
-    return png(fig)
+    return figure_png(fig)
 
 
 def plot_curves(curves: pd.DataFrame, interfaces: list[str], order: list[str], main: str, colors: dict) -> bytes:
@@ -108,7 +99,7 @@ def plot_curves(curves: pd.DataFrame, interfaces: list[str], order: list[str], m
         fig.tight_layout()
     else:
         _legend_below(fig, axes.flat[0], len(methods))
-    return png(fig)
+    return figure_png(fig)
 
 
 def plot_matrices(matrices: dict, methods: list[str], interfaces: list[str], order: list[str]) -> bytes:
@@ -146,7 +137,7 @@ def plot_matrices(matrices: dict, methods: list[str], interfaces: list[str], ord
     if image is not None:
         bar = fig.colorbar(image, cax=fig.add_axes((0.945, 0.25, 0.012, 0.5)))
         bar.set_label("accuracy or NMI")
-    return png(fig)
+    return figure_png(fig)
 
 
 def plot_ccmmd(curation: pd.DataFrame) -> bytes:
@@ -178,7 +169,7 @@ def plot_ccmmd(curation: pd.DataFrame) -> bytes:
     ax2.set_title("estimated vs true contamination")
     ax2.legend(loc="upper left")
     fig.tight_layout()
-    return png(fig)
+    return figure_png(fig)
 
 
 def plot_pseudolabel(pl: pd.DataFrame) -> bytes:
@@ -197,7 +188,7 @@ def plot_pseudolabel(pl: pd.DataFrame) -> bytes:
     ax.set_title("pseudo-label accuracy: estimate vs truth")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=3)
     fig.tight_layout()
-    return png(fig)
+    return figure_png(fig)
 
 
 # ---------------------------------------------------------------------------------------------------

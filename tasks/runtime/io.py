@@ -1,4 +1,5 @@
-"""Reading validated tables and writing outputs atomically.
+"""Reading validated tables and safetensors files, writing outputs atomically, PNG figures with
+fixed metadata, and the md5 of a file.
 
 Every output is written to a temporary file beside its destination and renamed into place only
 when complete (os.replace is atomic on POSIX), so a killed stage leaves the previous outputs
@@ -18,6 +19,7 @@ from typing import Callable
 import pandas as pd
 
 from crucible.schema import validate_table
+from crucible.serialize import read_safetensors  # noqa: F401 (the stages' safetensors reader, below)
 
 
 def md5_file(path: Path | str) -> str:
@@ -56,41 +58,29 @@ def read_stage_output(path: Path | str, what: str, columns, stage: str) -> pd.Da
     return df
 
 
-def read_safetensors(path: Path | str, what: str, rebuild: str, finite: bool = True) -> tuple[dict, dict]:
-    """(tensors, metadata) of a safetensors file written by an earlier stage. A missing, truncated or
-    corrupt file, or (with `finite`) a tensor holding NaN or inf, is an error naming the file, the
-    tensor and `rebuild` (the command that remakes it)."""
-    from safetensors import SafetensorError, safe_open
+# The one reader of safetensors files for every stage (tasks/stages, tasks/data, tasks/registry):
+# read_safetensors(path, what, rebuild, shapes=..., finite=True) -> (tensors, metadata); a missing,
+# truncated or corrupt file, a missing, unexpected or wrongly shaped tensor, or NaN / inf is an
+# error naming the file, the tensor and the value, and `rebuild` (the command that remakes it).
+# Defined in crucible.serialize (imported above) so that the logged pyfunc, which carries
+# crucible's code only, reads its files the same way.
 
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: {what} not found; {rebuild}")
-    try:
-        with safe_open(str(path), framework="pt") as fh:
-            meta = fh.metadata() or {}
-            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
-    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-        raise ValueError(f"{path}: {what} is not a readable safetensors file (truncated or corrupt: {exc}); "
-                         f"{rebuild}") from None
-    if finite:
-        import torch
-
-        for name, t in tensors.items():
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                bad = int((~torch.isfinite(t)).sum())
-                raise ValueError(f"{path}: tensor {name!r} of the {what} has {bad} NaN or inf values of {t.numel()}; "
-                                 f"{rebuild}")
-    return tensors, meta
+# Every PNG the pipeline writes (stage figures, the report's figures): a fixed resolution, and no
+# Software key, so that the bytes depend on the figure alone, not on the matplotlib version
+# (matplotlib's PNGs carry no date).
+PNG_DPI = 110
+PNG_METADATA = {"Software": None}
 
 
-def figure_png(fig, dpi: int = 110) -> bytes:
-    """A matplotlib figure as PNG bytes (for AtomicOutputs.bytes); closes the figure."""
+def figure_png(fig) -> bytes:
+    """A matplotlib figure as PNG bytes (for AtomicOutputs.bytes) with the fixed metadata; closes
+    the figure."""
     import io
 
     import matplotlib.pyplot as plt
 
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
+    fig.savefig(buf, format="png", dpi=PNG_DPI, metadata=PNG_METADATA)
     plt.close(fig)
     return buf.getvalue()
 

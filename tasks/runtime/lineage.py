@@ -6,7 +6,8 @@ The register stage tags each model version with
 - `crucible.lineage.git_commit`: the workspace's git commit;
 - `crucible.lineage.md5.<path>`: the dvc.lock md5 of every output of every stage that ran before
   it (datasets per task, embeddings, curation, pseudo-labels, the fine-tunes, the merged and the
-  quantized model, evaluate's metrics); a directory output has DVC's `<md5>.dir` hash;
+  quantized model, evaluate's metrics); a directory output has DVC's `<md5>.dir` hash (computed by
+  DVC's own tree build on disk, so .dvcignore is honoured);
 - `crucible.lineage.params.<stage>` (`<stage>/<task>` for a per-task stage): the params that stage
   ran with, as recorded in dvc.lock (canonical JSON, or `md5:<hash of it>` when too long for a tag).
 `compare` checks each against the current dvc.lock and the files on disk; `report` prints it.
@@ -14,11 +15,14 @@ The register stage tags each model version with
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 from pathlib import Path
+
+from tasks.runtime.io import md5_file
 
 LOCK = "dvc.lock"
 MD5 = "crucible.lineage.md5."
@@ -97,34 +101,49 @@ def lineage_tags(root: Path, commit: str, exclude: tuple[str, ...] = ("register"
     return tags
 
 
-def file_md5(path: Path) -> str:
-    h = hashlib.md5()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+@contextlib.contextmanager
+def dvc_dir_hasher(root: Path):
+    """A function path -> DVC's hash (`<md5>.dir`) of the directory `path` inside the DVC repository
+    `root`, computed by DVC itself (dvc_data's tree build, as for a stage's directory output): the
+    value dvc.lock records, honouring .dvcignore. Nothing is written to the cache."""
+    from dvc.repo import Repo
+    from dvc_data.hashfile.build import build
+    from dvc_data.hashfile.db import HashFileDB
+    from dvc_objects.fs import MemoryFileSystem
+
+    with Repo(os.fspath(root), uninitialized=True) as repo:
+        # outside a DVC repository (no cache): an in-memory object store; the hashes are the same
+        odb = repo.cache.repo if repo.cache.repo is not None else HashFileDB(MemoryFileSystem(), "/crucible-lineage")
+
+        def hash_dir(path: Path) -> str:
+            _, _, obj = build(odb, os.fspath(Path(path).resolve()), repo.fs, "md5", ignore=repo.dvcignore,
+                              dry_run=True)
+            return obj.hash_info.value
+
+        yield hash_dir
 
 
-def dir_md5(path: Path) -> str:
-    """DVC's hash of a directory output: md5 of the JSON list of {md5, relpath} of its files,
-    sorted by relpath, with '.dir' appended."""
-    path = Path(path)
-    entries = []
-    for dirpath, dirnames, filenames in os.walk(path):
-        dirnames[:] = [d for d in dirnames if d not in (".git", ".dvc")]
-        for name in filenames:
-            full = Path(dirpath) / name
-            entries.append({"md5": file_md5(full), "relpath": full.relative_to(path).as_posix()})
-    entries.sort(key=lambda e: e["relpath"])
-    return hashlib.md5(json.dumps(entries, sort_keys=True).encode("utf-8")).hexdigest() + ".dir"
+def _dvc_root(path: Path) -> Path:
+    """The DVC repository holding `path` (its nearest ancestor with a .dvc folder), else its parent."""
+    path = Path(path).resolve()
+    return next((p for p in path.parents if (p / ".dvc").is_dir()), path.parent)
 
 
-def disk_md5(path: Path) -> str | None:
+def dir_md5(path: Path, root: Path | None = None) -> str:
+    """DVC's hash of a directory output (dvc_dir_hasher); `root`: its DVC repository (default: the
+    nearest one above it)."""
+    with dvc_dir_hasher(root if root is not None else _dvc_root(path)) as hash_dir:
+        return hash_dir(path)
+
+
+def disk_md5(path: Path, hash_dir=dir_md5) -> str | None:
+    """The hash dvc.lock would record for `path` now: DVC's directory hash, a file's md5, None
+    when it does not exist."""
     path = Path(path)
     if path.is_dir():
-        return dir_md5(path)
+        return hash_dir(path)
     if path.is_file():
-        return file_md5(path)
+        return md5_file(path)
     return None
 
 
@@ -137,13 +156,14 @@ def compare(root: Path, tags: dict[str, str], commit: str | None = None) -> dict
     lock_md5 = {tag_key(MD5, p): (p, h) for p, h in lineage["md5"].items()}
     lock_params = {params_key(s): (s, params_value(p)) for s, p in lineage["params"].items()}
     artifacts, params = [], []
-    for key in sorted(k for k in tags if k.startswith(MD5)):
-        recorded = tags[key]
-        path, now = lock_md5.get(key, (key[len(MD5):], None))
-        on_disk = disk_md5(root / path)
-        artifacts.append({"path": path, "recorded": recorded,
-                          "lock": "missing" if now is None else ("match" if now == recorded else "differs"),
-                          "disk": "missing" if on_disk is None else ("match" if on_disk == recorded else "differs")})
+    with dvc_dir_hasher(root) as hash_dir:
+        for key in sorted(k for k in tags if k.startswith(MD5)):
+            recorded = tags[key]
+            path, now = lock_md5.get(key, (key[len(MD5):], None))
+            on_disk = disk_md5(root / path, hash_dir)
+            artifacts.append({"path": path, "recorded": recorded,
+                              "lock": "missing" if now is None else ("match" if now == recorded else "differs"),
+                              "disk": "missing" if on_disk is None else ("match" if on_disk == recorded else "differs")})
     for key in sorted(k for k in tags if k.startswith(PARAMS)):
         sid, now = lock_params.get(key, (key[len(PARAMS):].replace("/", "@"), None))
         params.append({"stage": sid, "lock": "missing" if now is None else ("match" if now == tags[key] else "differs")})

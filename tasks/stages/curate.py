@@ -6,7 +6,7 @@ data-quality measure with its interval, and the corrected per-item weights.
 Reads data/<task>/{reference,pool,audit}.parquet and embeddings.safetensors (stage `embed`), scores
 every pooled item with a proxy membership score (params `curate.scorer`), computes CC-MMD^2 with a
 delta-method interval beside the naive (every item clean) and audit-only estimates and
-eps_hat = 1 - N_hat / n (crucible.ccmmd; METHODS.md sec. 1). Where the demo's truth covers the pool,
+eps_hat = 1 - N_hat / n (crucible.ccmmd; docs/methods.md, curate). Where the demo's truth covers the pool,
 the oracle and the true eps are reported beside them.
 
 Outputs: data/<task>/curated.parquet (id, text, score, audited, m, keep), curate.json (metrics),
@@ -71,11 +71,13 @@ def _truth_membership(root: Path, task: str, pool: pd.DataFrame) -> np.ndarray |
     return truth.loc[pool["id"], "member"].to_numpy(dtype=np.float64)
 
 
-def plot(path_png, scores: np.ndarray, truth: np.ndarray | None, result, task: str) -> None:
+def plot(scores: np.ndarray, truth: np.ndarray | None, result, task: str) -> bytes:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from tasks.runtime.io import figure_png
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     bins = np.linspace(0, 1, 26)
@@ -96,8 +98,7 @@ def plot(path_png, scores: np.ndarray, truth: np.ndarray | None, result, task: s
     b.set(title="MMD^2 to the reference", ylabel="MMD^2")
     b.legend()
     fig.tight_layout()
-    fig.savefig(path_png, dpi=110, format="png", metadata={"Software": None})
-    plt.close(fig)
+    return figure_png(fig)
 
 
 def run(params: Params, task: str, root: Path, log) -> dict:
@@ -141,7 +142,7 @@ def run(params: Params, task: str, root: Path, log) -> dict:
     with AtomicOutputs() as out:
         out.parquet(curated, base / "curated.parquet")
         out.json(metrics, base / "curate.json")
-        out.file(base / "curate.png", lambda p: plot(p, scores, truth, result, task))
+        out.bytes(plot(scores, truth, result, task), base / "curate.png")
     log.log_artifact(base / "curate.png")
     log.log_artifact(base / "curate.json")
     return metrics

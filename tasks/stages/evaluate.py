@@ -1,5 +1,5 @@
 """Stage `evaluate` (once): every model variant through three interfaces, the continual metrics at
-each, and one report a person can read (METHODS.md sec. 6; crucible.evaluation, crucible.continual).
+each, and one report a person can read (docs/methods.md, evaluate; crucible.evaluation, crucible.continual).
 
     crucible stage evaluate
 
@@ -112,11 +112,9 @@ def read_inputs(root: Path, params: Params) -> dict:
                 raise ValueError(f"{root / QUANTIZE / 'features.safetensors'}: its rows for {key[7:]!r} differ from "
                                  f"the merge stage's ({root / MERGE / 'features.safetensors'}); both must score the "
                                  f"same test and probe rows: {_rerun('quantize')}")
-    path = root / MERGE / "heads.safetensors"
-    heads, _ = read_safetensors(path, "task heads", _rerun("merge"))
-    missing = [t for t in order if f"{t}.weight" not in heads or f"{t}.bias" not in heads]
-    if missing:
-        raise ValueError(f"{path}: no head for tasks {missing}; {_rerun('merge')}")
+    n = {t: len(merge_meta["classes"][t]) for t in order}  # each task's head: (n_classes, hidden) and (n_classes,)
+    shapes = {f"{t}.{k}": s for t in order for k, s in (("weight", (n[t], None)), ("bias", (n[t],)))}
+    heads, _ = read_safetensors(root / MERGE / "heads.safetensors", "task heads", _rerun("merge"), shapes=shapes)
     quant_config = json.loads((root / QUANTIZE / "config.json").read_text())
     return {"order": order, "tensors": {**merged, **quant}, "variants": merge_meta["variants"] + quant_meta["variants"],
             "classes": merge_meta["classes"], "heads": heads, "quantize_config": quant_config}

@@ -1,4 +1,4 @@
-"""Stage `merge` (once, over all tasks): continual merging of the task models (METHODS.md sec. 5;
+"""Stage `merge` (once, over all tasks): continual merging of the task models (docs/methods.md, merge;
 crucible.merge), every method of `merge.methods` on the same arrival sequence.
 
     crucible stage merge
@@ -116,6 +116,23 @@ class _PeakSampler:
         self.thread.join()
 
 
+_SCRATCH = "a merge worker's scratch file; rerun `crucible stage merge`"
+_FINETUNE = "rebuild it with `crucible stage finetune` for its task"
+
+
+def _shapes(state: dict) -> dict:
+    """{name: shape} of a state dict: what a file of the same architecture must hold."""
+    return {k: tuple(v.shape) for k, v in state.items()}
+
+
+def read_merged_state(path: Path, what: str, theta_0: dict) -> dict:
+    """A merged encoder a worker wrote: theta_0's tensor names and shapes, every value finite."""
+    from tasks.runtime.io import read_safetensors
+
+    state, _ = read_safetensors(path, f"merged encoder of {what}", _SCRATCH, shapes=_shapes(theta_0))
+    return state
+
+
 def merge_worker(spec: dict) -> dict:
     """Run one method over the sequence (in this process); write merged weights; return records.
 
@@ -123,12 +140,13 @@ def merge_worker(spec: dict) -> dict:
     save ("each" | "final").
     """
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     from crucible.merge import make_merger, task_vector
+    from tasks.runtime.io import read_safetensors
 
     torch.set_grad_enabled(False)
-    theta_0 = load_file(spec["theta0"])
+    theta_0, _ = read_safetensors(spec["theta0"], "base encoder (theta_0)", _SCRATCH)
     merger = make_merger(spec["method"], **spec["kwargs"])
     sampler = _PeakSampler()
     base = _rss()
@@ -137,7 +155,10 @@ def merge_worker(spec: dict) -> dict:
     for j, path in enumerate(spec["models"]):
         with sampler.window():
             t0 = time.perf_counter()
-            tau = task_vector(load_file(path), theta_0, inplace=True, source=str(path), base_source=spec["theta0"])
+            # finite=False: the parent checked each task model (read_task_model); task_vector checks
+            # names, shapes and dtypes against theta_0
+            tau = task_vector(read_safetensors(path, "task model", _FINETUNE, finite=False)[0], theta_0, inplace=True,
+                              source=str(path), base_source=spec["theta0"])
             t1 = time.perf_counter()
             merger.add(tau, source=str(path))
             del tau
@@ -190,8 +211,6 @@ def merge_method(method: str, kwargs: dict, theta0_file: Path, specs: list[dict]
     the features of every arrival's merged model on the arrived tasks go into the store (variant
     `<method>@<j>`). Returns (summary entry, accuracy rows, rank rows); the merged weights stay in
     `out_dir`."""
-    from safetensors.torch import load_file
-
     from crucible.continual import accuracy_curve, average_accuracy, backward_transfer, normalised_accuracy
 
     order = [s["task"] for s in specs]
@@ -213,7 +232,8 @@ def merge_method(method: str, kwargs: dict, theta0_file: Path, specs: list[dict]
     if store is not None:
         R = np.full((len(specs), len(specs)), np.nan)
         for j in range(len(specs)):
-            store.scorer.load(load_file(str(out_dir / f"{j}.safetensors")))
+            store.scorer.load(read_merged_state(out_dir / f"{j}.safetensors", f"{method} after arrival {j}",
+                                                store.scorer.theta_0))
             acc = store.add(f"{method}@{j}", "merge", method, j, order[:j + 1])
             for i in range(j + 1):
                 R[j, i] = acc[order[i]]
@@ -229,7 +249,7 @@ def reference_accuracy(store: FeatureStore, specs: list[dict]) -> tuple[dict, di
     """(base model accuracy, own fine-tune accuracy) per task. Into the store go the base encoder's
     features on every task (variant `base`) and each fine-tune's on the tasks arrived up to it
     (variant `finetune:<task>`, for evaluate's swap-in-the-latest-fine-tune baseline)."""
-    from safetensors.torch import load_file
+    from tasks.runtime.io import read_safetensors
 
     order = [s["task"] for s in specs]
     store.scorer.load(store.scorer.theta_0)
@@ -237,7 +257,10 @@ def reference_accuracy(store: FeatureStore, specs: list[dict]) -> tuple[dict, di
     finetuned = {}
     for j, spec in enumerate(specs):
         t = spec["task"]
-        store.scorer.load(load_file(str(spec["model"])))
+        state, _ = read_safetensors(spec["model"], f"fine-tuned encoder of task {t!r}",
+                                    f"rebuild it with `crucible stage finetune --task {t}`",
+                                    shapes=_shapes(store.scorer.theta_0))
+        store.scorer.load(state)
         finetuned[t] = store.add(f"finetune:{t}", "finetune", "finetune", j, order[:j + 1])[t]
     return base, finetuned
 
@@ -248,7 +271,7 @@ def reference_accuracy(store: FeatureStore, specs: list[dict]) -> tuple[dict, di
 
 def run(params: Params, task: str | None, root: Path, log) -> dict:
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
     from crucible.serialize import safetensors_bytes
@@ -281,7 +304,8 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
             summary[method] = entry
             rows += method_rows
             ranks += method_ranks
-        main_state = load_file(str(tmp / cfg.main / f"{len(specs) - 1}.safetensors"))
+        main_state = read_merged_state(tmp / cfg.main / f"{len(specs) - 1}.safetensors",
+                                       f"{cfg.main} after the last arrival", scorer.theta_0)
 
     heads = {f"{s['task']}.{k}": v.contiguous() for s in specs for k, v in s["head"].items()}
     config = {"order": order, "main": cfg.main, "methods": cfg.methods, "base_model": params.embed.model,

@@ -1,5 +1,5 @@
 """Stage `pseudolabel` (per task): teacher labels for the curated pool, with design-corrected
-estimates of their quality (METHODS.md sec. 2; crucible.pseudolabel).
+estimates of their quality (docs/methods.md, pseudolabel; crucible.pseudolabel).
 
     crucible stage pseudolabel --task bbc
 
@@ -82,11 +82,13 @@ def _metric_key(key: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.\-/]", "_", key)
 
 
-def plot_confusion(path_png, actual: list[str], predicted: list[str], classes, task: str) -> None:
+def plot_confusion(actual: list[str], predicted: list[str], classes, task: str) -> bytes:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from tasks.runtime.io import figure_png
 
     index = {c: i for i, c in enumerate(classes)}
     counts = np.zeros((len(classes), len(classes)), dtype=np.int64)
@@ -105,8 +107,7 @@ def plot_confusion(path_png, actual: list[str], predicted: list[str], classes, t
            title=f"{task}: pseudo-labels vs audited members (n={len(actual)})")
     fig.colorbar(im, ax=ax)
     fig.tight_layout()
-    fig.savefig(path_png, dpi=110, format="png", metadata={"Software": None})
-    plt.close(fig)
+    return figure_png(fig)
 
 
 def run(params: Params, task: str, root: Path, log) -> dict:
@@ -178,8 +179,8 @@ def run(params: Params, task: str, root: Path, log) -> dict:
         out.parquet(labeled, base / "labeled.parquet")
         out.json(metrics, base / "pseudolabel.json")
         out.file(base / "pseudolabel_confusion.csv", lambda p: confusion.to_csv(p, index=False))
-        out.file(base / "pseudolabel_confusion.png",
-                 lambda p: plot_confusion(p, confusion["actual"].tolist(), confusion["predicted"].tolist(), classes, task))
+        out.bytes(plot_confusion(confusion["actual"].tolist(), confusion["predicted"].tolist(), classes, task),
+                  base / "pseudolabel_confusion.png")
     log.log_artifact(base / "pseudolabel_confusion.png")
     log.log_artifact(base / "pseudolabel.json")
     return metrics

@@ -1,5 +1,5 @@
 """Stage `quantize` (once): the merged encoder's linear layers in MXFP4, with low-rank compensation
-of the quantization error under one total rank budget (METHODS.md sec. 4; crucible.quant).
+of the quantization error under one total rank budget (docs/methods.md, quantize; crucible.quant).
 
     crucible stage quantize
 
@@ -80,8 +80,8 @@ def _rebuild_hint() -> str:
 
 def read_merged(root: Path, base_model: str) -> dict:
     """The merge stage's outputs: encoder state, heads, classes, max_length; each error names the
-    file and how to rebuild it."""
-    from safetensors import SafetensorError, safe_open
+    file (and the tensor) and how to rebuild it."""
+    from tasks.runtime.io import read_safetensors
 
     folder = root / MERGE
     paths = {n: folder / n for n in ("model.safetensors", "heads.safetensors", "config.json")}
@@ -95,45 +95,26 @@ def read_merged(root: Path, base_model: str) -> dict:
     if config.get("base_model") != base_model:
         raise ValueError(f"{paths['config.json']}: field 'base_model' = {config.get('base_model')!r}, but embed.model "
                          f"is {base_model!r}; {_rebuild_hint()}")
-    tensors = {}
-    for key in ("model.safetensors", "heads.safetensors"):
-        try:
-            with safe_open(str(paths[key]), framework="pt") as fh:
-                tensors[key] = {k: fh.get_tensor(k) for k in fh.keys()}
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise ValueError(f"{paths[key]}: not a readable safetensors file ({exc}); {_rebuild_hint()}") from None
-    import torch
-
-    for key, group in tensors.items():
-        for name, t in group.items():
-            if t.is_floating_point() and not torch.isfinite(t).all():
-                raise ValueError(f"{paths[key]}: tensor '{name}' holds NaN or inf; {_rebuild_hint()}")
     classes, max_length = config.get("classes") or {}, config.get("max_length") or {}
-    heads = {}
-    for t, cls in classes.items():
-        w, b = tensors["heads.safetensors"].get(f"{t}.weight"), tensors["heads.safetensors"].get(f"{t}.bias")
-        if w is None or b is None or w.shape[0] != len(cls):
-            raise ValueError(f"{paths['heads.safetensors']}: expected '{t}.weight' ({len(cls)}, hidden) and '{t}.bias' "
-                             f"for task {t!r}; {_rebuild_hint()}")
-        heads[t] = {"weight": w, "bias": b}
-    return {"state": tensors["model.safetensors"], "heads": heads, "classes": classes, "max_length": max_length,
+    # the encoder's names and shapes are checked against embed.model's architecture when it loads
+    state, _ = read_safetensors(paths["model.safetensors"], "merged encoder", _rebuild_hint())
+    tensors, _ = read_safetensors(paths["heads.safetensors"], "task heads", _rebuild_hint(),
+                                  shapes={f"{t}.{k}": shape for t, cls in classes.items()
+                                          for k, shape in (("weight", (len(cls), None)), ("bias", (len(cls),)))})
+    heads = {t: {"weight": tensors[f"{t}.weight"], "bias": tensors[f"{t}.bias"]} for t in classes}
+    return {"state": state, "heads": heads, "classes": classes, "max_length": max_length,
             "config": config, "paths": paths}
 
 
 def load_quantized_encoder(folder: Path | str, base_model: str | None = None):
-    """(encoder, tokenizer) from a models/quantize/ folder: the base architecture built from its
-    config (no float weights read) with the packed MXFP4 layers loaded (crucible.quant.load_quantized)."""
-    from transformers import AutoConfig, AutoModel, AutoTokenizer
-
-    from crucible.quant import load_quantized
+    """(encoder, tokenizer) from a models/quantize/ folder: crucible.quant.load_quantized_encoder
+    (the registered pyfunc's loader too) with the architecture of `base_model` (default: the one
+    its config.json names); no float weights are read."""
+    from crucible.quant import load_quantized_encoder as load
 
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
-    path = resolve_model(base_model or config["base_model"])
-    skeleton = AutoModel.from_config(AutoConfig.from_pretrained(path, local_files_only=True))
-    encoder = load_quantized(folder / "model.safetensors", skeleton)
-    encoder.eval()
-    return encoder, AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return load(folder / "model.safetensors", resolve_model(base_model or config["base_model"]))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -90,3 +90,44 @@ def test_broken_config_is_named(tmp_path):
     (folder / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"finetune/config\.json: not valid JSON.*finetune --task rotten"):
         read_task_model(tmp_path, "rotten", "m")
+
+
+def test_a_wrongly_shaped_head_names_the_tensor_its_shape_and_the_command(tmp_path):
+    folder = _finetune(tmp_path)
+    # three rows for the two classes of the metadata
+    save_file({"weight": torch.randn(3, 3), "bias": torch.zeros(3)}, str(folder / "head.safetensors"),
+              metadata={"classes": json.dumps(["fresh", "rotten"])})
+    with pytest.raises(ValueError, match=r"head\.safetensors: tensor 'weight' of the head of task 'rotten' has shape "
+                                         r"\[3, 3\], expected \[2, \*\]; rebuild it with `crucible stage finetune --task rotten`"):
+        read_task_model(tmp_path, "rotten", "m")
+
+
+def test_the_reader_checks_names_shapes_and_values(tmp_path):
+    from tasks.runtime.io import read_safetensors
+
+    path = tmp_path / "heads.safetensors"
+    path.write_bytes(safetensors_bytes({"a.weight": torch.ones(2, 4), "a.bias": torch.zeros(2)}, {"k": "v"}))
+    tensors, meta = read_safetensors(path, "task heads", "rerun merge", shapes={"a.weight": (2, None), "a.bias": (2,)})
+    assert set(tensors) == {"a.weight", "a.bias"} and meta == {"k": "v"}
+    with pytest.raises(ValueError, match=r"heads\.safetensors: tensor 'a\.weight' of the task heads has shape \[2, 4\], "
+                                         r"expected \[3, \*\]; rerun merge"):
+        read_safetensors(path, "task heads", "rerun merge", shapes={"a.weight": (3, None), "a.bias": (2,)})
+    with pytest.raises(ValueError, match=r"tensor 'a\.bias' of the task heads has shape \[2\], expected \[2, 1\]"):
+        read_safetensors(path, "task heads", "rerun merge", shapes={"a.weight": (2, 4), "a.bias": (2, 1)})
+    with pytest.raises(ValueError, match=r"tensor 'b\.weight' of the task heads is missing; expected shape \[2, \*\]"):
+        read_safetensors(path, "task heads", "rerun merge", shapes={"a.weight": (2, 4), "a.bias": (2,), "b.weight": (2, None)})
+    with pytest.raises(ValueError, match=r"unexpected tensor 'a\.bias' of the task heads of shape \[2\]"):
+        read_safetensors(path, "task heads", "rerun merge", shapes={"a.weight": (2, 4)})
+    # a callable check: its text, the file and the command
+    with pytest.raises(ValueError, match=r"heads\.safetensors: metadata 'k' is 'v'; rerun merge"):
+        read_safetensors(path, "task heads", "rerun merge", shapes=lambda t, m: f"metadata 'k' is {m['k']!r}")
+    # a non-finite value: the tensor, how many, the first value and its index
+    path.write_bytes(safetensors_bytes({"a.weight": torch.tensor([[0.0, 1.0], [float("-inf"), float("nan")]])}))
+    with pytest.raises(ValueError, match=r"tensor 'a\.weight' of the task heads has 2 NaN or inf values of 4 "
+                                         r"\(first: -inf at \[1, 0\]\); rerun merge"):
+        read_safetensors(path, "task heads", "rerun merge")
+    # truncated: the first tensor whose bytes are gone
+    path.write_bytes(safetensors_bytes({"a": torch.zeros(4), "b": torch.ones(64)})[:-8])
+    with pytest.raises(ValueError, match=r"heads\.safetensors: task heads is not a readable safetensors file, "
+                                         r"truncated: tensor 'b' needs data bytes up to 272, the file holds 264"):
+        read_safetensors(path, "task heads", "rerun merge")

@@ -180,7 +180,8 @@ def test_rows_that_differ_between_merge_and_quantize_are_refused_and_nothing_is_
 def test_missing_and_corrupt_features_name_the_file_and_the_fix(project):
     path = project / "models" / "quantize" / "features.safetensors"
     path.write_bytes(path.read_bytes()[:1000])
-    with pytest.raises(ValueError, match=r"quantize/features\.safetensors: not a readable safetensors file.*quantize"):
+    with pytest.raises(ValueError, match=r"quantize/features\.safetensors: features is not a readable safetensors file.*"
+                                         r"run the quantize stage"):
         execute("evaluate", None, project)
     path.unlink()
     with pytest.raises(FileNotFoundError, match=r"features not found; run the quantize stage first"):

@@ -178,6 +178,40 @@ def test_strings_escaped():
     assert "&lt;b&gt;gs3r&lt;/b&gt;" in page and "&lt;script&gt;" in page and "a &amp; b" in page
 
 
+def test_script_in_a_task_name_or_a_finding_is_escaped():
+    """The templates escape every string from the results: a task named `<script>...` (in the order,
+    every table and the cards) and a main method named so (in the findings' sentences, the headline
+    table, the title)."""
+    task, method = "<script>alert('task')</script>", "<script>alert(\"m\")</script>"
+    results = make_results(main=method, order=["bbc", task, "tweets"])
+    lines = findings(results["summary"], INTERFACES, method)
+    assert any(method in line for line in lines)  # the finding names the method: plain text, unescaped
+    page = _page(build_report(results))
+    assert "<script" not in page.lower()
+    assert page.count("&lt;script&gt;alert(&#39;task&#39;)&lt;/script&gt;") >= 5  # cards, tables, figures' tasks
+    findings_html = page.split('<ul class="findings">')[1].split("</ul>")[0]
+    assert findings_html.count("&lt;script&gt;alert(&#34;m&#34;)&lt;/script&gt;") == len(lines)
+    assert "<title>crucible report: &lt;script&gt;" in page
+
+
+def test_templates_ship_with_the_package_and_the_workspace(tmp_path, project_root):
+    """The page's templates are package data (pyproject.toml) and the scratch workspace's copy of
+    tasks/ holds them, so `crucible run --profile tiny` renders the same page."""
+    import fnmatch
+    import tomllib
+
+    from tasks.report.page import TEMPLATES
+    from tasks.runtime.workspace import make_workspace
+
+    names = sorted(p.name for p in TEMPLATES.iterdir())
+    assert "page.html.j2" in names and all(n.endswith(".j2") for n in names)
+    patterns = tomllib.loads((project_root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert all(any(fnmatch.fnmatch(f"templates/{n}", pat) for pat in patterns["tasks.report"]) for n in names)
+    ws = make_workspace(project_root, tmp_path / "ws")
+    copied = ws / "tasks" / "report" / "templates"
+    assert {n: (copied / n).read_bytes() for n in names} == {n: (TEMPLATES / n).read_bytes() for n in names}
+
+
 def test_findings_follow_the_numbers():
     """The synthetic head forgets (BWT about -0.12), the probe does not (-0.005): the text says so."""
     results = make_results()
