@@ -6,7 +6,7 @@
 
 Method
 - Load-aware allocation ("Quantizing Mixture-of-Experts (MoE) models is difficult ...", the source
-  abstract in /work/shared/seeds): under a total rank budget R over matrices (experts) with loads
+  abstract cited in docs/methods.md, References): under a total rank budget R over matrices (experts) with loads
   l_e (how often the router sends tokens to expert e; 1 for a dense layer), minimise the weighted
   error sum_e l_e * sum_{j > r_e} sigma_{e,j}^2 by giving rank units one at a time to the matrix
   with the largest marginal gain l_e * sigma_{e, r_e + 1}^2.

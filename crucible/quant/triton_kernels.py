@@ -28,7 +28,7 @@ set before triton is first imported). The interpreter stores bfloat16 as raw uin
 bfloat16 arithmetic and casts wrong, so the kernels never compute in bfloat16 there: bfloat16 inputs
 are read as int16 bits and widened to float32 by a shift, outputs are rounded to bfloat16 from the
 float32 bits, and under the interpreter the dots run in float32 (same products: bf16 x bf16 is exact
-in float32). tests/test_mxfp4_triton.py runs all three kernels under the interpreter against the
+in float32). tests/library/test_mxfp4_triton.py runs all three kernels under the interpreter against the
 torch path (bit equality for quantize and dequantize; mx_linear within 1e-4 of a float64 reference
 for float32 x and 1e-2 for bfloat16 x, and bit-exact on integer data) and checks the wrappers'
 argument validation. The GPU-only branch (bfloat16 x loaded as bfloat16 and multiplied on the

@@ -1,5 +1,5 @@
 """Stage `finetune` (per task): the base encoder + a linear head, fine-tuned on the task's labeled
-rows with GMixout (METHODS.md sec. 3; crucible.gmixout, crucible.train).
+rows with GMixout (docs/methods.md, finetune; crucible.gmixout, crucible.train).
 
     crucible stage finetune --task bbc
 

@@ -1,5 +1,5 @@
 """Stage `moe_quantize` (once; on when moe.enabled): the MoE of moe_build in MXFP4, compensated,
-and trained with limited routing replay (METHODS.md sec. 4; crucible.moe.variants).
+and trained with limited routing replay (docs/methods.md, moe; crucible.moe.variants).
 
     crucible stage moe_quantize
 

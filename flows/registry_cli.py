@@ -1,0 +1,75 @@
+"""The `crucible` commands that read the model registry: `predict` (the registered model, in this
+process) and `lineage` (what made a registered version, checked against dvc.lock and the disk)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def message(exc: Exception) -> str:
+    """An error's message without KeyError's quotes or MLflow's wrapping."""
+    message = getattr(exc, "message", None)
+    if isinstance(message, str):
+        return message
+    return str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+
+
+def registered(root: Path, ref: str):
+    """(name, client, model version) of params' registered model at version or alias `ref`."""
+    from tasks.runtime.params import load_params
+    from tasks.registry.registry import resolve_version
+    from tasks.registry.serving import registry_client
+
+    name = load_params(root / "params.yaml").tracking.registered_model
+    client = registry_client(root)
+    return name, client, resolve_version(client, name, ref)
+
+
+def cmd_predict(args) -> int:
+    from mlflow.exceptions import MlflowException
+
+    import pandas as pd
+
+    from tasks.runtime.params import ParamsError
+    from tasks.registry.serving import load_registered
+
+    root = Path(args.root).resolve()
+    try:
+        name, _, mv = registered(root, args.alias)
+        known = [t for t in (mv.tags.get("crucible.tasks") or "").split(",") if t]
+        if known and args.task not in known:
+            raise KeyError(f"unknown task {args.task!r}; valid tasks: {', '.join(known)}")
+        model, _ = load_registered(root, mv.version, name)
+        out = model.predict(pd.DataFrame({"text": args.texts, "task": [args.task] * len(args.texts)}))
+    except (ParamsError, KeyError, MlflowException) as exc:
+        print(f"error: {message(exc)}", file=sys.stderr)
+        return 2
+    cols = [c for c in out.columns if c.startswith("proba_") and out[c].notna().all()]
+    if args.json:
+        print(json.dumps([{"text": t, **{k: v for k, v in r.items() if k in ["task", "label", *cols]}}
+                          for t, r in zip(args.texts, out.to_dict("records"))], indent=2))
+        return 0
+    print(f"{name} version {mv.version} (@{args.alias}), task {args.task}")
+    for text, (_, row) in zip(args.texts, out.iterrows()):
+        probs = "  ".join(f"{c[len('proba_'):]} {row[c]:.3f}" for c in cols)
+        print(f"{row['label']:<12} {probs}   {text[:70]}{'...' if len(text) > 70 else ''}")
+    return 0
+
+
+def cmd_lineage(args) -> int:
+    from tasks.runtime import lineage
+    from tasks.runtime.params import ParamsError
+    from tasks.registry.serving import version_summary
+    from tasks.runtime.tracking import git_commit
+
+    root = Path(args.root).resolve()
+    try:
+        name, _, mv = registered(root, args.ref)
+        result = lineage.compare(root, mv.tags, git_commit(root))
+    except (ParamsError, KeyError, ValueError) as exc:
+        print(f"error: {message(exc)}", file=sys.stderr)
+        return 2
+    print(lineage.report(result, version_summary(name, mv)))
+    return 0 if result["matches"] else 1

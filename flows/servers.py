@@ -1,0 +1,170 @@
+"""The `crucible` commands that start servers and keep running until Ctrl-C: `ui` (the MLflow UI and
+a Prefect server), `deploy` (the scheduled deployments on a Prefect server) and `serve` (the
+registered model over HTTP). Every server binds 127.0.0.1 unless told otherwise."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from flows.registry_cli import message, registered
+
+
+def cmd_ui(args) -> int:
+    from tasks.runtime.tracking import tracking_uri
+
+    root = Path(args.root).resolve()
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking_uri(root),
+                          "--default-artifact-root", (root / "mlartifacts").as_uri(),
+                          "--host", "127.0.0.1", "--port", str(args.mlflow_port)]),
+        subprocess.Popen([str(Path(sys.executable).with_name("prefect")), "server", "start",
+                          "--host", "127.0.0.1", "--port", str(args.prefect_port)]),
+    ]
+    print(f"MLflow UI:      http://127.0.0.1:{args.mlflow_port}")
+    print(f"Prefect server: http://127.0.0.1:{args.prefect_port}  (point flows at it with "
+          f"PREFECT_API_URL=http://127.0.0.1:{args.prefect_port}/api)")
+    print("Ctrl-C stops both.")
+    try:
+        while all(p.poll() is None for p in procs):
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    return 0
+
+
+def _prefect_answers(api: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{api}/health", timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def cmd_deploy(args) -> int:
+    """A Prefect server on 127.0.0.1 (unless PREFECT_API_URL names one, or one already answers on
+    the port) and a process serving prefect.yaml's deployments; Ctrl-C stops both."""
+    import os
+
+    from flows.deploy import flow_name, load_spec
+    from tasks.registry.serving import stop_server, wait_until_serving
+
+    root = Path(args.root).resolve()
+    try:
+        deployments = load_spec(root)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    api = os.environ.get("PREFECT_API_URL") or f"http://{args.host}:{args.port}/api"
+    env = {**os.environ, "PREFECT_API_URL": api}
+    server = None
+    procs = []
+    try:
+        if _prefect_answers(api):
+            print(f"using the Prefect server at {api}")
+        elif os.environ.get("PREFECT_API_URL"):
+            print(f"error: PREFECT_API_URL={api} does not answer", file=sys.stderr)
+            return 2
+        else:
+            log = root / ".prefect" / "server.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            with open(log, "ab") as out:
+                server = subprocess.Popen([str(Path(sys.executable).with_name("prefect")), "server", "start",
+                                           "--host", args.host, "--port", str(args.port)], env=env,
+                                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            procs.append(server)
+            print(f"starting a Prefect server on {args.host}:{args.port} (log: {log}) ...", flush=True)
+            wait_until_serving(api, server, args.timeout, log, path="/health")
+        serving = subprocess.Popen([sys.executable, "-m", "flows.deploy", "--root", str(root)], cwd=root,
+                                   env=env, start_new_session=True)
+        procs.append(serving)
+        ui = api.removesuffix("/api")
+        print(f"serving {len(deployments)} deployments from {root}: "
+              + ", ".join(f"{flow_name(d)}/{d['name']}"
+                          + "".join(f" ({s['cron']} {s.get('timezone', 'UTC')})" for s in d.get("schedules") or [])
+                          for d in deployments))
+        print(f"Prefect UI: {ui}   trigger a run:  PREFECT_API_URL={api} prefect deployment run "
+              f"{flow_name(deployments[-1])}/{deployments[-1]['name']}")
+        print("Ctrl-C stops the deployments and the server.", flush=True)
+        while all(p.poll() is None for p in procs):
+            time.sleep(0.5)
+        failed = next(p for p in procs if p.poll() is not None)
+        print(f"error: {'the Prefect server' if failed is server else 'serving'} exited with {failed.returncode}",
+              file=sys.stderr)
+        return 1
+    except RuntimeError as exc:  # the server did not come up
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        for p in reversed(procs):  # the serving process first (it pauses its schedules), then the server
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGINT)  # as Ctrl-C: Prefect's serve shuts down cleanly
+                    p.wait(timeout=20)
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    pass
+            if p.poll() is None:
+                stop_server(p, timeout=20)
+
+
+def cmd_serve(args) -> int:
+    import socket
+    import threading
+
+    from tasks.runtime.params import ParamsError
+    from tasks.registry.serving import curl_example, serve_command, wait_until_serving
+
+    root = Path(args.root).resolve()
+    try:
+        name, _, mv = registered(root, args.alias)
+    except (ParamsError, KeyError) as exc:
+        print(f"error: {message(exc)}", file=sys.stderr)
+        return 2
+    with socket.socket() as sock:
+        try:
+            sock.bind((args.host, args.port))
+        except OSError as exc:
+            print(f"error: cannot listen on {args.host}:{args.port} ({exc.strerror}); pick another --port", file=sys.stderr)
+            return 2
+    cmd, env = serve_command(root, name, args.alias, args.host, args.port, args.workers)
+    tasks = (mv.tags.get("crucible.tasks") or "TASK").split(",")
+    print(f"serving {name} version {mv.version} (@{args.alias}) at http://{args.host}:{args.port}/invocations "
+          f"(tasks: {', '.join(tasks)}); Ctrl-C stops it.")
+    print("try:")
+    print(f"  {curl_example(args.host, args.port, tasks[0])}")
+    print(f"  # -> {{\"predictions\": [{{\"task\": \"{tasks[0]}\", \"label\": ..., \"proba_<class>\": ...}}]}}", flush=True)
+    proc = subprocess.Popen(cmd, env=env)
+
+    def announce() -> None:  # loading takes a while: say when it answers
+        try:
+            wait_until_serving(f"http://{args.host}:{args.port}", proc, 600)
+        except RuntimeError:
+            return  # the server's own output says why
+        print(f"ready: http://{args.host}:{args.port}", flush=True)
+
+    threading.Thread(target=announce, daemon=True).start()
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        return 0
