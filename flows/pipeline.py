@@ -25,7 +25,7 @@ from tasks.runtime import tracking
 from tasks.runtime.lock import WorkspaceLock
 from tasks.runtime.params import load_params
 from tasks.runtime.params_schema import Params
-from tasks.runtime.declaration import instances, upstream
+from tasks.runtime.declaration import instances, overlaps, upstream
 from tasks.stages import NAMES, execute, module, spec
 
 
@@ -34,8 +34,8 @@ def run_stage(stage: str, task_name: str | None, root: str, parent_run_id: str, 
               lock_token: str | None = None, sid: str = "") -> dict:
     """One stage run on whatever worker the task runner picked. `share`: how many stage runs go
     side by side; each takes cores // share torch threads of the machine it runs on (not of the
-    flow's)."""
-    threads = max(1, (os.cpu_count() or 1) // share)
+    flow's). `share` 0: a switched-off stage, which leaves the threads alone."""
+    threads = max(1, (os.cpu_count() or 1) // share) if share else None
     return execute(stage, task_name, root, parent_run_id=parent_run_id, threads=threads,
                    lock_token=lock_token).to_dict()
 
@@ -102,14 +102,21 @@ def _run(root_path: Path, params: Params, stages: list[str] | None, use_dvc: boo
     specs = [spec(n) for n in NAMES]
     runs = {s.sid(t): (s.name, t) for s, t in instances(specs, tasks) if not stages or s.name in stages}
     # a run waits for the selected runs whose outputs it reads (an unselected one counts as done)
-    waits = {sid: ups & set(runs) for sid, ups in upstream(specs, tasks).items() if sid in runs}
+    edges = upstream(specs, tasks)
+    waits = {sid: ups & set(runs) for sid, ups in edges.items() if sid in runs}
+    # The cores a run gets follow from the DAG, not from what happens to run beside it, so its
+    # outputs (whose sums round by thread count) are the same bytes on every run: a run shares the
+    # cores with every run that may go beside it (at most max_workers); a switched-off stage (the
+    # MoE branch under moe.enabled: false) writes a note, takes no cores and is not counted.
+    off = {s.sid(t) for s, t in instances(specs, tasks) if s.switch and not _switched_on(params, s.switch)}
+    width = overlaps({sid: ups - off for sid, ups in edges.items() if sid not in off})
+    shares = {sid: 0 if sid in off else min(params.pipeline.max_workers, width[sid]) for sid in runs}
     parent = tracking.start_parent_run(root_path, params.tracking.experiment, "pipeline",
                                        {"crucible.kind": "pipeline", "crucible.tasks": ",".join(tasks)})
     results: dict[str, object] = {}
     running: dict = {}  # future -> stage id
     finished: set[str] = set()
     failed: dict[str, BaseException] = {}
-    cap = params.pipeline.max_workers
     try:
         while waits or running:
             # runs whose upstream failed never start; the others' results are still recorded
@@ -129,12 +136,10 @@ def _run(root_path: Path, params: Params, stages: list[str] | None, use_dvc: boo
                         logger.info("%s is up to date: skipped", sid)
                         results[sid] = "skipped"
                         finished.add(sid)
-                submit = [sid for sid in ready if sid in todo]
-                # the runs that go side by side share the cores (a run alone gets them all)
-                share = max(1, min(cap, len(running) + len(submit)))
-                for sid in submit:
+                for sid in [sid for sid in ready if sid in todo]:
                     name, task_name = runs[sid]
-                    running[run_stage.submit(name, task_name, str(root_path), parent, share, token, sid=sid)] = sid
+                    running[run_stage.submit(name, task_name, str(root_path), parent, shares[sid], token,
+                                             sid=sid)] = sid
                 continue
             if not running:
                 break
@@ -160,6 +165,13 @@ def _run(root_path: Path, params: Params, stages: list[str] | None, use_dvc: boo
         raise
     tracking.end_run(root_path, parent, "FINISHED")
     return {sid: results[sid] for sid in runs if sid in results}
+
+
+def _switched_on(params: Params, key: str) -> bool:
+    value = params
+    for part in key.split("."):
+        value = getattr(value, part)
+    return bool(value)
 
 
 def _first_done(futures: list):

@@ -49,6 +49,9 @@ class StageSpec:
     uncached: tuple[str, ...] = ()
     metrics: tuple[str, ...] = ()
     plots: tuple[Plot, ...] = ()
+    # a params key that switches the stage on; switched off, it writes only a note (the DAG is the
+    # same either way) and takes no cores
+    switch: str | None = None
     module: str = field(default="", compare=False)
 
     def written(self) -> tuple[str, ...]:
@@ -305,3 +308,20 @@ def _check_acyclic(edges: dict[str, set[str]]) -> None:
 
     for node in edges:
         visit(node, [])
+
+
+def overlaps(edges: dict[str, set[str]]) -> dict[str, int]:
+    """For each run, how many runs may go side by side with it (itself included): those that are
+    neither upstream nor downstream of it. A property of the DAG alone, never of timing, so the
+    cores a run gets (and with them its sums' rounding) are the same on every run of the flow."""
+    ancestors: dict[str, set[str]] = {}
+
+    def up(node: str) -> set[str]:
+        if node not in ancestors:
+            ancestors[node] = set(edges[node]).union(*(up(u) for u in edges[node])) if edges[node] else set()
+        return ancestors[node]
+
+    for node in edges:
+        up(node)
+    return {node: 1 + sum(1 for other in edges if other != node and other not in ancestors[node]
+                          and node not in ancestors[other]) for node in edges}

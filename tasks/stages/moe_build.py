@@ -35,7 +35,7 @@ HOME = Path("models") / "moe" / "build"
 UNIT_TOL = 1e-3  # max |logit| difference of the all-experts MoE against the dense model (float32)
 
 SPEC = StageSpec(
-    name="moe_build", per_task=False,
+    name="moe_build", per_task=False, switch="moe.enabled",
     comment="The MoE branch (moe.enabled; off by default, on in profiles/moe.yaml): a dense LM split into "
             "an MoE. Switched off, it writes only a note, so the DAG is the same either way.",
     params=("pipeline.seed", "moe.enabled", "moe.model", "moe.n_experts", "moe.top_k", "moe.corpora",

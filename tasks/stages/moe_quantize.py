@@ -46,7 +46,7 @@ METRICS = Path("models") / "moe" / "moe.json"
 FILES = ("model.safetensors", "consistency.csv", "drift.csv", "ranks.csv", "moe.png")
 
 SPEC = StageSpec(
-    name="moe_quantize", per_task=False,
+    name="moe_quantize", per_task=False, switch="moe.enabled",
     comment="The MoE in MXFP4 with uniform and load-aware compensation and routing replay QAT.",
     deps=(str(BUILD),),
     params=("pipeline.seed", "moe"),

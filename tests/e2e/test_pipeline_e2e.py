@@ -30,8 +30,11 @@ pytestmark = pytest.mark.slow
 
 
 def sh(root: Path, *cmd: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    # one thread count for dvc repro and the flow, so that a rerun stage gives the same bytes under
+    # either (torch and BLAS sums round by thread count; the README says so)
     proc = subprocess.run(list(cmd), cwd=root, capture_output=True, text=True,
-                          env={**os.environ, "PREFECT_HOME": str(root / ".prefect"), **(env or {})})
+                          env={**os.environ, "PREFECT_HOME": str(root / ".prefect"), "CRUCIBLE_THREADS": "1",
+                               **(env or {})})
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.runtime.declaration import StageSpec, code_deps, instances, params_keys, upstream
+from tasks.runtime.declaration import StageSpec, code_deps, instances, overlaps, params_keys, upstream
 from tasks.runtime.params import ParamsError, load_params, read_profile, render_params, validate_params
 from tasks.runtime.params_access import UndeclaredParam, declared_values, declared_view
 from tasks.runtime.params_schema import FinetuneParams, Params
@@ -67,6 +67,19 @@ def test_the_dag_follows_each_task():
     assert {f"finetune@{t}" for t in TASKS} <= edges["merge"]
     assert "moe_quantize" in edges["evaluate"] and {"evaluate", "quantize", "merge"} <= edges["register"]
     assert len(instances(specs(), TASKS)) == 5 * len(TASKS) + 6
+
+
+def test_the_cores_a_run_gets_follow_from_the_dag_alone():
+    """How many runs may go beside a run is a property of the DAG: every per-task run may meet
+    another task's; merge meets none of the classifier chain, only the MoE branch when it is on."""
+    edges = upstream(specs(), TASKS)
+    on = overlaps(edges)
+    assert on["embed@bbc"] > 2 and on["merge"] == 3 and on["moe_build"] > 2  # merge may meet both MoE stages
+    moe = {"moe_build", "moe_quantize"}
+    off = overlaps({sid: ups - moe for sid, ups in edges.items() if sid not in moe})
+    assert off["merge"] == off["quantize"] == off["evaluate"] == off["register"] == 1
+    chain = overlaps({"a": set(), "b": {"a"}, "c": {"a"}, "d": {"b", "c"}})
+    assert chain == {"a": 1, "b": 2, "c": 2, "d": 1}
 
 
 def test_declarations_that_write_one_path_twice_or_loop_are_refused():
