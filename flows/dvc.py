@@ -29,11 +29,12 @@ def _dvc(root: Path, *args: str, wait: float = 60.0) -> subprocess.CompletedProc
     while True:
         with _LOCK:
             proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, env=env)
-        if proc.returncode == 0 or "Unable to acquire lock" not in proc.stderr or time.monotonic() >= deadline:
+        said = proc.stderr + proc.stdout
+        if proc.returncode == 0 or "Unable to acquire lock" not in said or time.monotonic() >= deadline:
             break
         time.sleep(1.0)
     if proc.returncode != 0:
-        raise RuntimeError(f"`{' '.join(cmd[1:])}` failed in {root} (exit {proc.returncode}):\n{proc.stderr.strip()}")
+        raise RuntimeError(f"`{' '.join(cmd[1:])}` failed in {root} (exit {proc.returncode}):\n{(proc.stderr + proc.stdout).strip()[-2000:]}")
     return proc
 
 
@@ -57,4 +58,4 @@ def stale(root: Path, stages: list[str], wait: float = 60.0) -> set[str]:
 def commit(root: Path, stages: list[str], wait: float = 60.0) -> None:
     """Record finished stages in dvc.lock, as `dvc repro` would have."""
     if stages:
-        _dvc(root, "commit", "--force", "--quiet", *stages, wait=wait)
+        _dvc(root, "commit", "--force", *stages, wait=wait)  # not --quiet: it hides the lock error
