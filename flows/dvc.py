@@ -16,12 +16,15 @@ import time
 from pathlib import Path
 
 _LOCK = threading.Lock()
+# what DVC says while another dvc process holds its repository lock (.dvc/tmp/lock) or the
+# read/write lock on a path a stage reads or writes (.dvc/tmp/rwlock)
+_BUSY = ("Unable to acquire lock", "is busy, it is being blocked by")
 
 
 def _dvc(root: Path, *args: str, wait: float = 60.0) -> subprocess.CompletedProcess:
-    """Run a dvc command; while another dvc command holds DVC's repository lock (a `dvc repro`
-    starting beside the flow: its stages refuse to run while the flow holds the workspace, so it
-    exits at once), retry for up to `wait` seconds."""
+    """Run a dvc command; while another dvc command holds DVC's repository lock or its per-path
+    read/write lock on a stage's files (a `dvc repro` starting beside the flow: its stages refuse to
+    run while the flow holds the workspace, so it exits at once), retry for up to `wait` seconds."""
     exe = Path(sys.executable).with_name("dvc")
     cmd = [str(exe) if exe.exists() else "dvc", *args]
     env = {**os.environ, "DVC_NO_ANALYTICS": "1"}
@@ -30,7 +33,7 @@ def _dvc(root: Path, *args: str, wait: float = 60.0) -> subprocess.CompletedProc
         with _LOCK:
             proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, env=env)
         said = proc.stderr + proc.stdout
-        if proc.returncode == 0 or "Unable to acquire lock" not in said or time.monotonic() >= deadline:
+        if proc.returncode == 0 or not any(m in said for m in _BUSY) or time.monotonic() >= deadline:
             break
         time.sleep(1.0)
     if proc.returncode != 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -40,3 +41,20 @@ def test_a_failing_call_names_the_command_and_dvc_error(project):
         held.close()
     with pytest.raises(RuntimeError, match="nosuch"):
         dvc.commit(project, ["nosuch"], wait=1)
+
+
+def test_commit_retries_while_a_dvc_repro_holds_a_stage_output(project):
+    """A `dvc repro` started beside the flow takes DVC's per-path lock on the outputs of the stage it
+    tries (which then refuses to run): the flow's commit of that stage waits until it lets go."""
+    repro = subprocess.Popen(["sleep", "60"])  # stands in for the `dvc repro` process
+    (project / ".dvc" / "tmp").mkdir(exist_ok=True)
+    (project / ".dvc" / "tmp" / "rwlock").write_text(json.dumps(
+        {"write": {str(project / "out.txt"): {"pid": repro.pid, "cmd": "dvc repro"}}, "read": {}}))
+    threading.Timer(6.0, lambda: (repro.kill(), repro.wait())).start()  # it exits: DVC drops its entry
+    try:
+        with pytest.raises(RuntimeError, match="is busy, it is being blocked by"):
+            dvc.commit(project, ["make"], wait=1)
+        dvc.commit(project, ["make"], wait=60)
+    finally:
+        repro.kill()
+    assert "out.txt" in (project / "dvc.lock").read_text()
