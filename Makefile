@@ -18,6 +18,10 @@ export DO_NOT_TRACK := 1
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# a tracking server that does not answer fails a run in under 30 s (tasks/runtime/env.py); yours win
+export MLFLOW_HTTP_REQUEST_MAX_RETRIES ?= 2
+export MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR ?= 1
+export MLFLOW_HTTP_REQUEST_TIMEOUT ?= 8
 # stage commands in dvc.yaml (`crucible stage ...`) come from the project virtualenv
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 

@@ -6,7 +6,7 @@ Mixout, WiSE-FT (an alpha sweep over the plain run), GMixout; and the effect of 
     python benchmarks/finetune_methods.py --tasks rotten,bbc --steps 100 --max-length 128 --n-test 400
 
 Reads data/<task>/{labeled,test}.parquet of the project (made by the default pipeline; read only).
-Per task, seed and method: the base encoder (embed.model) + a head trained for exactly `--steps`
+Per task, seed and method: the base encoder (model.name) + a head trained for exactly `--steps`
 optimizer steps (no early stopping; the dev split of tasks.stages.finetune is used only for the final
 evaluation), then
 - id: accuracy on the task's test set (first `--n-test` rows);

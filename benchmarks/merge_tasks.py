@@ -63,11 +63,11 @@ def accuracy_part(args, params, methods) -> None:
     for order in orders:
         if sorted(order) != sorted(tasks):
             raise SystemExit(f"--orders: {order} is not a permutation of the tasks {tasks}")
-    specs = {t: read_task_model(ROOT, t, params.embed.model) for t in tasks}
+    specs = {t: read_task_model(ROOT, t, params.model.name) for t in tasks}
     tests = {t: pd.read_parquet(ROOT / "data" / t / "test.parquet") for t in tasks}
     if args.eval_limit:
         tests = {t: df.head(args.eval_limit) for t, df in tests.items()}
-    scorer = Scorer(resolve_model(params.embed.model), list(specs.values()), tests, 64)
+    scorer = Scorer(resolve_model(params.model.name), list(specs.values()), tests, 64)
     store = FeatureStore(scorer)  # features stay in memory only (this script writes no stage outputs)
     base, finetuned = reference_accuracy(store, list(specs.values()))
     print("## reference accuracy (test, first %s items per task)" % (args.eval_limit or "all"))
@@ -122,7 +122,7 @@ def scaling_part(args, params, methods) -> None:
     tasks = list(params.pipeline.tasks)
     from crucible.embed import load_encoder
 
-    encoder, _ = load_encoder(resolve_model(params.embed.model))
+    encoder, _ = load_encoder(resolve_model(params.model.name))
     theta_0 = {k: v.detach().clone().contiguous() for k, v in encoder.state_dict().items()}
     del encoder
     print(f"\n## scaling: {args.scale} arrivals (the {len(tasks)} task vectors replicated, +10% noise)")

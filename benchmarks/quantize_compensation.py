@@ -7,7 +7,7 @@ load-aware at the same adapter bytes as uniform; sizes and bits per weight.
 
 --root is a project whose merge stage has run (models/merge/, data/<task>/reference and test).
 Params (modules, mode, calibration_per_task, eval_limit, adapter_dtype) come from its
-params.yaml; --budget overrides quantize.rank_budget. Each seed is one calibration draw (seed 0:
+params.yaml; --budget overrides quantize.rank_per_matrix x matrices. Each seed is one calibration draw (seed 0:
 the first rows, as the stage takes them; others: a random draw of the same size); the table shows
 the mean over seeds and, where there are several, the spread (max - min) of the mean accuracy.
 """
@@ -41,7 +41,7 @@ def budget_for_bytes(plan, allocation: str, max_bytes: int, itemsize: int) -> in
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", type=Path, default=ROOT)
-    ap.add_argument("--budget", type=int, default=None, help="total rank (default: quantize.rank_budget)")
+    ap.add_argument("--budget", type=int, default=None, help="total rank (default: quantize.rank_per_matrix x matrices)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--mode", choices=["floor", "ceil"], default=None, help="MXFP4 scale mode (default: quantize.mode)")
     ap.add_argument("--threads", type=int, default=0)
@@ -69,9 +69,8 @@ def main() -> None:
     cfg = params.quantize
     if args.mode:
         cfg = cfg.model_copy(update={"mode": args.mode})
-    budget = cfg.rank_budget if args.budget is None else args.budget
     itemsize = torch.empty((), dtype=getattr(torch, cfg.adapter_dtype)).element_size()
-    merged = read_merged(root, params.embed.model)
+    merged = read_merged(root, params.model.name)
     order = params.merge_order()
     specs = [{"task": t, "head": merged["heads"][t], "classes": merged["classes"][t],
               "max_length": int(merged["max_length"].get(t, 64))} for t in order]
@@ -80,10 +79,11 @@ def main() -> None:
         test = read_table(root / "data" / t / "test.parquet", "test")
         limit = cfg.eval_limit if args.eval_limit is None else args.eval_limit
         tests[t] = test.head(limit) if limit else test
-    scorer = Scorer(resolve_model(params.embed.model), specs, tests, cfg.eval_batch_size)
+    scorer = Scorer(resolve_model(params.model.name), specs, tests, cfg.eval_batch_size)
     scorer.load(merged["state"])
     float_encoder = scorer.encoder
     linears = select_linears(float_encoder, cfg.modules)
+    budget = params.rank_budget(len(linears)) if args.budget is None else args.budget
     n_weights = sum(m.weight.numel() for m in linears.values())
 
     reference_logits: dict = {}

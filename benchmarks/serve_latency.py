@@ -8,7 +8,8 @@ For a workspace whose registry holds the model (after the register stage) it rep
   float merged model's, and the logged pyfunc folder's size;
 - its test accuracy per task (the register stage's tags, from evaluate);
 - the latency of one request of 1 text and of a batch of 64 texts (median of --repeats, after
-  warm-up), through `mlflow models serve` on 127.0.0.1 (started here, stopped by its PID) and
+  warm-up), through the server `crucible serve` runs (MLflow's scoring app under uvicorn, on
+  127.0.0.1; started here, stopped by its PID) and
   through the in-process pyfunc, absolute and as ratios (HTTP / in-process).
 Texts are the tasks' test texts (data/<task>/test.parquet), the tasks mixed.
 """
@@ -80,10 +81,11 @@ def main() -> None:
     apply_defaults(root)
     from tasks.runtime.params import load_params
     from tasks.registry.registry import resolve_version
-    from tasks.registry.serving import (free_port, invocation_body, load_registered, registry_client, serve_command,
-                                  stop_server, wait_until_serving)
+    from tasks.registry.serving import (download_version, free_port, invocation_body, load_registered, registry_client,
+                                        serve_command, serve_limits, stop_server, wait_until_serving)
 
-    name = load_params(root / "params.yaml").tracking.registered_model
+    params = load_params(root / "params.yaml")
+    name = params.tracking.registered_model
     mv = resolve_version(registry_client(root), name, args.alias)
     tags = mv.tags
     tasks = tags.get("crucible.tasks", "").split(",")
@@ -95,7 +97,9 @@ def main() -> None:
              "batch": median_seconds(lambda: model.predict(batch), args.repeats)}
 
     port = args.port or free_port()
-    cmd, env = serve_command(root, name, str(mv.version), "127.0.0.1", port)
+    served_copy = tempfile.TemporaryDirectory(prefix="serve-latency-")
+    model_dir = download_version(root, name, str(mv.version), Path(served_copy.name))
+    cmd, env = serve_command(model_dir, "127.0.0.1", port, serve_limits(params))
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -116,6 +120,7 @@ def main() -> None:
                 "batch": median_seconds(lambda: request(batch), args.repeats)}
     finally:
         stop_server(proc)
+        served_copy.cleanup()
 
     served, flt = int(tags.get("crucible.size.served_bytes", 0)), int(tags.get("crucible.size.float_bytes", 0))
     accuracy = {k.split(".")[-1]: float(v) for k, v in tags.items() if k.startswith("crucible.metric.accuracy.")}

@@ -42,6 +42,9 @@ class RunDropout(nn.Module):
 
 
 RUN_DROPOUT_ATTENTION = "crucible_run_dropout"  # the name registered in transformers' AttentionInterface
+# the RunDropout attached to an attention module that has no nn.Dropout of its own (it passes a float
+# `attention_dropout` to the attention function); it holds no tensor, so state dicts do not change
+ATTENTION_DROPOUT_MODULE = "crucible_attention_dropout"
 
 
 def _run_dropout_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -56,6 +59,8 @@ def _run_dropout_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=0.0,
                                       **kwargs)
     drop = getattr(module, "dropout", None)
+    if not isinstance(drop, RunDropout):  # attention modules that keep their dropout as a float (Llama, ModernBERT)
+        drop = getattr(module, ATTENTION_DROPOUT_MODULE, None)
     if not isinstance(drop, RunDropout):
         raise RuntimeError(f"{type(module).__name__}: attention dropout {dropout} needs a RunDropout at "
                            f"`.dropout` to draw from the run's generator; got {type(drop).__name__}")
@@ -73,16 +78,33 @@ def _run_dropout_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
 
 
 def use_run_dropout(encoder: nn.Module) -> nn.Module:
-    """Make every dropout of a Hugging Face encoder draw from the run's generator, in place: each
-    nn.Dropout becomes a RunDropout of the same p, and attention goes through
-    RUN_DROPOUT_ATTENTION. Idempotent. Raises ValueError for an encoder with attention dropout whose
-    attention implementation cannot be set (it would draw from the global RNG)."""
+    """Make every dropout of a Hugging Face model draw from the run's generator, in place: each
+    nn.Dropout becomes a RunDropout of the same p, and, for a model built on transformers'
+    AttentionInterface (BERT, RoBERTa, DistilBERT, ModernBERT, Llama, Qwen2, ...), attention goes
+    through RUN_DROPOUT_ATTENTION, whose dropout on the attention probabilities is the attention
+    module's RunDropout (its own `.dropout`, or one attached as `crucible_attention_dropout` when
+    the module keeps the probability as a float). Models with their own eager attention (DeBERTa-v2,
+    MPNet) apply an nn.Dropout module to the probabilities, which is a RunDropout after the swap.
+    `encoder.crucible_attention_dropout_mode` records which: "interface" or "module". Idempotent.
+    Raises ValueError for a model with attention dropout that neither way covers."""
     for name, module in list(encoder.named_modules()):
         if type(module) is nn.Dropout:
             parent, _, child = name.rpartition(".")
             setattr(encoder.get_submodule(parent) if parent else encoder, child, RunDropout(module.p))
     config = getattr(encoder, "config", None)
     if config is None or getattr(config, "_attn_implementation", None) == RUN_DROPOUT_ATTENTION:
+        return encoder
+    attention_dropout = max(float(getattr(config, k, 0.0) or 0.0)
+                            for k in ("attention_probs_dropout_prob", "attention_dropout"))
+    if not getattr(encoder, "_supports_attention_backend", False):
+        # eager attention of the model's own: any functional dropout would draw from the global RNG
+        leftovers = [n for n, m in encoder.named_modules() if isinstance(getattr(m, "dropout_p", None), float)
+                     and m.dropout_p > 0]
+        if attention_dropout > 0 and leftovers:
+            raise ValueError(f"{type(encoder).__name__}: attention dropout {attention_dropout} is applied "
+                             f"functionally in {leftovers[:2]} and cannot be drawn from the run's generator; set the "
+                             f"config's attention dropout to 0")
+        encoder.crucible_attention_dropout_mode = "module"
         return encoder
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -91,9 +113,13 @@ def use_run_dropout(encoder: nn.Module) -> nn.Module:
     AttentionMaskInterface.register(RUN_DROPOUT_ATTENTION, sdpa_mask)
     if hasattr(encoder, "set_attn_implementation"):
         encoder.set_attn_implementation(RUN_DROPOUT_ATTENTION)
-    attention_dropout = max(getattr(config, k, 0.0) or 0.0 for k in ("attention_probs_dropout_prob", "attention_dropout"))
     if attention_dropout > 0 and config._attn_implementation != RUN_DROPOUT_ATTENTION:
         raise ValueError(f"{type(encoder).__name__}: attention dropout {attention_dropout} cannot be drawn from the "
                          f"run's generator (its attention implementation cannot be set to {RUN_DROPOUT_ATTENTION!r}); "
                          f"set the config's attention dropout to 0 or use an encoder built on AttentionInterface")
+    for module in list(encoder.modules()):
+        if isinstance(getattr(module, "attention_dropout", None), float) \
+                and not isinstance(getattr(module, "dropout", None), RunDropout):
+            module.add_module(ATTENTION_DROPOUT_MODULE, RunDropout(0.0))
+    encoder.crucible_attention_dropout_mode = "interface"
     return encoder

@@ -1,5 +1,6 @@
-"""Sentence embeddings from a Hugging Face encoder: masked mean pooling, as sentence-transformers'
-all-MiniLM-L6-v2 was trained (then L2-normalised, as that model's pipeline does).
+"""Sentence embeddings from a Hugging Face encoder or decoder: pooled (crucible.models.pool; masked
+mean pooling, as sentence-transformers' all-MiniLM-L6-v2 was trained, by default), then
+L2-normalised, as that model's pipeline does.
 
     model, tokenizer = load_encoder(path)          # offline, from a local folder
     x = embed_texts(model, tokenizer, texts)        # (n, d) float32
@@ -14,26 +15,19 @@ from typing import Callable, Sequence
 import torch
 # resolved at import, not inside the function: transformers' lazy attributes are not safe to
 # resolve from several threads at once (the Prefect flow embeds tasks in parallel threads)
-from transformers import AutoModel, AutoTokenizer
+from crucible.models import encode, load_base, mean_pool  # noqa: F401  (mean_pool: re-exported)
 
 
-def load_encoder(path: str):
-    """An encoder and its tokenizer from a local folder (or a cached hub id), never downloading."""
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModel.from_pretrained(path, local_files_only=True)
-    model.eval()
-    return model, tokenizer
-
-
-def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Mean of the token states where attention_mask = 1. hidden (b, t, d), mask (b, t) -> (b, d)."""
-    mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
-    return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+def load_encoder(path: str, dtype: str = "float32"):
+    """The base model (no head) and its tokenizer from a local folder (or a cached hub id), never
+    downloading (crucible.models.load_base)."""
+    return load_base(path, dtype)
 
 
 @torch.inference_mode()
 def embed_texts(model, tokenizer, texts: Sequence[str], *, batch_size: int = 64, max_length: int = 128,
-                normalize: bool = True, progress: Callable[[int], None] | None = None) -> torch.Tensor:
+                normalize: bool = True, progress: Callable[[int], None] | None = None,
+                pooling: str = "mean") -> torch.Tensor:
     """Embed `texts` in batches; returns (n, d) float32 on the CPU. `progress(k)` is called with the
     number of texts done after each batch. Texts are sorted by length internally so batches pad
     little; the output is in the input order."""
@@ -46,8 +40,7 @@ def embed_texts(model, tokenizer, texts: Sequence[str], *, batch_size: int = 64,
         idx = order[start:start + batch_size]
         batch = tokenizer([texts[i] for i in idx], padding=True, truncation=True, max_length=max_length,
                           return_tensors="pt").to(device)
-        hidden = model(**batch).last_hidden_state
-        pooled = mean_pool(hidden, batch["attention_mask"]).float()
+        pooled = encode(model, batch["input_ids"], batch["attention_mask"], pooling).float()
         if normalize:
             pooled = torch.nn.functional.normalize(pooled, dim=-1)
         out[torch.tensor(idx)] = pooled.cpu()

@@ -173,7 +173,9 @@ class GMixout:
         """Replace, in place, every nn.Linear of `model` whose qualified name matches
         `config.modules` (re.search) by a MixLinear anchored at its current weight. Raises
         ValueError when the pattern matches no Linear."""
-        pattern = re.compile(config.modules)
+        from crucible.models import resolve_modules
+
+        pattern = re.compile(resolve_modules(model, config.modules))
         names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and pattern.search(n)]
         if not names:
             linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]

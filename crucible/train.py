@@ -46,8 +46,8 @@ from tqdm.auto import tqdm
 
 from crucible.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from crucible.dropout import RunDropout, use_run_dropout
-from crucible.embed import mean_pool
 from crucible.gmixout import GMixout
+from crucible.models import encode
 from crucible.seeding import epoch_seed, stream_seed, torch_generator
 
 # ---------------------------------------------------------------------------------------------------
@@ -55,14 +55,17 @@ from crucible.seeding import epoch_seed, stream_seed, torch_generator
 
 
 class EncoderClassifier(nn.Module):
-    """A Hugging Face encoder, masked mean pooling (crucible.embed.mean_pool), a linear head.
+    """A Hugging Face base model (encoder or decoder), pooling (crucible.models.pool: mean, cls or
+    the last non-padding token), a linear head in float32.
 
     The head is initialised as nn.Linear initialises itself, from a generator seeded with `seed`;
     the encoder's dropouts are made RunDropout (use_run_dropout), as is the one before the head.
     In training mode they need a generator: `bind_generator` (crucible.train.train binds its own)."""
 
-    def __init__(self, encoder: nn.Module, n_classes: int, dropout: float = 0.1, seed: int = 0):
+    def __init__(self, encoder: nn.Module, n_classes: int, dropout: float = 0.1, seed: int = 0,
+                 pooling: str = "mean"):
         super().__init__()
+        self.pooling = pooling
         self.encoder = use_run_dropout(encoder)
         self.dropout = RunDropout(dropout)
         hidden = encoder.config.hidden_size
@@ -80,8 +83,8 @@ class EncoderClassifier(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """input_ids, attention_mask (b, t) -> logits (b, n_classes)."""
-        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return self.head(self.dropout(mean_pool(hidden, attention_mask)))
+        features = encode(self.encoder, input_ids, attention_mask, self.pooling).float()
+        return self.head(self.dropout(features))
 
 
 @dataclass

@@ -50,7 +50,20 @@ def _cmd_params(args) -> int:
     return 0
 
 
+def describe(exc: BaseException) -> str:
+    """An error as one line: the message, without KeyError's quotes; an OSError that Python raised
+    (no message of ours) as `<path>: <reason>`; MLflow's errors by their message."""
+    if isinstance(exc, KeyError) and exc.args:
+        return str(exc.args[0])
+    if isinstance(exc, OSError) and type(exc).__str__ is OSError.__str__ and exc.filename is not None:
+        return f"{exc.filename}: {exc.strerror or exc}" + (f" ({exc.filename2})" if exc.filename2 else "")
+    message = getattr(exc, "message", None)
+    return message if isinstance(message, str) else str(exc)
+
+
 def _cmd_stage(args) -> int:
+    from mlflow.exceptions import MlflowException
+
     from tasks.runtime.lock import WorkspaceLocked
     from tasks.runtime.params import ParamsError
     from tasks.stages import execute
@@ -60,8 +73,9 @@ def _cmd_stage(args) -> int:
     except WorkspaceLocked as exc:
         print(f"error: stage {args.stage}{'@' + args.task if args.task else ''}: {exc}", file=sys.stderr)
         return 3
-    except (ParamsError, FileNotFoundError, KeyError, ValueError, RuntimeError) as exc:
-        print(f"error: stage {args.stage}{'@' + args.task if args.task else ''}: {exc}", file=sys.stderr)
+    except (ParamsError, OSError, KeyError, ValueError, RuntimeError, MlflowException) as exc:
+        # OSError: a file that cannot be read or written (FileNotFoundError, PermissionError, a full disk)
+        print(f"error: stage {args.stage}{'@' + args.task if args.task else ''}: {describe(exc)}", file=sys.stderr)
         return 2
     print(json.dumps(result.to_dict(), indent=2, default=str))
     return 0
@@ -117,13 +131,18 @@ def _cmd_run(args) -> int:
         return 2
     from flows.pipeline import run_pipeline
     from tasks.runtime.lock import WorkspaceLocked
+    from tasks.runtime.tracking import TrackingStoreError, check_store
 
     start = time.perf_counter()
     try:
+        check_store(root)  # an unreachable server or a corrupt mlflow.db: say so before the flow starts
         results = run_pipeline(root, args.stage or None)
     except WorkspaceLocked as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 3
+    except TrackingStoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(f"\npipeline finished in {time.perf_counter() - start:.1f} s ({root})")
     for sid, res in results.items():
         status = "up to date" if res == "skipped" else f"ran in {res['seconds']:.1f} s"
@@ -173,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--root", default=".")
     p.set_defaults(func=cmd_deploy)
 
-    p = sub.add_parser("serve", help="serve the registered model over HTTP (mlflow models serve) on 127.0.0.1")
+    p = sub.add_parser("serve", help="serve the registered model over HTTP (MLflow's scoring app, request limits from params' serve section) on 127.0.0.1")
     p.add_argument("--alias", default="champion", help="alias or version number (default: champion)")
     p.add_argument("--port", type=int, default=5001)
     p.add_argument("--host", default="127.0.0.1")

@@ -87,8 +87,12 @@ def pipeline(root: str = ".", stages: list[str] | None = None) -> dict:
         logger.warning("%s is not a DVC project (no .dvc/ or dvc.yaml): stages run, nothing is recorded", root_path)
     for stage in NAMES:
         module(stage)  # import in this thread: module imports are not all thread-safe
+    def tell(message: str) -> None:  # on stderr as `crucible stage` says it, and in the flow run's log
+        tracking.say(message)
+        logger.warning(message)
+
     lock = WorkspaceLock(root_path, "flow", params.pipeline.lock_timeout, require_dvc_idle=use_dvc,
-                         on_wait=logger.warning, on_stale=logger.warning)
+                         on_wait=tell, on_stale=tell)
     with lock:
         return _run(root_path, params, stages, use_dvc, lock.token, logger)
 
@@ -100,6 +104,8 @@ def _run(root_path: Path, params: Params, stages: list[str] | None, use_dvc: boo
     wait = params.pipeline.lock_timeout
     tasks = list(params.pipeline.tasks)
     specs = [spec(n) for n in NAMES]
+    if stages and "model" not in stages:  # every stage that loads the model reads its manifest: hash it first
+        stages = ["model", *stages]
     runs = {s.sid(t): (s.name, t) for s, t in instances(specs, tasks) if not stages or s.name in stages}
     # a run waits for the selected runs whose outputs it reads (an unselected one counts as done)
     edges = upstream(specs, tasks)
@@ -130,6 +136,10 @@ def _run(root_path: Path, params: Params, stages: list[str] | None, use_dvc: boo
             ready = [sid for sid, ups in waits.items() if ups <= finished]
             if ready:
                 todo = dvc.stale(root_path, ready, wait=wait) if use_dvc else set(ready)
+                # the model stage always runs: it hashes the base model's files, which DVC cannot see
+                # (a packaged model lies outside the workspace); the same files write the same bytes,
+                # so what depends on its manifest stays up to date
+                todo |= {sid for sid in ready if sid == "model"}
                 for sid in ready:
                     waits.pop(sid)
                     if sid not in todo:

@@ -33,6 +33,7 @@ def cmd_predict(args) -> int:
     import pandas as pd
 
     from tasks.runtime.params import ParamsError
+    from tasks.runtime.tracking import TrackingStoreError
     from tasks.registry.serving import load_registered
 
     root = Path(args.root).resolve()
@@ -43,7 +44,7 @@ def cmd_predict(args) -> int:
             raise KeyError(f"unknown task {args.task!r}; valid tasks: {', '.join(known)}")
         model, _ = load_registered(root, mv.version, name)
         out = model.predict(pd.DataFrame({"text": args.texts, "task": [args.task] * len(args.texts)}))
-    except (ParamsError, KeyError, MlflowException) as exc:
+    except (ParamsError, KeyError, MlflowException, TrackingStoreError) as exc:
         print(f"error: {message(exc)}", file=sys.stderr)
         return 2
     cols = [c for c in out.columns if c.startswith("proba_") and out[c].notna().all()]
@@ -68,7 +69,7 @@ def cmd_lineage(args) -> int:
     try:
         name, _, mv = registered(root, args.ref)
         result = lineage.compare(root, mv.tags, git_commit(root))
-    except (ParamsError, KeyError, ValueError) as exc:
+    except (ParamsError, KeyError, ValueError, RuntimeError) as exc:  # RuntimeError: TrackingStoreError
         print(f"error: {message(exc)}", file=sys.stderr)
         return 2
     print(lineage.report(result, version_summary(name, mv)))

@@ -14,11 +14,16 @@ from flows.registry_cli import message, registered
 
 
 def cmd_ui(args) -> int:
-    from tasks.runtime.tracking import tracking_uri
+    from tasks.runtime.tracking import TrackingStoreError, tracking_uri
 
     root = Path(args.root).resolve()
+    try:
+        uri = tracking_uri(root)
+    except TrackingStoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     procs = [
-        subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking_uri(root),
+        subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri,
                           "--default-artifact-root", (root / "mlartifacts").as_uri(),
                           "--host", "127.0.0.1", "--port", str(args.mlflow_port)]),
         subprocess.Popen([str(Path(sys.executable).with_name("prefect")), "server", "start",
@@ -124,47 +129,58 @@ def cmd_deploy(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    """The registered version (alias or number) over HTTP: its files copied from the workspace's
+    registry into a scratch folder of this process (.crucible/tmp/serve-<pid>@<host>-*), then this
+    process becomes the server (exec): uvicorn running MLflow's scoring app behind the request limits
+    of params' serve section (tasks/registry/serving_app.py), which says `ready` once it answers and
+    stops on Ctrl-C or SIGTERM. One process, not a launcher beside the worker; the folder goes at the
+    next sweep once the server is gone (the next `crucible serve` or stage start)."""
+    import os
+    import shutil
     import socket
-    import threading
+    import tempfile
 
-    from tasks.runtime.params import ParamsError
-    from tasks.registry.serving import curl_example, serve_command, wait_until_serving
+    from mlflow.exceptions import MlflowException
+
+    from tasks.runtime.params import ParamsError, load_params
+    from tasks.runtime.scratch import SCRATCH, owner_tag, sweep
+    from tasks.runtime.tracking import TrackingStoreError
+    from tasks.registry.serving import curl_example, download_version, serve_command, serve_limits
 
     root = Path(args.root).resolve()
     try:
         name, _, mv = registered(root, args.alias)
-    except (ParamsError, KeyError) as exc:
+        limits = serve_limits(load_params(root / "params.yaml"))
+    except (ParamsError, KeyError, TrackingStoreError) as exc:
         print(f"error: {message(exc)}", file=sys.stderr)
         return 2
     with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a port in TIME_WAIT is free
         try:
             sock.bind((args.host, args.port))
         except OSError as exc:
             print(f"error: cannot listen on {args.host}:{args.port} ({exc.strerror}); pick another --port", file=sys.stderr)
             return 2
-    cmd, env = serve_command(root, name, args.alias, args.host, args.port, args.workers)
+    sweep(root)  # the copies of servers that are gone
+    (root / SCRATCH).mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix=f"serve-{owner_tag()}-", dir=root / SCRATCH))
+    try:
+        model_dir = download_version(root, name, mv.version, folder)
+    except (MlflowException, OSError) as exc:
+        shutil.rmtree(folder, ignore_errors=True)
+        print(f"error: cannot read the files of {name} version {mv.version} from the registry: {message(exc)}",
+              file=sys.stderr)
+        return 2
+    cmd, env = serve_command(model_dir, args.host, args.port, limits, args.workers)
     tasks = (mv.tags.get("crucible.tasks") or "TASK").split(",")
     print(f"serving {name} version {mv.version} (@{args.alias}) at http://{args.host}:{args.port}/invocations "
           f"(tasks: {', '.join(tasks)}); Ctrl-C stops it.")
+    print(f"limits per request: {limits['max_rows']} rows (serve.max_rows), {limits['max_chars']} characters per "
+          f"text (serve.max_chars), {limits['max_body_bytes']} bytes of body (serve.max_body_bytes); "
+          f"{limits['max_concurrency']} in flight per worker (serve.max_concurrency)")
     print("try:")
     print(f"  {curl_example(args.host, args.port, tasks[0])}")
-    print(f"  # -> {{\"predictions\": [{{\"task\": \"{tasks[0]}\", \"label\": ..., \"proba_<class>\": ...}}]}}", flush=True)
-    proc = subprocess.Popen(cmd, env=env)
-
-    def announce() -> None:  # loading takes a while: say when it answers
-        try:
-            wait_until_serving(f"http://{args.host}:{args.port}", proc, 600)
-        except RuntimeError:
-            return  # the server's own output says why
-        print(f"ready: http://{args.host}:{args.port}", flush=True)
-
-    threading.Thread(target=announce, daemon=True).start()
-    try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        return 0
+    print(f"  # -> {{\"predictions\": [{{\"task\": \"{tasks[0]}\", \"label\": ..., \"proba_<class>\": ...}}]}}",
+          flush=True)
+    sys.stderr.flush()
+    os.execve(cmd[0], cmd, env)  # this process becomes the server: its pid, its scratch folder

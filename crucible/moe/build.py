@@ -109,8 +109,13 @@ def _check_dense(dense: nn.Module) -> None:
     cfg = getattr(dense, "config", None)
     model_type = getattr(cfg, "model_type", None)
     if model_type != "llama" or not hasattr(getattr(dense, "model", None), "layers"):
-        raise ValueError(f"moefy: dense model_type={model_type!r} ({type(dense).__name__}) is not supported; "
-                         "give a Llama-architecture LlamaForCausalLM")
+        why = {"qwen2": "its q/k/v projections carry biases, which Mixtral's attention has not",
+               "mistral": "its sliding-window attention is not carried over to the Mixtral build",
+               "gpt2": "its blocks use Conv1D and an ungated FFN, not gate/up/down projections"}.get(
+            model_type, "only a gated Llama FFN (gate_proj, up_proj, down_proj) with Llama attention is split")
+        raise ValueError(f"moefy: dense model_type={model_type!r} ({type(dense).__name__}) is not supported: {why}; "
+                         "the MoE branch accepts Llama-architecture LlamaForCausalLM models (SmolLM2, Llama 2/3, "
+                         "TinyLlama) without attention or MLP biases")
     for flag in ("attention_bias", "mlp_bias"):
         if getattr(cfg, flag, False):
             raise ValueError(f"moefy: dense config {flag}=True is not supported; Mixtral has no biases")

@@ -11,8 +11,9 @@ from pathlib import Path
 import pandas as pd
 
 
-def read_task_model(root: Path, task: str, base_model: str) -> dict:
-    """A task's fine-tune: paths, head tensors, classes, max_length; checks it was made from base_model
+def read_task_model(root: Path, task: str, base_model: str, base_hash: str | None = None) -> dict:
+    """A task's fine-tune: paths, head tensors, classes, max_length, pooling; checks it was made from
+    base_model (and, given `base_hash`, from a base of that content: models/base/manifest.json's hash)
     and that its files are readable and finite (each error names the file and the command that
     rebuilds it)."""
     from tasks.runtime.io import read_safetensors
@@ -29,13 +30,18 @@ def read_task_model(root: Path, task: str, base_model: str) -> dict:
         raise ValueError(f"{paths['config.json']}: not valid JSON ({exc}); {rebuild}") from None
     if config.get("base_model") != base_model:
         raise ValueError(f"{paths['config.json']}: field 'base_model' = {config.get('base_model')!r}, but "
-                         f"embed.model is {base_model!r}; every task model must be fine-tuned from the same base "
+                         f"model.name is {base_model!r}; every task model must be fine-tuned from the same base "
                          f"(rerun finetune@{task})")
+    if base_hash is not None and config.get("base_model_hash") != base_hash:
+        raise ValueError(f"{paths['config.json']}: field 'base_model_hash' = {config.get('base_model_hash')!r}, but the "
+                         f"base model {base_model!r} now hashes to {base_hash!r} (models/base/manifest.json): the "
+                         f"fine-tune was made from other weights, and task vectors against another base cannot be "
+                         f"merged; {rebuild}")
     read_safetensors(paths["model.safetensors"], f"fine-tuned encoder of task {task!r}", rebuild)
     what = f"head of task {task!r}"
     head, meta = read_safetensors(paths["head.safetensors"], what, rebuild, shapes=lambda t, m: _head_problem(t, m, what))
     return {"task": task, "model": paths["model.safetensors"], "head": head, "classes": json.loads(meta["classes"]),
-            "max_length": int(config.get("max_length", 64))}
+            "max_length": int(config.get("max_length", 64)), "pooling": config.get("pooling", "mean")}
 
 
 def _head_problem(tensors: dict, meta: dict, what: str) -> str | None:
@@ -55,21 +61,29 @@ def _head_problem(tensors: dict, meta: dict, what: str) -> str | None:
 class Scorer:
     """Each task's test split (and optionally its probe rows) tokenised once; any encoder weights, or
     any encoder module of the same architecture, scored on them with the task's own head, and their
-    frozen features (masked mean pooling, what the head sees) kept for the evaluate stage.
+    frozen features (pooled as in fine-tuning, what the head sees) kept for the evaluate stage.
 
-    probes: task -> DataFrame(text, label) of the rows a fresh probe is fitted on (evaluate)."""
+    model: a BaseModel (tasks.data.models) or a model path (float32, mean pooling).
+    probes: task -> DataFrame(text, label) of the rows a fresh probe is fitted on (evaluate).
+    keep_theta_0: keep a copy of the base weights (`theta_0`; merge needs them, quantize does not:
+    it holds one copy of the weights less)."""
 
-    def __init__(self, model_path: str, tasks: list[dict], tests: dict[str, pd.DataFrame], batch_size: int,
-                 probes: dict[str, pd.DataFrame] | None = None):
+    def __init__(self, model, tasks: list[dict], tests: dict[str, pd.DataFrame], batch_size: int,
+                 probes: dict[str, pd.DataFrame] | None = None, keep_theta_0: bool = True):
         import torch
 
         from crucible.embed import load_encoder
         from crucible.train import tokenize
 
-        self.encoder, tokenizer = load_encoder(model_path)
+        if isinstance(model, str):
+            self.encoder, tokenizer = load_encoder(model)
+            self.pooling = "mean"
+        else:
+            self.encoder, tokenizer = model.load()
+            self.pooling = model.pooling(self.encoder.config)
         self.encoder.eval()
         self.tokenizer = tokenizer
-        self.theta_0 = {k: v.detach().clone() for k, v in self.encoder.state_dict().items()}
+        self.theta_0 = {k: v.detach().clone() for k, v in self.encoder.state_dict().items()} if keep_theta_0 else None
         self.pad_id = tokenizer.pad_token_id or 0
         self.batch_size = batch_size
         self.heads, self.classes, self.data = {}, {}, {}
@@ -106,10 +120,10 @@ class Scorer:
         return self.data[task, split][1]
 
     def features(self, task: str, split: str = "test"):
-        """(n, hidden) float32 masked-mean-pooled features of the current encoder, in row order."""
+        """(n, hidden) float32 pooled features of the current encoder, in row order."""
         import torch
 
-        from crucible.embed import mean_pool
+        from crucible.models import encode
         from crucible.train import collate
 
         ids, _ = self.data[task, split]
@@ -119,8 +133,7 @@ class Scorer:
             for start in range(0, len(ids), self.batch_size):
                 idx = order[start:start + self.batch_size]
                 input_ids, mask = collate([ids[i] for i in idx], self.pad_id)
-                hidden = self.encoder(input_ids=input_ids, attention_mask=mask).last_hidden_state
-                out[torch.tensor(idx)] = mean_pool(hidden, mask).float()
+                out[torch.tensor(idx)] = encode(self.encoder, input_ids, mask, self.pooling).float()
         return out
 
     def head_logits(self, task: str, features):

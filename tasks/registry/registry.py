@@ -16,12 +16,14 @@ PYFUNC_CODE = Path(__file__).resolve().parent / "pyfunc.py"
 
 
 def gate(accuracy: dict[str, float], mean: float, floors: dict[str, float], tolerance: float,
-         champion: dict | None) -> tuple[bool, str]:
+         champion: dict | None, basis: dict[str, str] | None = None) -> tuple[bool, str]:
     """(passes, reason). `champion`: None (no champion yet) or {version, mean_accuracy (None if
     unknown), optionally tasks}. Passes when no task is below its floor and, if there is a champion,
-    mean >= champion's mean - tolerance."""
-    below = [f"task {t}: accuracy {accuracy[t]:.4f} below its floor {floors[t]:.4f}" for t in floors
-             if accuracy[t] < floors[t]]
+    mean >= champion's mean - tolerance. `basis`: per task, where its floor comes from (said in the
+    reason of a task below it)."""
+    basis = basis or {}
+    below = [f"task {t}: accuracy {accuracy[t]:.4f} below its floor {floors[t]:.4f}"
+             + (f" ({basis[t]})" if basis.get(t) else "") for t in floors if accuracy[t] < floors[t]]
     if below:
         return False, "; ".join(below)
     if champion is None:
@@ -151,16 +153,18 @@ def set_version_tags(client, name: str, version: str, tags: dict) -> None:
             client.set_model_version_tag(name, version, k, str(v))
 
 
-def apply_gate(client, name: str, mv, accuracy: dict, mean: float, floors: dict, tolerance: float) -> dict:
-    """Gate version `mv`, move the aliases, tag the decision; returns the gate record."""
+def apply_gate(client, name: str, mv, accuracy: dict, mean: float, floors: dict, tolerance: float,
+               basis: dict | None = None) -> dict:
+    """Gate version `mv`, move the aliases, tag the decision; returns the gate record. `basis`: per
+    task, where its floor comes from (gate)."""
     before = version_by_alias(client, name, CHAMPION)
     if before is not None and before.version == mv.version:  # a rerun of the champion: nothing moves
         return {"decision": CHAMPION, "passed": True,
                 "reason": f"already the champion ({mv.tags.get('crucible.gate.reason', 'no recorded reason')})",
                 "champion_before": mv.version, "champion_after": mv.version, "champion_mean_accuracy": mean,
-                "tolerance": tolerance, "floors": floors}
+                "tolerance": tolerance, "floors": floors, "floor_basis": basis or {}}
     champion = champion_info(client, name)
-    passed, reason = gate(accuracy, mean, floors, tolerance, champion)
+    passed, reason = gate(accuracy, mean, floors, tolerance, champion, basis)
     with _WRITE_LOCK:
         if passed:
             client.set_registered_model_alias(name, CHAMPION, mv.version)
@@ -174,9 +178,11 @@ def apply_gate(client, name: str, mv, accuracy: dict, mean: float, floors: dict,
         set_version_tags(client, name, before.version, {"crucible.gate.superseded_by": mv.version})
     set_version_tags(client, name, mv.version, {"crucible.gate.decision": decision, "crucible.gate.reason": reason,
                                          "crucible.gate.tolerance": tolerance,
-                                         "crucible.gate.floors": json.dumps(floors, sort_keys=True)})
+                                         "crucible.gate.floors": json.dumps(floors, sort_keys=True),
+                                         "crucible.gate.floor_basis": json.dumps(basis or {}, sort_keys=True)})
     after = version_by_alias(client, name, CHAMPION)
     return {"decision": decision, "passed": passed, "reason": reason,
             "champion_before": before.version if before is not None else None,
             "champion_after": after.version if after is not None else None,
-            "champion_mean_accuracy": (champion or {}).get("mean_accuracy"), "tolerance": tolerance, "floors": floors}
+            "champion_mean_accuracy": (champion or {}).get("mean_accuracy"), "tolerance": tolerance, "floors": floors,
+            "floor_basis": basis or {}}

@@ -1,6 +1,6 @@
 """Using a registered version: load it in this process (`crucible predict`, tests, benchmarks),
-serve it over HTTP (`crucible serve`: `mlflow models serve` on 127.0.0.1), describe it, and the
-JSON that /invocations takes. The registry itself is written by the register stage (tasks/stages/register.py).
+serve it over HTTP (`crucible serve`: MLflow's scoring app behind request limits, under uvicorn on
+127.0.0.1; tasks/registry/serving_app.py), describe it, and the JSON that /invocations takes. The registry itself is written by the register stage (tasks/stages/register.py).
 """
 
 from __future__ import annotations
@@ -64,20 +64,43 @@ def version_summary(name: str, mv) -> list[str]:
     return lines
 
 
-def serve_command(root: Path, name: str, ref: str, host: str, port: int, workers: int = 1) -> tuple[list[str], dict]:
-    """`mlflow models serve` of models:/<name>@<ref> (or /<version>) in this environment, and its
-    process environment (the workspace's tracking store)."""
+def download_version(root: Path, name: str, version: str, dst: Path) -> Path:
+    """The files of version `version` of `name` copied from the workspace's registry into the
+    folder `dst`; returns the model folder (what MLflow's loaders and the serving app take)."""
     import os
+
+    import mlflow.artifacts
 
     from tasks.runtime.tracking import tracking_uri
 
-    uri = f"models:/{name}/{ref}" if str(ref).isdigit() else f"models:/{name}@{ref}"
-    cmd = [sys.executable, "-m", "mlflow", "models", "serve", "-m", uri, "--env-manager", "local",
-           "--host", host, "--port", str(port), "--workers", str(workers)]
-    turi = tracking_uri(Path(root).resolve())
-    # mlflow starts `uvicorn` by name: this environment's scripts first on PATH
-    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    return cmd, {**os.environ, "PATH": path, "MLFLOW_TRACKING_URI": turi, "MLFLOW_REGISTRY_URI": turi,
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    client = registry_client(root)
+    local = mlflow.artifacts.download_artifacts(artifact_uri=client.get_model_version_download_uri(name, str(version)),
+                                                tracking_uri=tracking_uri(Path(root).resolve()), dst_path=str(dst))
+    return Path(local)
+
+
+def serve_limits(params) -> dict:
+    """The request limits of params' `serve` section, as the serving app reads them."""
+    return params.serve.model_dump()
+
+
+def serve_command(model_dir: Path, host: str, port: int, limits: dict, workers: int = 1) -> tuple[list[str], dict]:
+    """uvicorn running tasks.registry.serving_app (MLflow's scoring app for the model folder
+    `model_dir`, behind the request limits of params' serve section) in this environment, and its
+    process environment (each worker prints `ready: http://host:port` once it answers)."""
+    import json
+    import os
+
+    from tasks.registry import serving_app
+
+    code_root = str(Path(serving_app.__file__).resolve().parents[2])  # where `tasks` imports from
+    cmd = [sys.executable, "-m", "uvicorn", "--factory", f"{serving_app.__name__}:create_app", "--host", host,
+           "--port", str(port), "--workers", str(workers), "--limit-concurrency", str(limits["max_concurrency"])]
+    path = os.pathsep.join([code_root, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])
+    return cmd, {**os.environ, "PYTHONPATH": path, serving_app.MODEL_ENV: str(Path(model_dir).resolve()),
+                 serving_app.LIMITS_ENV: json.dumps({k: int(limits[k]) for k in serving_app.LIMITS}),
+                 serving_app.ANNOUNCE_ENV: f"http://{host}:{port}",
                  "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
 
 

@@ -26,6 +26,12 @@ def apply_defaults(root: Path) -> None:
         "TRANSFORMERS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "GIT_PYTHON_REFRESH": "quiet",
+        # a tracking server that does not answer fails a run in under 30 s, not after MLflow's
+        # default 7 retries with doubling backoff (about 4 minutes): 3 tries of at most 8 s each
+        # (connect or read), 2 s apart. Set them in the environment to allow a slower server.
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+        "MLFLOW_HTTP_REQUEST_TIMEOUT": "8",
     }
     for key, value in defaults.items():
         os.environ.setdefault(key, value)

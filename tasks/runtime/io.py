@@ -102,6 +102,21 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class OutputWriteError(OSError):
+    """An output that cannot be written (a folder that is not writable, or is a file; a full disk):
+    the message names the output and the reason, as the stages' other errors do."""
+
+    def __init__(self, dest: Path, exc: OSError):
+        super().__init__(exc.errno, exc.strerror or str(exc), str(dest))
+        self.reason = exc
+
+    def __str__(self) -> str:
+        where = getattr(self.reason, "filename", None)
+        at = f" ({where})" if where and str(where) != self.filename else ""
+        return (f"{self.filename}: cannot write it: {self.strerror}{at}; check that its folder is a writable "
+                f"folder with free space")
+
+
 class AtomicOutputs:
     """Collect a stage's outputs in temporary files; publish them all at once on success.
 
@@ -116,11 +131,14 @@ class AtomicOutputs:
 
     def file(self, dest: Path | str, write: Callable[[Path], None]) -> Path:
         dest = Path(dest)
-        dest.parent.mkdir(parents=True, exist_ok=True)
         from tasks.runtime.scratch import owner_tag, sweep_files
 
-        sweep_files(dest.parent)  # a killed earlier run's temporary files; never a live run's
-        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.{owner_tag()}.", suffix=".tmp", dir=dest.parent)
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            sweep_files(dest.parent)  # a killed earlier run's temporary files; never a live run's
+            fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.{owner_tag()}.", suffix=".tmp", dir=dest.parent)
+        except OSError as exc:
+            raise OutputWriteError(dest, exc) from None
         os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; outputs get the usual mode
         os.close(fd)
         tmp = Path(tmp)
@@ -128,6 +146,9 @@ class AtomicOutputs:
             write(tmp)
             with open(tmp, "rb+") as fh:
                 os.fsync(fh.fileno())
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise OutputWriteError(dest, exc) from None
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -147,7 +168,10 @@ class AtomicOutputs:
     def publish(self) -> list[Path]:
         published = []
         for tmp, dest in self._staged:
-            os.replace(tmp, dest)
+            try:
+                os.replace(tmp, dest)
+            except OSError as exc:  # e.g. a folder where the file goes: the rest stays staged, then discarded
+                raise OutputWriteError(dest, exc) from None
             published.append(dest)
         for parent in {dest.parent for _, dest in self._staged}:
             _fsync_dir(parent)

@@ -106,9 +106,24 @@ class IngestParams(_Section):
                                    "are still refused, and reference and pool ids must always differ")
 
 
+class ModelParams(_Section):
+    """The base model of every classifier stage (embed, finetune, merge, quantize, register): any
+    Hugging Face text encoder or decoder. Nothing is downloaded."""
+
+    name: str = Field("all-MiniLM-L6-v2", min_length=1, description=(
+        "a packaged model (all-MiniLM-L6-v2; smollm2: SmolLM2-135M-Instruct from its packaged GGUF), a local "
+        "folder, or a model id in the local Hugging Face cache"))
+    pooling: Literal["auto", "mean", "cls", "last"] = Field("auto", description=(
+        "auto: the model's sentence-transformers pooling config when it ships one, else mean for an encoder and "
+        "the last non-padding token for a decoder"))
+    max_length: int | None = Field(None, ge=8, description=(
+        "cap on tokens per text for every stage (each stage's own max_length is capped by it and by the model's "
+        "limit from its tokenizer and config); null = the model's limit"))
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description=(
+        "dtype the base model is loaded, trained and merged in (a bf16 checkpoint is upcast unless set)"))
+
+
 class EmbedParams(_Section):
-    model: str = Field("all-MiniLM-L6-v2", min_length=1,
-                       description="a packaged model name, a local folder, or a model in the local HF cache")
     max_length: int = Field(128, ge=8, le=512, description="tokens per text (longer texts are truncated)")
     batch_size: int = Field(64, ge=1, le=4096)
 
@@ -178,8 +193,9 @@ class FinetuneParams(_Section):
     gmixout: GMixoutOptions = GMixoutOptions()
     mixout: MixoutOptions = MixoutOptions()
     plain: PlainOptions = PlainOptions()
-    modules: str = Field(r"encoder\.layer\.\d+\.", min_length=1,
-                         description="regex searched in the encoder's nn.Linear module names to wrap (mixout methods)")
+    modules: str = Field("auto", min_length=1, description=(
+        "auto: every nn.Linear inside the model's transformer blocks (found from its structure); or a regex "
+        "searched in the model's nn.Linear module names to wrap (mixout methods)"))
     lr: float = Field(5e-5, gt=0.0, le=1.0, description="peak learning rate of the encoder")
 
     @field_validator("modules")
@@ -271,11 +287,14 @@ class QuantizeParams(_Section):
     """Stage quantize (docs/methods.md, quantize): the merged encoder's linear layers in MXFP4, the error
     compensated by low-rank adapters under one total rank budget."""
 
-    modules: str = Field(r"encoder\.layer\.\d+\.", min_length=1,
-                         description="regex searched in the encoder's nn.Linear module names to quantize")
+    modules: str = Field("auto", min_length=1, description=(
+        "auto: every nn.Linear inside the model's transformer blocks; or a regex searched in the model's "
+        "nn.Linear module names to quantize"))
     mode: Literal["floor", "ceil"] = Field("floor", description="MXFP4 block scale: floor (OCP spec, torchao) or "
                                            "ceil (never clips)")
-    rank_budget: int = Field(288, ge=0, description="total adapter rank over all quantized matrices (0 = none)")
+    rank_per_matrix: float = Field(8, ge=0, description=(
+        "mean adapter rank per quantized matrix: the total budget is round(this x the number of matrices), the same "
+        "meaning on any model (0 = no compensation)"))
     allocation: Literal["uniform", "load_aware"] = Field(
         "load_aware", description="uniform: the same rank per matrix; load_aware: greedy by load x sigma^2")
     scaling: Literal["plain", "qera", "lqer"] = Field(
@@ -285,8 +304,9 @@ class QuantizeParams(_Section):
         "sensitivity", description="load of a dense layer in the allocation: 1, its calibration inputs' mean energy, or "
         "the mean squared gradient of the task loss at its output")
     adapter_dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="adapters on disk")
-    embeddings: str | None = Field("word_embeddings", min_length=1, description="regex on the encoder's "
-                                   "nn.Embedding names to store in MXFP4 too; null = embeddings stay float32")
+    embeddings: str | None = Field("auto", min_length=1, description=(
+        "auto: the model's input embedding (get_input_embeddings()); or a regex on its nn.Embedding names to store "
+        "in MXFP4 too; null = embeddings stay float32"))
     calibration_per_task: int = Field(64, ge=1, description="reference texts per task used as calibration data")
     eval_limit: int | None = Field(200, ge=1, description="test items scored per task (first N); null = all")
     eval_batch_size: int = Field(64, ge=1, le=4096)
@@ -326,7 +346,12 @@ class RegisterParams(_Section):
         "float merged model")
     tolerance: float = Field(0.005, ge=0.0, le=1.0, description="champion moves when the new mean test accuracy is "
                              ">= the champion's minus this")
-    floor: Prob = Field(0.0, description="minimum test accuracy of each task not listed in floors")
+    floor: Prob | None = Field(None, description=(
+        "minimum test accuracy of each task not listed in floors; null: derived per task from the data, "
+        "the better of chance (the majority class's share of the scored test rows, at least 1/n_classes) "
+        "and the base encoder with the task's head, plus floor_margin"))
+    floor_margin: float = Field(0.02, ge=0.0, le=1.0, description=(
+        "what a task must beat chance and the base model by when its floor is derived (floor: null)"))
     floors: dict[str, Prob] = Field(default_factory=dict, description="per task: its minimum test accuracy")
     batch_size: int = Field(64, ge=1, le=4096, description="texts per forward pass of the served model")
 
@@ -337,6 +362,19 @@ class RegisterParams(_Section):
             if not TASK_NAME.match(name):
                 raise ValueError(f"task name {name!r} must match {TASK_NAME.pattern}")
         return floors
+
+
+class ServeParams(_Section):
+    """`crucible serve` (not a stage: changing these reruns nothing): what one request to the served
+    model may hold. A request over a limit is refused with a message naming the limit and its param,
+    never truncated; the body limit holds before the body is read or parsed."""
+
+    max_rows: int = Field(256, ge=1, le=1_000_000, description="rows (texts) per request; more: HTTP 400")
+    max_chars: int = Field(10_000, ge=1, description="characters per text; a longer text: HTTP 400 naming its row")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description=(
+        "bytes of a request body; a larger one is refused (HTTP 413) before it is read"))
+    max_concurrency: int = Field(32, ge=1, le=10_000, description=(
+        "connections and requests in flight per worker process; more: HTTP 503 at once"))
 
 
 def _quiet_register_field_warning() -> None:
@@ -389,6 +427,7 @@ class Params(_Section):
     pipeline: PipelineParams
     tracking: TrackingParams = TrackingParams()
     ingest: IngestParams = IngestParams()
+    model: ModelParams = ModelParams()
     embed: EmbedParams = EmbedParams()
     curate: CurateParams = CurateParams()
     pseudolabel: PseudolabelParams = PseudolabelParams()
@@ -397,6 +436,7 @@ class Params(_Section):
     quantize: QuantizeParams = QuantizeParams()
     evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
     register: RegisterParams = Field(default_factory=RegisterParams)
+    serve: ServeParams = ServeParams()
     moe: MoeParams = Field(default_factory=MoeParams)
 
     @model_validator(mode="after")
@@ -422,6 +462,10 @@ class Params(_Section):
                              f"{self.quantize.eval_limit} differ; evaluate compares every variant on the same "
                              f"test rows, so set them equal")
         return self
+
+    def rank_budget(self, matrices: int) -> int:
+        """The quantize stage's total adapter rank over `matrices` matrices."""
+        return int(round(self.quantize.rank_per_matrix * matrices))
 
     def merge_order(self) -> list[str]:
         """The tasks in merge arrival order (merge.order, else the order of pipeline.tasks)."""

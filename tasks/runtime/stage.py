@@ -13,7 +13,6 @@ and hashes, never tensors, so Prefect results stay small.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -74,8 +73,46 @@ def execute(module, task: str | None = None, root: Path | str = ".", params: Par
         return _execute(spec, task, root, params, module, parent_run_id)
 
 
-def _say(message: str) -> None:
-    print(f"crucible: {message}", file=sys.stderr, flush=True)
+_say = tracking.say  # `crucible: <message>` on stderr
+
+
+class PeakRSS:
+    """The process's resident memory over a block, sampled every 20 ms by a thread:
+    `stage_peak_rss_mb` (the highest), `stage_rss_start_mb` and `stage_peak_rss_above_start_mb`.
+    Under `crucible stage` / `dvc repro` the process runs one stage; under the flow's threads it is shared with the stages beside it,
+    so the numbers bound this stage's from above. Children (the merge workers) are not included:
+    they log their own peaks."""
+
+    def __init__(self, every: float = 0.02):
+        import threading
+
+        self.every, self.start, self.peak = every, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    @staticmethod
+    def _rss() -> int:
+        import psutil
+
+        return psutil.Process().memory_info().rss
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.every):
+            self.peak = max(self.peak, self._rss())
+
+    def __enter__(self) -> "PeakRSS":
+        self.start = self.peak = self._rss()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+
+    def metrics(self) -> dict[str, float]:
+        return {"stage_peak_rss_mb": self.peak / 2**20, "stage_rss_start_mb": self.start / 2**20,
+                "stage_peak_rss_above_start_mb": (self.peak - self.start) / 2**20}
 
 
 def _execute(spec, task, root: Path, params: Params, module, parent_run_id) -> StageResult:
@@ -90,10 +127,11 @@ def _execute(spec, task, root: Path, params: Params, module, parent_run_id) -> S
     with tracking.stage_run(root, params.tracking.experiment, spec.name, task, parent_run_id) as log:
         log.log_params(declared_values(params, keys))
         log.set_tags({f"crucible.input.{p}": md5_file(root / p) for p in inputs(spec, task, root)})
-        metrics = module.run(declared_view(params, keys, spec.name), task, root, log)
+        with PeakRSS() as rss:
+            metrics = module.run(declared_view(params, keys, spec.name), task, root, log)
         written = {str(p): md5_file(root / p) for p in outputs(spec, task, root)}
         log.set_tags({f"crucible.output.{p}": h for p, h in written.items()})
         seconds = time.perf_counter() - start
-        log.log_metrics({**metrics, "stage_seconds": seconds})
+        log.log_metrics({**metrics, "stage_seconds": seconds, **rss.metrics()})
     return StageResult(spec.name, task, written, metrics, seconds)
 

@@ -13,7 +13,7 @@ from types import ModuleType
 from tasks.runtime.declaration import StageSpec, dvc_yaml_text
 
 # the pipeline's order (dvc.yaml's, and the flow's where the DAG allows a choice)
-NAMES = ("ingest", "embed", "curate", "pseudolabel", "finetune", "merge", "quantize", "moe_build", "moe_quantize",
+NAMES = ("model", "ingest", "embed", "curate", "pseudolabel", "finetune", "merge", "quantize", "moe_build", "moe_quantize",
          "evaluate", "register")
 # code files a stage runs that are not Python modules (found by no import)
 EXTRA_CODE = {"evaluate": ("tasks/report/templates",)}

@@ -15,12 +15,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from crucible.embed import embed_texts, load_encoder
+from crucible.embed import embed_texts
 from crucible.schema import validate_disjoint
 from tasks.runtime.declaration import StageSpec
 from tasks.data.embeddings import ids_digest
 from tasks.runtime.io import AtomicOutputs, read_table
-from tasks.data.models import resolve_model
+from tasks.data.models import MANIFEST, base_model
 from tasks.runtime.params_schema import Params
 
 TABLES = ("reference", "pool", "test")
@@ -29,8 +29,8 @@ SPEC = StageSpec(
     name="embed", per_task=True,
     comment="Per task: frozen encoder embeddings of the reference, pool and test texts (cached apart, so "
             "a later stage's params do not re-embed).",
-    deps=tuple(f"data/{{task}}/{t}.parquet" for t in TABLES),
-    params=("pipeline.seed", "ingest.allow_shared_ids", "embed"),
+    deps=(str(MANIFEST), *(f"data/{{task}}/{t}.parquet" for t in TABLES)),
+    params=("pipeline.seed", "ingest.allow_shared_ids", "model", "embed"),
     outs=("data/{task}/embeddings.safetensors",),
 )
 
@@ -44,13 +44,18 @@ def run(params: Params, task: str, root: Path, log) -> dict:
     validate_disjoint(frames, {t: str(Path(root) / "data" / task / f"{t}.parquet") for t in TABLES},
                       allow_shared_ids=params.ingest.allow_shared_ids)
     torch.manual_seed(params.pipeline.seed)
-    model, tokenizer = load_encoder(resolve_model(cfg.model))
+    base = base_model(params, root)
+    model, tokenizer = base.load()
+    pooling = base.pooling(model.config)
+    max_length = base.max_length(tokenizer, model.config, cfg.max_length)
     total = sum(len(df) for df in frames.values())
-    tensors, meta = {}, {"model": cfg.model, "max_length": str(cfg.max_length)}
+    tensors, meta = {}, {"model": base.name, "max_length": str(max_length)}
+    if pooling != "mean":  # (mean: the file as before pooling was a choice)
+        meta["pooling"] = pooling
     with tqdm(total=total, desc=f"embed {task}", unit="text") as bar:
         for name, df in frames.items():
             tensors[name] = embed_texts(model, tokenizer, df["text"].tolist(), batch_size=cfg.batch_size,
-                                        max_length=cfg.max_length, progress=bar.update).contiguous()
+                                        max_length=max_length, progress=bar.update, pooling=pooling).contiguous()
             meta[f"{name}_ids_md5"] = ids_digest(df["id"])
     with AtomicOutputs() as out:
         out.bytes(safetensors_bytes(tensors, meta), Path(root) / "data" / task / "embeddings.safetensors")

@@ -26,7 +26,9 @@ variant>` (the main method's matrix with its final row from the quantized model)
 Outputs (all published together):
 - metrics/evaluate.json: per method and interface ACC and BWT; `deployable` (head accuracy per task
   and mean of the quantize stage's written model and of the float merged model: the register
-  stage's gate); a DVC metric;
+  stage's gate); `baselines` (per task: `chance`, the majority class's share of the scored test
+  rows, and `base`, the base encoder's head accuracy: what the gate's derived floors start from);
+  a DVC metric;
 - metrics/variants.json: every variant x task x metric (DVC metric);
 - reports/plots/{summary,curves,matrix,curation}.csv: plot data (views in dvc.yaml);
 - reports/figures/*.png and reports/index.html: the report, figures inlined, no network needed.
@@ -112,12 +114,60 @@ def read_inputs(root: Path, params: Params) -> dict:
                 raise ValueError(f"{root / QUANTIZE / 'features.safetensors'}: its rows for {key[7:]!r} differ from "
                                  f"the merge stage's ({root / MERGE / 'features.safetensors'}); both must score the "
                                  f"same test and probe rows: {_rerun('quantize')}")
-    n = {t: len(merge_meta["classes"][t]) for t in order}  # each task's head: (n_classes, hidden) and (n_classes,)
+    classes = merge_meta["classes"]
+    missing = [t for t in order if not isinstance(classes, dict) or not classes.get(t)]
+    if missing:
+        raise ValueError(f"{root / MERGE / 'features.safetensors'}: metadata 'classes' has no classes for tasks "
+                         f"{missing}; {_rerun('merge')}")
+    n = {t: len(classes[t]) for t in order}  # each task's head: (n_classes, hidden) and (n_classes,)
     shapes = {f"{t}.{k}": s for t in order for k, s in (("weight", (n[t], None)), ("bias", (n[t],)))}
     heads, _ = read_safetensors(root / MERGE / "heads.safetensors", "task heads", _rerun("merge"), shapes=shapes)
-    quant_config = json.loads((root / QUANTIZE / "config.json").read_text())
+    for path, tensors, meta, stage in ((MERGE, merged, merge_meta, "merge"), (QUANTIZE, quant, quant_meta, "quantize")):
+        check_features(root / path / "features.safetensors", stage, tensors, meta["variants"], n, heads,
+                       root / MERGE / "heads.safetensors")
+    try:
+        quant_config = json.loads((root / QUANTIZE / "config.json").read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{root / QUANTIZE / 'config.json'}: missing; {_rerun('quantize')}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{root / QUANTIZE / 'config.json'}: not valid JSON ({exc}); {_rerun('quantize')}") from None
     return {"order": order, "tensors": {**merged, **quant}, "variants": merge_meta["variants"] + quant_meta["variants"],
             "classes": merge_meta["classes"], "heads": heads, "quantize_config": quant_config}
+
+
+def check_features(path: Path, stage: str, tensors: dict, variants: list[dict], n_classes: dict[str, int], heads: dict,
+                   heads_path: Path) -> None:
+    """What evaluate needs of a features file beyond its own consistency (read_features): every
+    variant's test and probe features with the width of the task's head, and labels that are class
+    indices of that head. Each error names the file, the tensor, what it holds and what was expected."""
+    fix = _rerun(stage)
+    for t, k in n_classes.items():
+        for split in ("test", "probe"):
+            name = f"labels/{t}/{split}"
+            if name not in tensors:
+                raise ValueError(f"{path}: tensor {name!r} is missing (evaluate scores every variant on the "
+                                 f"{split} rows of each task); {fix}")
+            labels = tensors[name]
+            if labels.dim() != 1 or labels.is_floating_point():
+                raise ValueError(f"{path}: tensor {name!r} has shape {list(labels.shape)} and dtype {labels.dtype}; "
+                                 f"expected 1-d integer class indices; {fix}")
+            bad = ((labels < 0) | (labels >= k)).nonzero()
+            if len(bad):
+                i = int(bad[0])
+                raise ValueError(f"{path}: tensor {name!r} holds {len(bad)} labels outside the {k} classes of task "
+                                 f"{t!r} (first: {int(labels[i])} at row {i}); {fix}")
+    for v in variants:
+        for t in v["tasks"]:
+            width = heads[f"{t}.weight"].shape[1]
+            for split in ("test", "probe"):
+                name = f"{v['name']}/{t}/{split}"
+                if name not in tensors:
+                    raise ValueError(f"{path}: tensor {name!r} (variant {v['name']!r}, task {t!r}) is missing; {fix}")
+                got = tensors[name]
+                if got.dim() != 2 or got.shape[1] != width:
+                    raise ValueError(f"{path}: tensor {name!r} has shape {list(got.shape)}, but the head of task "
+                                     f"{t!r} ({heads_path}, tensor '{t}.weight') takes features of width {width}; "
+                                     f"the features and the heads come from different models: {fix}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -307,11 +357,15 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     n_test = {t: int(T[f"labels/{t}/test"].shape[0]) for t in order}
     n_probe = {t: int(T[f"labels/{t}/probe"].shape[0]) for t in order}
     deploy = deployable(cells, data, main, n_test)
+    base_cells = cells[(cells["variant"] == "base") & (cells["metric"] == "head")]
+    chance = {t: round(float(np.bincount(T[f"labels/{t}/test"].numpy()).max()) / max(1, n_test[t]), 6)
+              for t in order if n_test[t]}
+    baselines = {"chance": chance, "base": {r.task: r.value for r in base_cells.itertuples()}}
 
     table = {m: {r.interface: {"acc": r.acc, "bwt": r.bwt} for r in summary[summary["method"] == m].itertuples()}
              for m in mats}
     metrics = _json_safe({"order": order, "main": main, "interfaces": ifaces, "methods": table,
-                          "deployable": deploy, "n_test": n_test, "n_probe": n_probe})
+                          "deployable": deploy, "baselines": baselines, "n_test": n_test, "n_probe": n_probe})
     variants = {}
     for r in cells.itertuples():
         variants.setdefault(r.variant, {}).setdefault(r.task, {})[r.metric] = r.value

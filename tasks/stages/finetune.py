@@ -8,11 +8,12 @@ stage's output) and test.parquet. A stratified, seeded share (`finetune.dev_frac
 reference-sourced rows is held out as the dev split (early stopping, best checkpoint); the rest
 plus the audited members and the pseudo-labels are the training rows, each weighted by its
 `weight` (`finetune.weights: ignore` sets them to 1; rows of weight 0 are dropped). Every task starts
-from the same base encoder (`embed.model`), so the merge stage can combine them.
+from the same base model (`model.name`), so the merge stage can combine them; its content hash
+(models/base/manifest.json) is recorded in config.json and merge refuses fine-tunes of another base.
 
 Outputs (all published together):
 - data/<task>/finetune/model.safetensors: the fine-tuned encoder's state dict (the base model's
-  keys: loads into transformers' AutoModel of `embed.model`);
+  keys: loads into transformers' AutoModel of `model.name`);
 - data/<task>/finetune/head.safetensors: `weight` (n_classes, hidden), `bias`; metadata `classes`;
 - data/<task>/finetune/config.json: the resolved config (finetune params, base model, classes,
   max_length, pooling, seed, training sizes, best step);
@@ -55,7 +56,7 @@ from crucible.seeding import derive_seed, numpy_rng, stream_seed
 from crucible.train import EncoderClassifier, Examples, TrainConfig, evaluate, tokenize, train
 from tasks.runtime.declaration import StageSpec
 from tasks.runtime.io import AtomicOutputs, read_stage_output, read_table
-from tasks.data.models import resolve_model
+from tasks.data.models import MANIFEST, BaseModel, base_model
 from tasks.runtime.params_schema import FinetuneParams, Params
 
 LABELED_COLUMNS = ("id", "text", "label", "source", "confidence", "weight")
@@ -63,10 +64,10 @@ LABELED_COLUMNS = ("id", "text", "label", "source", "confidence", "weight")
 SPEC = StageSpec(
     name="finetune", per_task=True,
     comment="Per task: the base encoder and a linear head fine-tuned with GMixout on the labeled rows.",
-    deps=("data/{task}/labeled.parquet", "data/{task}/test.parquet"),
+    deps=(str(MANIFEST), "data/{task}/labeled.parquet", "data/{task}/test.parquet"),
     # the chosen method's own options only (finetune.gmixout under method: gmixout): another
     # method's options change nothing here
-    params=("pipeline.seed", "ingest.allow_shared_ids", "embed.model", "finetune.method",
+    params=("pipeline.seed", "ingest.allow_shared_ids", "model", "finetune.method",
             "finetune.${finetune.method}", *(f"finetune.{k}" for k in FinetuneParams.common_fields())),
     outs=("data/{task}/finetune",),
     metrics=("data/{task}/finetune.json",),
@@ -116,14 +117,17 @@ def split_dev(labeled: pd.DataFrame, fraction: float, seed: int) -> np.ndarray:
     return dev
 
 
-def mixout_config(cfg: FinetuneParams, seed: int) -> GMixoutConfig | None:
+def mixout_config(cfg: FinetuneParams, seed: int, modules: str | None = None) -> GMixoutConfig | None:
+    """The method's GMixout config; `modules`: the resolved regex (finetune.modules: auto resolved
+    against the model by crucible.models.resolve_modules)."""
+    modules = modules or cfg.modules
     if cfg.method == "plain":
         return None
     if cfg.method == "mixout":
-        return GMixoutConfig.mixout(p=cfg.mixout.p, modules=cfg.modules, seed=seed)
+        return GMixoutConfig.mixout(p=cfg.mixout.p, modules=modules, seed=seed)
     g = cfg.gmixout
     return GMixoutConfig(p=g.p, anchor=g.anchor, ema_beta=g.ema_beta, period=g.period, sparse=g.sparse,
-                         modules=cfg.modules, seed=seed)
+                         modules=modules, seed=seed)
 
 
 def train_config(cfg: FinetuneParams, n_train: int, seed: int, progress: bool = True) -> TrainConfig:
@@ -140,14 +144,19 @@ def examples(tokenizer, df: pd.DataFrame, classes: list[str], max_length: int, u
     return Examples(tokenize(tokenizer, df["text"].tolist(), max_length), labels, weights.copy())
 
 
-def build_model(model_path: str, n_classes: int, cfg: FinetuneParams, seed: int):
+def build_model(base: BaseModel, n_classes: int, cfg: FinetuneParams, seed: int):
     """(EncoderClassifier in train mode, tokenizer, GMixout or None); the head's initialisation and
     the mixout masks draw from generators seeded from `seed` (never torch's global one)."""
-    from crucible.embed import load_encoder
+    from crucible.models import resolve_modules
 
-    encoder, tokenizer = load_encoder(model_path)
-    model = EncoderClassifier(encoder, n_classes, dropout=cfg.dropout, seed=stream_seed(seed, "head"))
-    mix = mixout_config(cfg, stream_seed(seed, "mixout"))
+    encoder, tokenizer = base.load()
+    model = EncoderClassifier(encoder, n_classes, dropout=cfg.dropout, seed=stream_seed(seed, "head"),
+                              pooling=base.pooling(encoder.config))
+    try:
+        modules = resolve_modules(model.encoder, cfg.modules)
+    except ValueError as exc:
+        raise ValueError(f"finetune.modules: {exc}") from None
+    mix = mixout_config(cfg, stream_seed(seed, "mixout"), modules)
     gm = GMixout.wrap(model.encoder, mix) if mix is not None else None
     model.train()
     return model, tokenizer, gm
@@ -173,16 +182,17 @@ def run(params: Params, task: str, root: Path, log) -> dict:
     train_df = labeled[~dev_mask & (labeled["weight"].to_numpy() > 0)]
     dev_df = labeled[dev_mask]
 
-    model_path = resolve_model(params.embed.model)
-    model, tokenizer, gm = build_model(model_path, len(classes), cfg, seed)
+    base_info = base_model(params, root)
+    model, tokenizer, gm = build_model(base_info, len(classes), cfg, seed)
+    max_length = base_info.max_length(tokenizer, model.encoder.config, cfg.max_length)
     use_weights = cfg.weights == "use"
-    train_set = examples(tokenizer, train_df, classes, cfg.max_length, use_weights)
-    dev_set = examples(tokenizer, dev_df, classes, cfg.max_length, use_weights=False)
+    train_set = examples(tokenizer, train_df, classes, max_length, use_weights)
+    dev_set = examples(tokenizer, dev_df, classes, max_length, use_weights=False)
     tcfg = train_config(cfg, len(train_set), seed)
     tcfg = TrainConfig(**{**tcfg.__dict__, "pad_id": tokenizer.pad_token_id or 0})
 
-    resolved = {"task": task, "base_model": params.embed.model, "classes": classes, "max_length": cfg.max_length,
-                "pooling": "mean", "seed": seed, "finetune": cfg.resolved(), "train": tcfg.__dict__,
+    resolved = {"task": task, "base_model": base_info.name, "base_model_hash": base_info.hash, "classes": classes,
+                "max_length": max_length, "pooling": model.pooling, "dtype": base_info.dtype, "seed": seed, "finetune": cfg.resolved(), "train": tcfg.__dict__,
                 "n_train": len(train_set), "n_dev": len(dev_set)}
     # the thread count too: a run resumed under another count would match no uninterrupted run
     fingerprint = hashlib.md5(json.dumps({**resolved, "train_ids": train_df["id"].tolist(),
@@ -203,7 +213,7 @@ def run(params: Params, task: str, root: Path, log) -> dict:
     if gm is not None:
         gm.unwrap()
     model.eval()
-    test_set = examples(tokenizer, test, classes, cfg.max_length, use_weights=False)
+    test_set = examples(tokenizer, test, classes, max_length, use_weights=False)
     test_eval = evaluate(model, test_set, tcfg.eval_batch_size, tcfg.pad_id)
     dev_eval = evaluate(model, dev_set, tcfg.eval_batch_size, tcfg.pad_id)
 
@@ -218,18 +228,19 @@ def run(params: Params, task: str, root: Path, log) -> dict:
               "train_seconds": result.seconds}  # MLflow only: not in the DVC-tracked finetune.json
     out_dir = base / "finetune"
     with AtomicOutputs() as out:
-        out.bytes(safetensors_bytes(backbone, {"format": "pt", "base_model": params.embed.model}), out_dir / "model.safetensors")
+        out.bytes(safetensors_bytes(backbone, {"format": "pt", "base_model": base_info.name}), out_dir / "model.safetensors")
         out.bytes(safetensors_bytes(head, {"classes": json.dumps(classes)}), out_dir / "head.safetensors")
         out.json(resolved, out_dir / "config.json")
         out.json(metrics, base / "finetune.json")
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     shutil.rmtree(base / ".finetune-checkpoints", ignore_errors=True)  # where earlier versions kept them
     log.log_artifact(out_dir / "config.json")
-    log_model(log, out_dir, model_path, test)
+    log_model(log, out_dir, base_info.path, test, tokenizer, model.encoder.config)
     return {**metrics, **timing}
 
 
-def log_model(log, finetune_dir: Path, base_model_dir: str, example: pd.DataFrame) -> None:
+def log_model(log, finetune_dir: Path, base_model_dir: str, example: pd.DataFrame, tokenizer=None,
+              config=None) -> None:
     """The task model as an MLflow pyfunc (texts in, labels out) under the run's `model` path,
     logged from code (tasks/registry/pyfunc.py with model_config crucible_model=TextClassifier): no pickle
     is written, and loading it unpickles nothing."""
@@ -238,5 +249,6 @@ def log_model(log, finetune_dir: Path, base_model_dir: str, example: pd.DataFram
     from tasks.registry.pyfunc import save_text_classifier
 
     with tempfile.TemporaryDirectory() as tmp:
-        save_text_classifier(Path(tmp) / "model", finetune_dir, base_model_dir, example.head(3))
+        save_text_classifier(Path(tmp) / "model", finetune_dir, base_model_dir, example.head(3),
+                             tokenizer=tokenizer, config=config)
         log.log_artifacts(Path(tmp) / "model", "model")

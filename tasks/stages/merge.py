@@ -5,7 +5,9 @@ crucible.merge), every method of `merge.methods` on the same arrival sequence.
 
 Reads, per task in `merge.order` (default: the order of pipeline.tasks), the finetune stage's
 data/<task>/finetune/{model,head}.safetensors and config.json, and data/<task>/test.parquet; the
-base encoder is `embed.model` (every task model must have been fine-tuned from it).
+base model is `model.name`; every task model must have been fine-tuned from it, from the same
+content (its config.json's `base_model_hash` equals models/base/manifest.json's hash), or the stage
+stops naming the fine-tune to rebuild.
 
 Per method, in a fresh process (so that its time and peak memory are its own): load theta_0; for
 each arriving task, load theta_t, turn it into its task vector in place, `merger.add` it and drop
@@ -48,7 +50,7 @@ import pandas as pd
 
 from tasks.runtime.declaration import Plot, StageSpec
 from tasks.runtime.io import AtomicOutputs, figure_png
-from tasks.data.models import resolve_model
+from tasks.data.models import MANIFEST, base_model
 from tasks.runtime.params_schema import Params
 from tasks.runtime.scratch import scratch
 from tasks.data.heldout_scoring import FeatureStore, Scorer, read_probe_rows, read_task_model, read_tests
@@ -61,8 +63,8 @@ SPEC = StageSpec(
     name="merge", per_task=False,
     comment="Once over all tasks: the fine-tunes merged in arrival order by every method. It depends on "
             "`data` (every task's fine-tune and splits), so it needs no edit when pipeline.tasks changes.",
-    deps=("data",),
-    params=("pipeline.tasks", "embed.model", "merge", "evaluate.probe_rows", "evaluate.probe_limit"),
+    deps=(str(MANIFEST), "data"),
+    params=("pipeline.tasks", "model", "merge", "evaluate.probe_rows", "evaluate.probe_limit"),
     outs=tuple(str(OUT / n) for n in ("model.safetensors", "heads.safetensors", "config.json",
                                       "features.safetensors")),
     metrics=(str(OUT / "merge.json"),),
@@ -279,11 +281,15 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     cfg = params.merge
     root = Path(root)
     order = params.merge_order()
-    specs = [read_task_model(root, t, params.embed.model) for t in order]
+    base = base_model(params, root)
+    specs = [read_task_model(root, t, base.name, base.hash) for t in order]
     tests = read_tests(root, params, cfg.eval_limit)
-    model_path = resolve_model(params.embed.model)
-    scorer = Scorer(model_path, specs, tests, cfg.eval_batch_size,
+    scorer = Scorer(base, specs, tests, cfg.eval_batch_size,
                     probes=read_probe_rows(root, params) if cfg.evaluate else None)
+    other = [s["task"] for s in specs if s["pooling"] != scorer.pooling]
+    if other:
+        raise ValueError(f"data/{other[0]}/finetune/config.json: pooled {specs[order.index(other[0])]['pooling']!r}, "
+                         f"but model.pooling now resolves to {scorer.pooling!r}; rerun finetune@{other[0]}")
     store = FeatureStore(scorer)
     threads = torch.get_num_threads()
 
@@ -308,7 +314,8 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
                                        f"{cfg.main} after the last arrival", scorer.theta_0)
 
     heads = {f"{s['task']}.{k}": v.contiguous() for s in specs for k, v in s["head"].items()}
-    config = {"order": order, "main": cfg.main, "methods": cfg.methods, "base_model": params.embed.model,
+    config = {"order": order, "main": cfg.main, "methods": cfg.methods, "base_model": base.name,
+              "base_model_hash": base.hash, "pooling": scorer.pooling, "dtype": base.dtype,
               "classes": {s["task"]: s["classes"] for s in specs},
               "max_length": {s["task"]: s["max_length"] for s in specs}}
     main = summary[cfg.main]
@@ -321,7 +328,7 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     metrics = _json_safe(metrics)
     out = root / OUT
     with AtomicOutputs() as atomic:
-        atomic.bytes(safetensors_bytes(main_state, {"format": "pt", "base_model": params.embed.model,
+        atomic.bytes(safetensors_bytes(main_state, {"format": "pt", "base_model": base.name,
                                                 "method": cfg.main, "order": json.dumps(order)}),
                      out / "model.safetensors")
         atomic.bytes(safetensors_bytes(heads, {"classes": json.dumps(config["classes"])}), out / "heads.safetensors")

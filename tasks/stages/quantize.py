@@ -13,7 +13,8 @@ first `quantize.calibration_per_task` rows per task) and data/<task>/test.parque
    cross-entropy (its head, its reference labels) with respect to each layer's output.
 2. Per layer: W -> MXFP4 (`quantize.mode`), E = W - dequant(Q(W)), one SVD of E diag(s)
    (`quantize.scaling`), computed once for the spectra and every adapter.
-3. Ranks: `quantize.rank_budget` units over all matrices, uniform and load-aware; the model written
+3. Ranks: round(`quantize.rank_per_matrix` x the number of matrices) units over all matrices
+   (MiniLM: 8 x 36 = 288), uniform and load-aware; the model written
    is the `quantize.allocation` one.
 4. Scored on each task's test split (first `eval_limit`) with its own head: float, MXFP4 alone,
    MXFP4 + uniform ranks, MXFP4 + load-aware ranks.
@@ -38,6 +39,7 @@ Outputs (all published together) under models/quantize/:
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import re
 from pathlib import Path
@@ -47,7 +49,7 @@ import pandas as pd
 
 from tasks.runtime.declaration import Plot, StageSpec
 from tasks.runtime.io import AtomicOutputs, figure_png, read_table
-from tasks.data.models import resolve_model
+from tasks.data.models import MANIFEST, base_model, resolve_model
 from tasks.runtime.params_schema import Params
 
 OUT = Path("models") / "quantize"
@@ -59,8 +61,8 @@ SPEC = StageSpec(
     name="quantize", per_task=False,
     comment="Once: the merged encoder in MXFP4 with low-rank compensation; calibration texts from the "
             "tasks' reference sets, scoring on their test splits.",
-    deps=(*(str(MERGE / n) for n in ("model.safetensors", "heads.safetensors", "config.json")), "data"),
-    params=("pipeline.tasks", "embed.model", "merge.order", "quantize", "evaluate.probe_rows",
+    deps=(str(MANIFEST), *(str(MERGE / n) for n in ("model.safetensors", "heads.safetensors", "config.json")), "data"),
+    params=("pipeline.tasks", "model", "merge.order", "quantize", "evaluate.probe_rows",
             "evaluate.probe_limit"),
     outs=tuple(str(OUT / n) for n in ("model.safetensors", "heads.safetensors", "config.json",
                                       "features.safetensors")),
@@ -78,7 +80,7 @@ def _rebuild_hint() -> str:
     return "rebuild it with `crucible stage merge` (or `dvc repro merge`)"
 
 
-def read_merged(root: Path, base_model: str) -> dict:
+def read_merged(root: Path, base_model: str, base_hash: str | None = None) -> dict:
     """The merge stage's outputs: encoder state, heads, classes, max_length; each error names the
     file (and the tensor) and how to rebuild it."""
     from tasks.runtime.io import read_safetensors
@@ -93,10 +95,13 @@ def read_merged(root: Path, base_model: str) -> dict:
     except json.JSONDecodeError as exc:
         raise ValueError(f"{paths['config.json']}: not valid JSON ({exc}); {_rebuild_hint()}") from None
     if config.get("base_model") != base_model:
-        raise ValueError(f"{paths['config.json']}: field 'base_model' = {config.get('base_model')!r}, but embed.model "
+        raise ValueError(f"{paths['config.json']}: field 'base_model' = {config.get('base_model')!r}, but model.name "
                          f"is {base_model!r}; {_rebuild_hint()}")
+    if base_hash is not None and config.get("base_model_hash") != base_hash:
+        raise ValueError(f"{paths['config.json']}: field 'base_model_hash' = {config.get('base_model_hash')!r}, but the "
+                         f"base model now hashes to {base_hash!r} (models/base/manifest.json); {_rebuild_hint()}")
     classes, max_length = config.get("classes") or {}, config.get("max_length") or {}
-    # the encoder's names and shapes are checked against embed.model's architecture when it loads
+    # the encoder's names and shapes are checked against model.name's architecture when it loads
     state, _ = read_safetensors(paths["model.safetensors"], "merged encoder", _rebuild_hint())
     tensors, _ = read_safetensors(paths["heads.safetensors"], "task heads", _rebuild_hint(),
                                   shapes={f"{t}.{k}": shape for t, cls in classes.items()
@@ -164,10 +169,10 @@ def calibrate(scorer, linears: dict, batches: list[tuple], sensitivity: bool) ->
     if not sensitivity:
         return stats, None
 
-    from crucible.embed import mean_pool
+    from crucible.models import encode
 
     def loss(m, b):
-        pooled = mean_pool(m(input_ids=b[0], attention_mask=b[1]).last_hidden_state, b[1])
+        pooled = encode(m, b[0], b[1], scorer.pooling).float()
         return torch.nn.functional.cross_entropy(scorer.head_logits(b[2], pooled), b[3])
 
     return stats, collect_output_sensitivity(encoder, linears, batches, loss, masks=lambda b: b[1])
@@ -191,7 +196,10 @@ def _run(params: Params, root: Path, log) -> dict:
 
     cfg = params.quantize
     root = Path(root)
-    merged = read_merged(root, params.embed.model)
+    from crucible.models import resolve_embeddings, resolve_modules
+
+    base = base_model(params, root)
+    merged = read_merged(root, base.name, base.hash)
     order = params.merge_order()
     missing = [t for t in order if t not in merged["classes"]]
     if missing:
@@ -200,51 +208,58 @@ def _run(params: Params, root: Path, log) -> dict:
     specs = [{"task": t, "head": merged["heads"][t], "classes": merged["classes"][t],
               "max_length": int(merged["max_length"].get(t, 64))} for t in order]
     tests = read_tests(root, params, cfg.eval_limit)
-    scorer = Scorer(resolve_model(params.embed.model), specs, tests, cfg.eval_batch_size,
-                    probes=read_probe_rows(root, params))
+    # no copy of the base weights kept (keep_theta_0=False): the merged weights replace them in place
+    scorer = Scorer(base, specs, tests, cfg.eval_batch_size, probes=read_probe_rows(root, params), keep_theta_0=False)
     store = FeatureStore(scorer)
     try:
         scorer.load(merged["state"])
     except RuntimeError as exc:
-        raise ValueError(f"{merged['paths']['model.safetensors']}: does not fit the architecture of embed.model "
-                         f"{params.embed.model!r}: {str(exc)[:400]}; {_rebuild_hint()}") from None
+        raise ValueError(f"{merged['paths']['model.safetensors']}: does not fit the architecture of model.name "
+                         f"{base.name!r}: {str(exc)[:400]}; {_rebuild_hint()}") from None
+    del merged["state"]  # loaded into the scorer's encoder: no second copy
     float_encoder = scorer.encoder
     try:
-        linears = select_linears(float_encoder, cfg.modules)
+        modules = resolve_modules(float_encoder, cfg.modules)
+        linears = select_linears(float_encoder, modules)
     except ValueError as exc:
         raise ValueError(f"quantize.modules: {exc}") from None
 
+    embeddings = None
     if cfg.embeddings:
         try:
-            select_modules(float_encoder, cfg.embeddings, torch.nn.Embedding, "embedding")
+            embeddings = resolve_embeddings(float_encoder, cfg.embeddings)
+            select_modules(float_encoder, embeddings, torch.nn.Embedding, "embedding")
         except ValueError as exc:
             raise ValueError(f"quantize.embeddings: {exc}") from None
+    rank_budget = params.rank_budget(len(linears))
     total_rank = sum(min(m.weight.shape) for m in linears.values())
-    if cfg.rank_budget > total_rank:
-        raise ValueError(f"quantize.rank_budget = {cfg.rank_budget} exceeds the total rank {total_rank} of the "
-                         f"{len(linears)} matrices that quantize.modules selects (sum of min(out, in))")
+    if rank_budget > total_rank:
+        raise ValueError(f"quantize.rank_per_matrix = {cfg.rank_per_matrix:g} gives a budget of {rank_budget}, over the "
+                         f"total rank {total_rank} of the {len(linears)} matrices that quantize.modules selects")
     batches = calibration_batches(root, params, scorer.tokenizer, merged["classes"], merged["max_length"])
     stats, sensitivity = calibrate(scorer, linears, batches, cfg.load == "sensitivity")
     bar = tqdm(total=len(linears), desc="quantize: error SVDs")
     plan = CompensationPlan.build(linears, stats, cfg.mode, cfg.scaling, cfg.load, progress=lambda _: bar.update(),
                                   sensitivity=sensitivity)
     bar.close()
-    ranks = {a: plan.ranks(cfg.rank_budget, a) for a in ("uniform", "load_aware")}
+    ranks = {a: plan.ranks(rank_budget, a) for a in ("uniform", "load_aware")}
     zero = {n: 0 for n in linears}
 
     def quantized(r: dict) -> torch.nn.Module:
         enc = copy.deepcopy(float_encoder)
-        quantize_model(enc, cfg.modules, cfg.mode, plan.adapters(r), cfg.adapter_dtype)
+        quantize_model(enc, modules, cfg.mode, plan.adapters(r), cfg.adapter_dtype)
         cache_dequantized(enc)  # scoring: dequantize each matrix once, not once per batch
-        if cfg.embeddings:
+        if embeddings:
             try:
-                quantize_embeddings(enc, cfg.embeddings, cfg.mode)
+                quantize_embeddings(enc, embeddings, cfg.mode)
             except ValueError as exc:
                 raise ValueError(f"quantize.embeddings: {exc}") from None
         return enc
 
+    # one quantized copy at a time beside the float encoder: each variant is built, scored and
+    # dropped; the main one is serialised before it goes
     accuracy: dict[str, dict[str, float]] = {}
-    models = {}
+    chosen = ranks[cfg.allocation]
     for variant, r in tqdm([("float", None), ("mxfp4", zero), ("mxfp4_uniform", ranks["uniform"]),
                             ("mxfp4_load_aware", ranks["load_aware"])], desc="quantize: scoring"):
         enc = float_encoder if r is None else quantized(r)
@@ -253,18 +268,20 @@ def _run(params: Params, root: Path, log) -> dict:
             accuracy[variant] = {t: scorer.accuracy(t) for t in order}
         else:
             accuracy[variant] = store.add(f"quantize:{variant}", "quantize", variant, -1, order)
-        models[variant] = enc
-    main = models[f"mxfp4_{cfg.allocation}"]
-    chosen = ranks[cfg.allocation]
+        if variant == f"mxfp4_{cfg.allocation}":
+            layer_bytes = [m.nbytes() for m in mx_layers(enc).values()]
+            emb_bytes = sum(m.nbytes() for m in enc.modules() if isinstance(m, MXEmbedding))
+            data = save_quantized(enc, metadata={"base_model": base.name, "method": "mxfp4",
+                                                 "order": json.dumps(order)})
+        scorer.use_encoder(float_encoder)
+        if r is not None:
+            del enc
+            gc.collect()
 
     itemsize = torch.empty((), dtype=getattr(torch, cfg.adapter_dtype)).element_size()
     n_weights = sum(m.weight.numel() for m in linears.values())
-    layer_bytes = [m.nbytes() for m in mx_layers(main).values()]
     mx_bytes = sum(b["packed"] + b["scales"] for b in layer_bytes)
     adapter_bytes = sum(b["adapter"] for b in layer_bytes)
-    emb_bytes = sum(m.nbytes() for m in main.modules() if isinstance(m, MXEmbedding))
-    data = save_quantized(main, metadata={"base_model": params.embed.model, "method": "mxfp4",
-                                          "order": json.dumps(order)})
     float_bytes = merged["paths"]["model.safetensors"].stat().st_size
 
     mean = {v: float(np.mean(list(a.values()))) for v, a in accuracy.items()}
@@ -272,7 +289,7 @@ def _run(params: Params, root: Path, log) -> dict:
     err0 = plan.weighted_error(zero)
     metrics = {
         "mode": cfg.mode, "scaling": cfg.scaling, "allocation": cfg.allocation, "load": cfg.load,
-        "matrices": len(linears), "quantized_weights": n_weights, "rank_budget": cfg.rank_budget,
+        "matrices": len(linears), "quantized_weights": n_weights, "rank_budget": rank_budget,
         "total_rank": plan.total_rank,
         "bits_per_weight": 8 * mx_bytes / n_weights,
         "bits_per_weight_all_in": 8 * (mx_bytes + adapter_bytes) / n_weights,
@@ -298,9 +315,10 @@ def _run(params: Params, root: Path, log) -> dict:
                  for n, l in plan.layers.items()]
     rank_rows = _rounded(rank_rows)
     acc_rows = [{"variant": v, "task": t, "accuracy": a} for v, accs in accuracy.items() for t, a in accs.items()]
-    config = {"base_model": params.embed.model, "order": order, "modules": cfg.modules, "embeddings": cfg.embeddings,
-              "mode": cfg.mode,
-              "scaling": cfg.scaling, "allocation": cfg.allocation, "load": cfg.load, "rank_budget": cfg.rank_budget,
+    config = {"base_model": base.name, "base_model_hash": base.hash, "pooling": scorer.pooling, "dtype": base.dtype,
+              "order": order, "modules": modules, "embeddings": embeddings, "mode": cfg.mode,
+              "scaling": cfg.scaling, "allocation": cfg.allocation, "load": cfg.load, "rank_budget": rank_budget,
+              "rank_per_matrix": cfg.rank_per_matrix,
               "adapter_dtype": cfg.adapter_dtype, "ranks": chosen, "classes": merged["classes"],
               "max_length": merged["max_length"], "merged_from": merged["config"].get("main")}
     out = root / OUT

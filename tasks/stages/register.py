@@ -17,8 +17,9 @@ test accuracy per task of both models) and dvc.lock (lineage).
    out; weights, heads, tokenizer, crucible's code and pinned requirements inside) is logged as an
    MLflow model of this stage's run and registered as a new version.
 3. The gate: the version gets the alias `champion` when no task's test accuracy is below its floor
-   (`register.floors`, else `register.floor`) and its mean test accuracy is at least the current
-   champion's minus `register.tolerance`; the first version needs only the floors. Otherwise it
+   (`register.floors`, else `register.floor`, else derived from the data: the better of chance and
+   the base model, plus `register.floor_margin`; floor_basis) and its mean test accuracy is at
+   least the current champion's minus `register.tolerance`; the first version needs only the floors. Otherwise it
    gets the alias `challenger`, the tag `crucible.gate.reason` says why, and the stage succeeds.
    Aliases only: registry stages are deprecated in MLflow 3.
 4. Tags on the version: model hash, kind, variant, sizes, the gate's decision and reason, the
@@ -37,6 +38,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tasks.data.models import MANIFEST
 from tasks.runtime.declaration import StageSpec
 from tasks.runtime import lineage
 from tasks.runtime.io import AtomicOutputs, md5_file
@@ -55,8 +57,8 @@ SPEC = StageSpec(
     comment="Once: the deployable model (register.model) with every task's head as one MLflow pyfunc in "
             "the registry; the alias `champion` moves only through the gate. Not cached: the registry "
             "holds the model; a forced rerun of the same model registers nothing.",
-    deps=(*(str(SOURCES[k] / n) for k in ("quantized", "float") for n in MODEL_FILES), str(EVALUATE)),
-    params=("tracking.registered_model", "embed.model", "register"),
+    deps=(str(MANIFEST), *(str(SOURCES[k] / n) for k in ("quantized", "float") for n in MODEL_FILES), str(EVALUATE)),
+    params=("tracking.registered_model", "model", "register"),
     metrics=(str(OUT / "registered.json"),),
 )
 
@@ -94,13 +96,70 @@ def read_deployable(root: Path, kind: str, tasks: list[str]) -> dict:
             "n_test": {t: int(v) for t, v in (entry.get("n_test") or {}).items()}}
 
 
-def floors_for(params: Params, tasks: list[str]) -> dict[str, float]:
+def floors_for(params: Params, tasks: list[str], classes: dict[str, list] | None = None,
+               baselines: dict | None = None) -> dict[str, float]:
+    """Each task's floor (floor_basis says where each comes from)."""
+    return floor_basis(params, tasks, classes, baselines)[0]
+
+
+def floor_basis(params: Params, tasks: list[str], classes: dict[str, list] | None = None,
+                baselines: dict | None = None) -> tuple[dict[str, float], dict[str, str]]:
+    """({task: floor}, {task: where it comes from}). A task's floor is `register.floors[task]`, else
+    `register.floor`, else (floor: null) derived from the data: the better of chance and the base
+    model, plus `register.floor_margin`. Chance is the majority class's share of the test rows the
+    accuracy was measured on (evaluate.json's `baselines.chance`; never below 1/n_classes, and
+    1/n_classes alone when evaluate did not record it); the base model is the base encoder with the
+    task's head (`baselines.base`), when recorded. So a model no better than guessing the majority
+    class, or than the encoder it started from, never becomes the champion by default."""
     cfg = params.register
     unknown = sorted(set(cfg.floors) - set(tasks))
     if unknown:
         raise ValueError(f"register.floors names tasks {unknown} that the model has no head for "
                          f"(its tasks: {', '.join(tasks)})")
-    return {t: float(cfg.floors.get(t, cfg.floor)) for t in tasks}
+    classes, baselines = classes or {}, baselines or {}
+    floors, basis = {}, {}
+    for t in tasks:
+        if t in cfg.floors:
+            floors[t], basis[t] = float(cfg.floors[t]), "register.floors"
+            continue
+        if cfg.floor is not None:
+            floors[t], basis[t] = float(cfg.floor), "register.floor"
+            continue
+        n = len(classes.get(t) or ()) or None
+        uniform = 1.0 / n if n else 0.0
+        chance = (baselines.get("chance") or {}).get(t)
+        if chance is None:
+            chance, what = uniform, f"chance 1/{n} classes = {uniform:.4f}" if n else "chance unknown"
+        else:
+            chance = max(float(chance), uniform)
+            what = f"chance {chance:.4f} (the majority class's share of its test rows)"
+        base = (baselines.get("base") or {}).get(t)
+        parts = [what] + ([f"the base model {float(base):.4f}"] if base is not None else [])
+        best = max(chance, float(base) if base is not None else 0.0)
+        floors[t] = round(min(1.0, best + cfg.floor_margin), 6)
+        basis[t] = (f"{'the better of ' + ' and '.join(parts) if len(parts) > 1 else parts[0]}, "
+                    f"+ register.floor_margin {cfg.floor_margin:g}")
+    return floors, basis
+
+
+def lost_registry(root: Path, name: str, known: list) -> str | None:
+    """What was lost when the registry holds no version of `name` but this workspace's
+    registered.json says it registered one before (the tracking store was deleted or replaced);
+    None otherwise."""
+    path = Path(root) / OUT / "registered.json"
+    if known or not path.is_file():
+        return None
+    try:
+        before = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(before, dict) or before.get("name") != name or before.get("version") is None:
+        return None
+    aliases = f" ({', '.join(before.get('aliases') or [])})" if before.get("aliases") else ""
+    return (f"the registry holds no version of {name!r}, but {path} records version {before['version']}{aliases}, "
+            f"model hash {before.get('model_hash', '?')}: the tracking store was deleted or replaced, and the "
+            f"versions, aliases and gate history it held are lost; numbering starts again at 1 and the gate has no "
+            f"champion to compare with")
 
 
 def example_rows(root: Path, tasks: list[str]) -> "pd.DataFrame":
@@ -150,7 +209,7 @@ def _metric_tags(deployable: dict, evaluate: dict) -> dict:
 
 
 def run(params: Params, task: str | None, root: Path, log) -> dict:
-    from tasks.data.models import resolve_model
+    from tasks.data.models import base_model
     from tasks.registry.pyfunc import save_multitask_model
     from tasks.runtime.tracking import git_commit
 
@@ -164,13 +223,18 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
             stage = "quantize" if kind == "quantized" else "merge"
             raise FileNotFoundError(f"{source / n}: missing; register.model = {kind!r} registers the {stage} stage's "
                                     f"model: run `crucible stage {stage}` (or `dvc repro {stage}`)")
-    config = json.loads((source / "config.json").read_text())
+    stage = "quantize" if kind == "quantized" else "merge"
+    try:
+        config = json.loads((source / "config.json").read_text())
+    except ValueError as exc:
+        raise ValueError(f"{source / 'config.json'}: not valid JSON ({exc}); rebuild it with `crucible stage {stage}` "
+                         f"(or `dvc repro {stage}`)") from None
     tasks = [t for t in (config.get("order") or config.get("classes") or {}) if t in (config.get("classes") or {})]
     if not tasks:
         raise ValueError(f"{source / 'config.json'}: no 'classes' per task; rebuild it")
-    floors = floors_for(params, tasks)
     deployable = read_deployable(root, kind, tasks)
     evaluate = json.loads((root / EVALUATE).read_text())
+    floors, basis = floor_basis(params, tasks, config.get("classes"), evaluate.get("baselines"))
     h = model_hash(root, kind)
     served = _size([source / "model.safetensors", source / "heads.safetensors"])
     float_size = _size([root / SOURCES["float"] / "model.safetensors", root / SOURCES["float"] / "heads.safetensors"])
@@ -179,7 +243,11 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
 
     with _WRITE_LOCK:
         ensure_registered_model(client, name)
-    same = [v for v in versions(client, name) if v.tags.get(HASH_TAG) == h]
+    known = versions(client, name)
+    lost = lost_registry(root, name, known)
+    if lost:
+        print(f"register: warning: {lost}", file=sys.stderr)
+    same = [v for v in known if v.tags.get(HASH_TAG) == h]
     if same:
         mv = same[-1]
         new = False
@@ -188,7 +256,7 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     else:
         new = True
         commit = git_commit(root)
-        base_dir = resolve_model(config.get("base_model") or params.embed.model)
+        base_dir = base_model(params, root).path
         example = example_rows(root, tasks)
         extra = {"batch_size": cfg.batch_size, "variant": deployable["variant"], "model_hash": h}
         with tempfile.TemporaryDirectory() as tmp:
@@ -207,11 +275,14 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
                                                          f"{', '.join(tasks)}, mean test accuracy "
                                                          f"{deployable['mean_accuracy']:.4f}")
         note = f"registered version {mv.version} of {name!r} (model hash {h})"
-    record = apply_gate(client, name, mv, deployable["accuracy"], deployable["mean_accuracy"], floors, cfg.tolerance)
+    if lost:
+        note += f"; warning: {lost}"
+    record = apply_gate(client, name, mv, deployable["accuracy"], deployable["mean_accuracy"], floors, cfg.tolerance,
+                        basis)
     aliases = sorted(client.get_model_version(name, mv.version).aliases)
     result = {"name": name, "version": mv.version, "new_version": new, "aliases": aliases, "model_hash": h,
               "model": kind, "variant": deployable["variant"], "model_uri": f"models:/{name}/{mv.version}",
-              "run_id": mv.run_id, "note": note, "gate": record, "accuracy": deployable["accuracy"],
+              "run_id": mv.run_id, "note": note, "lost_registry": lost, "gate": record, "accuracy": deployable["accuracy"],
               "mean_accuracy": deployable["mean_accuracy"], "n_test": deployable["n_test"],
               "size_bytes": {"served": served, "float": float_size, "pyfunc": pyfunc_bytes},
               "size_mb": {"served": served / 2**20, "float": float_size / 2**20, "pyfunc": pyfunc_bytes / 2**20},

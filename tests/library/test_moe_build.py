@@ -319,3 +319,14 @@ def test_smollm2_gguf_loads_and_its_first_layers_moefy():
     assert moe.config.rope_parameters == cfg.rope_parameters and moe.config.rms_norm_eps == cfg.rms_norm_eps
     with all_experts_unit_weight(moe):
         assert torch.allclose(logits(moe, ids[:, :32]), logits(dense, ids[:, :32]), atol=1e-4, rtol=0)
+
+
+def test_a_gated_decoder_other_than_llama_is_refused_saying_why():
+    """The MoE branch splits Llama-architecture models only; a Qwen2 (biased q/k/v) is refused with
+    the reason and what is accepted."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    dense = Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=64))
+    with pytest.raises(ValueError, match=r"model_type='qwen2'.*biases.*accepts Llama-architecture"):
+        moefy(dense, calib_ids(seed=0), n_experts=4, top_k=2)

@@ -282,3 +282,36 @@ def test_cached_dense_weight_gives_the_same_outputs_and_follows_the_buffers():
     assert torch.equal(model(x), other(x))  # the cache followed the new codes
     cache_dequantized(model, False)
     assert layer._dense_cache is None and torch.equal(model(x), other(x))
+
+
+def test_the_cache_holds_bfloat16_and_is_exact_for_every_mxfp4_value():
+    """The CPU cache keeps 2 bytes per weight (bfloat16) and loses nothing: every MXFP4 value (an
+    E2M1 number times a power of two, from the smallest scale 2^-127 to the largest) is a bfloat16,
+    so the float32 weight rebuilt from the cache equals the dequantized one bit for bit."""
+    from crucible.quant import cache_dequantized, mxfp4
+
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(64, 16)
+    with torch.no_grad():  # rows spanning the whole exponent range, including subnormal results
+        for i, e in enumerate((-140, -127, -126, -100, -20, 0, 20, 100, 126)):
+            lin.weight[i] = torch.randn(64) * 2.0 ** e
+    model = torch.nn.Sequential(lin)
+    quantize_model(model, r"^0$")
+    layer = model[0]
+    exact = layer.weight_dequantized(torch.float32)
+    x = torch.randn(3, 64)
+    plain = model(x)
+    cache_dequantized(model)
+    assert torch.equal(model(x), plain)
+    cached = layer._dense_cache[1]
+    assert cached.dtype == torch.bfloat16 and cached.element_size() == 2
+    assert torch.equal(cached.float(), exact)
+    q = mxfp4.quantize(torch.randn(8, 64) * 1e-38)  # every code at the smallest scales
+    assert torch.equal(mxfp4.dequantize(q).to(torch.bfloat16).float(), mxfp4.dequantize(q))
+    with torch.inference_mode():  # through the per-thread scratch buffer: the same outputs
+        assert torch.equal(model(x), plain)
+    xg = x.clone().requires_grad_(True)  # with autograd on, the weight is a copy of its own
+    model(xg).sum().backward()
+    assert torch.allclose(xg.grad, exact.sum(0).expand_as(xg))
+    cache_dequantized(model, dtype=torch.float32)  # still available: 4 bytes per weight
+    assert torch.equal(model(x), plain) and layer._dense_cache[1].dtype == torch.float32

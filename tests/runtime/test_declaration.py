@@ -61,12 +61,13 @@ def test_the_dag_follows_each_task():
     """A per-task run waits for its own task's upstream only; the MoE branch waits for nothing of
     the classifier chain; merge waits for every fine-tune."""
     edges = upstream(specs(), TASKS)
-    assert edges["embed@bbc"] == {"ingest@bbc"}
-    assert edges["finetune@rotten"] == {"ingest@rotten", "pseudolabel@rotten"}
+    assert edges["embed@bbc"] == {"ingest@bbc", "model"}  # the base model's manifest
+    assert edges["finetune@rotten"] == {"ingest@rotten", "pseudolabel@rotten", "model"}
+    assert edges["model"] == set()
     assert edges["moe_build"] == set() and edges["moe_quantize"] == {"moe_build"}
     assert {f"finetune@{t}" for t in TASKS} <= edges["merge"]
     assert "moe_quantize" in edges["evaluate"] and {"evaluate", "quantize", "merge"} <= edges["register"]
-    assert len(instances(specs(), TASKS)) == 5 * len(TASKS) + 6
+    assert len(instances(specs(), TASKS)) == 5 * len(TASKS) + 7
 
 
 def test_the_cores_a_run_gets_follow_from_the_dag_alone():

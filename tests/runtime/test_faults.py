@@ -153,3 +153,61 @@ def test_a_killed_stage_leaves_no_running_run_and_no_temporary_files(tiny_projec
     assert not list((root / "data").rglob(".*.tmp")) or sig == signal.SIGKILL
     sweep(root, ["data/bbc"])
     assert not list((root / "data").rglob(".*.tmp"))
+
+
+def test_a_logged_model_whose_run_died_is_removed_at_the_next_start(tmp_path, sleeper):
+    """A register killed after logging its model (READY, files written) but before registering it
+    leaves a logged model nothing uses: the next stage start marks its run FAILED, then tags the
+    model (crucible.failure), marks it FAILED, deletes it and its files. A model a version uses, or
+    one of a live run, is kept."""
+    from mlflow.entities import LoggedModelStatus
+    from mlflow.tracking import MlflowClient
+
+    from tasks.runtime.tracking import stage_run, tracking_uri
+
+    exp_name = "crucible"
+    with stage_run(tmp_path, exp_name, "ingest", "bbc"):
+        pass  # creates the experiment in the workspace
+    client = MlflowClient(tracking_uri=tracking_uri(tmp_path), registry_uri=tracking_uri(tmp_path))
+    exp = client.get_experiment_by_name(exp_name).experiment_id
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "model.bin").write_bytes(b"weights")
+
+    def logged(owner: str, register: bool = False):
+        run = client.create_run(exp, tags={"crucible.owner": owner}, run_name="register").info.run_id
+        model = client.create_logged_model(experiment_id=exp, name="model", source_run_id=run)
+        client.log_model_artifacts(model.model_id, str(src))
+        client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
+        if register:
+            client.create_registered_model("m") if not client.search_registered_models() else None
+            client.create_model_version("m", source=model.artifact_location, run_id=run, model_id=model.model_id)
+        return run, model
+
+    dead = f"{dead_pid()}@{host()}"
+    run, orphan = logged(dead)
+    folder = Path(orphan.artifact_location.removeprefix("file://")).parent
+    assert (folder / "artifacts" / "model.bin").is_file()
+    kept_run, kept = logged(dead, register=True)  # registered, then killed: the version needs it
+    _, live = logged(f"{sleeper}@{host()}")  # still being logged by a live process
+    with stage_run(tmp_path, exp_name, "register"):  # the next start
+        pass
+    assert client.get_run(run).info.status == "FAILED"
+    from mlflow.exceptions import MlflowException
+
+    with pytest.raises(MlflowException, match="not found"):  # deleted from the store ...
+        client.get_logged_model(orphan.model_id)
+    assert orphan.model_id not in [m.model_id for m in client.search_logged_models([exp])]
+    assert not folder.exists()  # ... with its files
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "mlflow.db") as con:  # and the store's row says why
+        status, stage = con.execute("SELECT status, lifecycle_stage FROM logged_models WHERE model_id = ?",
+                                    (orphan.model_id,)).fetchone()
+        why = con.execute("SELECT tag_value FROM logged_model_tags WHERE model_id = ? AND tag_key = "
+                          "'crucible.failure'", (orphan.model_id,)).fetchone()[0]
+    assert status == LoggedModelStatus.FAILED.to_int() and stage == "deleted"
+    assert why.startswith(f"orphaned: its run register ({run}) ended FAILED before the model was registered")
+    assert client.get_logged_model(kept.model_id).status == LoggedModelStatus.READY
+    assert client.get_logged_model(live.model_id).status == LoggedModelStatus.READY
+    assert Path(kept.artifact_location.removeprefix("file://"), "model.bin").is_file()

@@ -142,6 +142,33 @@ def test_crucible_stage_fails_clearly_while_another_run_holds_the_workspace(tmp_
     assert not (root / "data").exists()  # nothing written
 
 
+def test_crucible_run_says_who_holds_the_workspace_and_how_long_it_waits(tmp_path, project_root):
+    """`crucible run` waiting for the lock says so at once on stderr, as `crucible stage` does: the
+    holder (pid, command, since when) and the wait (pipeline.lock_timeout); then fails (exit 3)."""
+    from tasks.runtime.workspace import make_workspace
+
+    root = make_workspace(project_root, tmp_path / "ws", "tiny", overrides={"pipeline": {"lock_timeout": 2}})
+    proc = _hold_in_child(root, "stage")
+    try:
+        out = subprocess.run([str(Path(sys.executable).with_name("crucible")), "run", "--root", str(root)],
+                             capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "PREFECT_HOME": str(root / ".prefect")})
+    finally:
+        _kill(proc)
+    assert out.returncode == 3, out.stderr[-3000:]
+    said = [line for line in out.stderr.splitlines() if line.startswith("crucible: ")]
+    assert said and said[0] == (f"crucible: the workspace is locked by {holder_text(root, proc.pid)}; "
+                                f"waiting up to 2 s"), out.stderr[-3000:]
+    assert "gave up after waiting 2 s (pipeline.lock_timeout)" in out.stderr
+
+
+def holder_text(root: Path, pid: int) -> str:
+    """How the lock describes the child of _hold_in_child that held `root` (its record stays after it died)."""
+    record = json.loads((root / LOCK_FILE).read_text())
+    assert record["pid"] == pid
+    return f"pid {pid} on {record['host']} (stage: {record['command']}), since {record['since']}"
+
+
 def test_flock_is_per_open_file_so_threads_of_one_process_exclude_each_other(tmp_path):
     # the flow holds the lock in one thread while its stages check it from others: a second
     # descriptor in the same process must see the lock as held

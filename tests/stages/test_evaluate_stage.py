@@ -3,6 +3,7 @@ metrics against a hand computation from the per-variant scores, the interfaces' 
 stage, the deployable entry, the report and plot data, and bad input that writes nothing."""
 
 import json
+import os
 
 import numpy as np
 import pandas as pd
@@ -122,6 +123,10 @@ def test_metrics_follow_from_the_per_variant_scores(project):
     assert dep["float"]["mean_accuracy"] == pytest.approx(np.mean([variants["gs3r@1"][t]["head"] for t in ORDER]))
     assert dep["float"]["n_test"] == {"rotten": 24, "bbc": 24} and metrics["n_probe"] == {"rotten": 30, "bbc": 30}
     assert result.metrics["deployable.quantized.mean_accuracy"] == dep["quantized"]["mean_accuracy"]
+    # what the register gate's derived floors start from: the majority class's share of the scored
+    # test rows, and the base encoder through each task's head
+    assert metrics["baselines"] == {"chance": {"rotten": 0.5, "bbc": round(8 / 24, 6)},
+                                    "base": {t: variants["base"][t]["head"] for t in ORDER}}
     # plot data and report
     summary = pd.read_csv(project / "reports" / "plots" / "summary.csv")
     assert set(summary["method"]) == {"gs3r", "weight_average", "latest_finetune", "base", "gs3r+mxfp4",
@@ -192,3 +197,66 @@ def test_merge_features_without_merged_models_say_to_turn_merge_evaluate_on(proj
     write_features(project, merged=False)
     with pytest.raises(ValueError, match=r"no merged variants because merge.evaluate is off"):
         execute("evaluate", None, project)
+
+
+def _edit_features(root, folder, change):
+    """Rewrite models/<folder>/features.safetensors after `change(tensors, metadata)`."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    path = root / "models" / folder / "features.safetensors"
+    with safe_open(str(path), "pt") as fh:
+        meta = fh.metadata()
+    tensors = load_file(str(path))
+    change(tensors, meta)
+    path.write_bytes(safetensors_bytes(tensors, meta))
+    return path
+
+
+@pytest.mark.parametrize("folder, change, message", [
+    ("quantize", lambda t, m: t.pop("quantize:mxfp4/bbc/test"),
+     r"tensor 'quantize:mxfp4/bbc/test' \(or 'labels/bbc/test'\) of variant 'quantize:mxfp4' is missing"),
+    ("merge", lambda t, m: [t.pop(k) for k in list(t) if k.endswith("/probe")],
+     r"tensor 'labels/rotten/probe' is missing \(evaluate scores every variant on the probe rows"),
+    ("quantize", lambda t, m: t.__setitem__("quantize:mxfp4/bbc/test", torch.zeros(24, 5)),
+     r"tensor 'quantize:mxfp4/bbc/test' has shape \[24, 5\], but the head of task 'bbc' \(.*merge/heads\.safetensors, "
+     r"tensor 'bbc\.weight'\) takes features of width 8"),
+    ("quantize", lambda t, m: t.__setitem__("quantize:mxfp4/bbc/test", torch.zeros(20, D)),
+     r"tensor 'quantize:mxfp4/bbc/test' has shape \[20, 8\], expected \[24, hidden\] \(the rows of 'labels/bbc/test'\)"),
+    ("merge", lambda t, m: t.__setitem__("labels/bbc/test", t["labels/bbc/test"][:20]),
+     r"tensor 'base/bbc/test' has shape \[24, 8\], expected \[20, hidden\] \(the rows of 'labels/bbc/test'\)"),
+    ("merge", lambda t, m: t["labels/bbc/probe"].__setitem__(3, 7),
+     r"tensor 'labels/bbc/probe' holds 1 labels outside the 3 classes of task 'bbc' \(first: 7 at row 3\)"),
+    ("merge", lambda t, m: m.__setitem__("classes", json.dumps({"rotten": CLASSES["rotten"]})),
+     r"metadata 'classes' has no classes for tasks \['bbc'\]"),
+])
+def test_every_bad_feature_file_names_the_file_and_the_tensor(project, folder, change, message):
+    path = _edit_features(project, folder, change)
+    if folder == "merge" and "labels/bbc/probe" in message:  # the quantize stage scored the same rows
+        _edit_features(project, "quantize", change)
+    with pytest.raises(ValueError, match=rf"^{path}: {message}.*rerun it with `crucible stage {folder}`|"
+                                         rf"^{path}: {message}.*run the {folder} stage first"):
+        execute("evaluate", None, project)
+    assert not (project / "metrics").exists()  # nothing written
+
+
+def test_an_unwritable_metrics_folder_is_an_error_line_with_exit_2(project, capsys):
+    """`crucible stage evaluate` cannot write metrics/: the usual `error:` line naming the file and the
+    reason, exit 2, no traceback, nothing published (a file stands where the folder should be, which
+    stops root too; a read-only folder does the same for other users)."""
+    from flows.cli import build_parser
+
+    (project / "metrics").write_text("not a folder\n")
+    args = build_parser().parse_args(["stage", "evaluate", "--root", str(project)])
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert errors[0].startswith(f"error: stage evaluate: {project / 'metrics' / 'evaluate.json'}: cannot write it: "
+                                f"File exists ({project / 'metrics'})"), errors
+    assert not (project / "reports" / "index.html").exists()  # all or nothing
+    if os.geteuid() != 0:  # a folder without write permission (root ignores permissions)
+        (project / "metrics").unlink()
+        (project / "metrics").mkdir(mode=0o555)
+        assert args.func(args) == 2
+        assert "evaluate.json: cannot write it: Permission denied" in capsys.readouterr().err

@@ -14,6 +14,8 @@ from safetensors.torch import load_file, save_file
 from tasks.runtime.io import md5_file
 from tasks.stages import execute
 
+from support.workspaces import minilm_hash
+
 torch.set_num_threads(1)
 TASKS = ("bbc", "rotten", "tweets")
 METHODS = {"gs3r": {"energy": 1.0, "rank_budget": 1.0}, "weight_average": {}, "task_arithmetic": {"lam": 0.5}}
@@ -36,7 +38,7 @@ def fake_finetunes(root, theta_0: dict, seed: int = 0) -> None:
         save_file(theta, str(folder / "model.safetensors"))
         save_file(head, str(folder / "head.safetensors"), metadata={"classes": json.dumps(classes)})
         (folder / "config.json").write_text(json.dumps({"base_model": "all-MiniLM-L6-v2", "classes": classes,
-                                                        "max_length": 32}))
+                                                        "base_model_hash": minilm_hash(), "max_length": 32}))
         rng = np.random.default_rng(k)
         words = ["market", "goal", "chip", "vote", "film", "great", "awful", "team", "price", "phone"]
         test = pd.DataFrame({"id": [f"t{i}" for i in range(24)],
@@ -188,6 +190,24 @@ def test_foreign_base_model_is_refused_and_outputs_stay(merged_project):
     config_path.write_text(json.dumps({**json.loads(original), "base_model": "bert-base-uncased"}))
     try:
         with pytest.raises(ValueError, match=r"bbc/finetune/config.json: field 'base_model' = 'bert-base-uncased'"):
+            execute("merge", None, root)
+    finally:
+        config_path.write_text(original)
+    assert {p.name: md5_file(p) for p in out.iterdir()} == before
+
+
+def test_finetune_of_other_base_weights_is_refused(merged_project):
+    """Same model name, other content (the weights were replaced after the fine-tune): task vectors
+    against another base cannot be merged."""
+    root, _ = merged_project
+    out = root / "models" / "merge"
+    before = {p.name: md5_file(p) for p in out.iterdir()}
+    config_path = root / "data" / "bbc" / "finetune" / "config.json"
+    original = config_path.read_text()
+    config_path.write_text(json.dumps({**json.loads(original), "base_model_hash": "0" * 32}))
+    try:
+        with pytest.raises(ValueError, match=r"bbc/finetune/config.json: field 'base_model_hash' = '0{32}', but the "
+                                             r"base model 'all-MiniLM-L6-v2' now hashes to"):
             execute("merge", None, root)
     finally:
         config_path.write_text(original)

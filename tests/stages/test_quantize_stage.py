@@ -20,7 +20,7 @@ torch.set_num_threads(1)
 def make_project(tmp_path_factory, project_root, base_state, quantize=None):
     from tasks.runtime.workspace import make_workspace
 
-    over = {"quantize": {"calibration_per_task": 8, "rank_budget": 72, **(quantize or {})}}
+    over = {"quantize": {"calibration_per_task": 8, "rank_per_matrix": 2, **(quantize or {})}}  # 36 x 2 = 72
     root = make_workspace(project_root, tmp_path_factory.mktemp("quant"), "tiny", overrides=over)
     # a profile's task mapping merges into the defaults: replace it with the two tasks here
     params = yaml.safe_load((root / "params.yaml").read_text())
@@ -93,7 +93,8 @@ def test_same_inputs_give_the_same_model(quantized_project, tmp_path_factory, pr
 
 
 @pytest.mark.parametrize("setting, message", [
-    ({"rank_budget": 100000}, r"quantize.rank_budget = 100000 exceeds the total rank 13824 of the 36 matrices"),
+    ({"rank_per_matrix": 1000}, r"quantize.rank_per_matrix = 1000 gives a budget of 36000, over the total rank 13824 "
+                                r"of the 36 matrices"),
     ({"modules": r"decoder\."}, r"quantize.modules: module regex 'decoder\\.' matches no nn.Linear"),
     ({"embeddings": "token_embed"}, r"quantize.embeddings: embedding regex 'token_embed' matches no nn.Embedding.*"
                                     r"word_embeddings"),

@@ -133,6 +133,64 @@ def test_floors_for_unknown_task_is_refused(ws):
     assert floors_for(params.model_copy(update={"register": section}), ["rotten", "bbc"]) == {"rotten": 0.3, "bbc": 0.8}
 
 
+def test_default_floors_come_from_chance_and_the_base_model(ws):
+    """floor: null (the default): each task's floor is the better of chance (the majority class's
+    share of its scored test rows, never below 1/n_classes) and the base model, plus floor_margin;
+    register.floors and register.floor override it; the basis is said."""
+    from tasks.runtime.params import load_params
+    from tasks.stages.register import floor_basis
+
+    params = load_params(ws / "params.yaml")
+    assert params.register.floor is None and params.register.floor_margin == 0.02
+    classes = {"rotten": ["fresh", "rotten"], "bbc": ["business", "sport", "tech"]}
+    baselines = {"chance": {"rotten": 0.55, "bbc": 0.4}, "base": {"rotten": 0.6}}
+    floors, basis = floor_basis(params, ["rotten", "bbc"], classes, baselines)
+    assert floors == {"rotten": pytest.approx(0.62), "bbc": pytest.approx(0.42)}
+    assert basis["rotten"] == ("the better of chance 0.5500 (the majority class's share of its test rows) and the "
+                               "base model 0.6000, + register.floor_margin 0.02")
+    assert basis["bbc"] == "chance 0.4000 (the majority class's share of its test rows), + register.floor_margin 0.02"
+    # evaluate recorded no baselines (an older metrics file): chance is 1/n_classes
+    floors, basis = floor_basis(params, ["rotten", "bbc"], classes, None)
+    assert floors == {"rotten": pytest.approx(0.52), "bbc": pytest.approx(1 / 3 + 0.02)}
+    assert basis["bbc"] == "chance 1/3 classes = 0.3333, + register.floor_margin 0.02"
+    section = params.register.model_copy(update={"floor": 0.0, "floors": {"rotten": 0.7}})
+    floors, basis = floor_basis(params.model_copy(update={"register": section}), ["rotten", "bbc"], classes, baselines)
+    assert floors == {"rotten": 0.7, "bbc": 0.0} and basis == {"rotten": "register.floors", "bbc": "register.floor"}
+
+
+def test_a_model_no_better_than_chance_is_a_challenger_with_the_reason(tmp_path_factory):
+    """The tiny profile's 6 fine-tuning steps can leave a task at chance: by default such a model is
+    registered as the challenger, not the champion, and the reason names the task, its accuracy and
+    where its floor came from; a floor set explicitly lets it through (the gate re-applied to the
+    same version)."""
+    root = copy_workspace(base_workspace(tmp_path_factory), tmp_path_factory, "chance")
+    write_evaluate(root, {"rotten": 0.5, "bbc": 0.9},
+                   baselines={"chance": {"rotten": 0.5, "bbc": 0.34}, "base": {"rotten": 0.45, "bbc": 0.5}})
+    execute("register", None, root)
+    got = registered(root)
+    assert got["version"] == 1 and got["aliases"] == ["challenger"] and got["gate"]["decision"] == "challenger"
+    reason = got["gate"]["reason"]
+    assert reason == ("task rotten: accuracy 0.5000 below its floor 0.5200 (the better of chance 0.5000 (the majority "
+                      "class's share of its test rows) and the base model 0.4500, + register.floor_margin 0.02)")
+    assert got["gate"]["floor_basis"]["bbc"].startswith("the better of chance 0.3400")
+    mv = client_of(root).get_model_version("crucible-classifier", "1")
+    assert mv.tags["crucible.gate.reason"] == reason and json.loads(mv.tags["crucible.gate.floors"])["rotten"] == 0.52
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["register"]["floors"] = {"rotten": 0.5}
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    execute("register", None, root)
+    got = registered(root)
+    assert not got["new_version"] and got["aliases"] == ["champion"], got["gate"]
+
+
+def test_a_broken_model_config_names_the_file(tmp_path_factory):
+    root = copy_workspace(base_workspace(tmp_path_factory), tmp_path_factory, "badconfig")
+    (root / "models" / "quantize" / "config.json").write_text('{"classes": ')
+    with pytest.raises(ValueError, match=r"models/quantize/config\.json: not valid JSON .*crucible stage quantize"):
+        execute("register", None, root)
+    assert not (root / "models" / "register" / "registered.json").exists()
+
+
 def test_evaluate_metrics_are_checked(tmp_path):
     from tasks.stages.register import read_deployable
 
@@ -302,3 +360,83 @@ def test_dir_hash_is_dvcs(ws):
     assert dirs
     for path, md5 in dirs.items():
         assert dir_md5(ws / path) == md5, path
+
+
+# ---------------------------------------------------------------------------------------------------
+# a workspace that stands alone, a store that is lost, a register that is killed
+
+
+def test_a_copied_workspace_serves_its_own_files_after_the_original_is_deleted(tmp_path_factory, capsys):
+    """Copy a workspace that registered a champion (as `cp -a` would), delete the original: the copy's
+    store points at its own mlartifacts/, the champion loads and predicts from there, and a run in the
+    copy writes there. Then delete the copy's mlflow.db: the next register warns that version 1
+    (champion) was lost, and says so in registered.json."""
+    import shutil
+
+    from tasks.registry.serving import load_registered
+
+    original = copy_workspace(base_workspace(tmp_path_factory), tmp_path_factory, "original")
+    execute("register", None, original)
+    texts = test_texts(original)
+    expected = load_registered(original, "champion")[0].predict(texts[["text", "task"]])
+    copy = tmp_path_factory.mktemp("moved") / "ws"
+    shutil.copytree(original, copy, symlinks=True)
+    shutil.rmtree(original)
+    capsys.readouterr()
+    model, mv = load_registered(copy, "champion")
+    assert "this workspace was copied or moved from" in capsys.readouterr().err
+    assert mv.source.startswith((copy / "mlartifacts").as_uri() + "/")
+    served = model.predict(texts[["text", "task"]])
+    assert served["label"].tolist() == expected["label"].tolist()
+    assert client_of(copy).get_experiment_by_name("crucible").artifact_location == (copy / "mlartifacts").as_uri()
+
+    (copy / "mlflow.db").unlink()
+    # a fresh process, as in use (this one keeps MLflow's handle on the deleted database)
+    out = subprocess.run([str(Path(sys.executable).with_name("crucible")), "stage", "register", "--root", str(copy)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "registered version 1 of 'crucible-classifier' (aliases: champion) before" in out.stderr  # opening the store
+    assert "register: warning: the registry holds no version of 'crucible-classifier'" in out.stderr
+    got = registered(copy)
+    assert got["version"] == 1 and got["new_version"]
+    assert got["lost_registry"].startswith(f"the registry holds no version of 'crucible-classifier', but "
+                                           f"{copy / 'models' / 'register' / 'registered.json'} records version 1 "
+                                           f"(champion)")
+    assert "warning: the registry holds no version" in got["note"]
+
+
+def test_a_register_killed_while_it_logs_the_model_leaves_nothing_half_made(tmp_path_factory):
+    """SIGKILL `crucible stage register` once its logged model exists (before it is registered): the
+    next register removes that model (and its files) and registers a version of its own."""
+    import signal
+    import sqlite3
+    import time
+
+    root = copy_workspace(base_workspace(tmp_path_factory), tmp_path_factory, "killed")
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("crucible")), "stage", "register", "--root", str(root)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    model_id, deadline = None, time.time() + 240
+    try:
+        while model_id is None and time.time() < deadline and proc.poll() is None:
+            try:
+                with sqlite3.connect(f"file:{root / 'mlflow.db'}?mode=ro", uri=True, timeout=5) as con:
+                    row = con.execute("SELECT model_id FROM logged_models").fetchone()
+                model_id = row[0] if row else None
+            except sqlite3.Error:
+                pass
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert model_id, f"the register never logged its model: {proc.stderr.read()[-2000:]}"
+    client = client_of(root)
+    assert not client.search_model_versions("name = 'crucible-classifier'")  # killed before registering
+    folder = root / "mlartifacts" / "models" / model_id
+
+    execute("register", None, root)
+    with sqlite3.connect(root / "mlflow.db") as con:
+        stage = con.execute("SELECT lifecycle_stage FROM logged_models WHERE model_id = ?", (model_id,)).fetchone()[0]
+    assert stage == "deleted" and not folder.exists()
+    got = registered(root)
+    assert got["version"] == 1 and got["new_version"]
+    assert client.get_model_version("crucible-classifier", "1").model_id != model_id

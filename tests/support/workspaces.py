@@ -26,6 +26,18 @@ TASKS = {"rotten": ["fresh", "rotten"], "bbc": ["business", "sport", "tech"]}
 WORDS = ["market", "goal", "chip", "vote", "film", "great", "awful", "team", "price", "phone", "plot", "actor"]
 
 
+def minilm_hash() -> str:
+    """The content hash of the packaged MiniLM (what models/base/manifest.json records)."""
+    if "minilm_hash" not in _HASHES:
+        from tasks.data.models import manifest
+
+        _HASHES["minilm_hash"] = manifest("all-MiniLM-L6-v2")["hash"]
+    return _HASHES["minilm_hash"]
+
+
+_HASHES: dict[str, str] = {}
+
+
 def fake_merge(root, theta_0: dict, seed: int = 0) -> None:
     g = torch.Generator().manual_seed(seed)
     merged = {k: (v + 0.01 * torch.randn(v.shape, generator=g) * v.std() if v.ndim == 2 else v.clone()).contiguous()
@@ -38,7 +50,8 @@ def fake_merge(root, theta_0: dict, seed: int = 0) -> None:
         heads[f"{t}.weight"] = torch.randn(len(classes), 384, generator=g)
         heads[f"{t}.bias"] = torch.zeros(len(classes))
     save_file(heads, str(folder / "heads.safetensors"), metadata={"classes": json.dumps(TASKS)})
-    (folder / "config.json").write_text(json.dumps({"base_model": "all-MiniLM-L6-v2", "classes": TASKS, "main": "gs3r",
+    (folder / "config.json").write_text(json.dumps({"base_model": "all-MiniLM-L6-v2", "base_model_hash": minilm_hash(),
+                                                    "classes": TASKS, "main": "gs3r",
                                                     "order": list(TASKS), "max_length": {t: 32 for t in TASKS}}))
     for k, (t, classes) in enumerate(TASKS.items()):
         rng = np.random.default_rng(k)
@@ -81,14 +94,18 @@ def fill_stage_files(root: Path, stage: str) -> None:
             (p / "contents.txt").write_text(f"stand-in output in {path}\n")
 
 
-def write_evaluate(root: Path, accuracy: dict[str, float], float_accuracy: dict[str, float] | None = None) -> None:
-    """metrics/evaluate.json with a `deployable` entry of the given test accuracies."""
+def write_evaluate(root: Path, accuracy: dict[str, float], float_accuracy: dict[str, float] | None = None,
+                   baselines: dict | None = None) -> None:
+    """metrics/evaluate.json with a `deployable` entry of the given test accuracies (and, if given,
+    the `baselines` the register gate derives its floors from: {chance: {task: share}, base: {...}})."""
     def entry(variant, acc):
         return {"variant": variant, "accuracy": acc, "mean_accuracy": float(np.mean(list(acc.values()))),
                 "n_test": {t: 24 for t in acc}}
 
     data = {"deployable": {"quantized": entry(f"quantize:{QUANT_VARIANT}", accuracy),
                            "float": entry("gs3r", float_accuracy or accuracy)}}
+    if baselines is not None:
+        data["baselines"] = baselines
     (root / "metrics").mkdir(exist_ok=True)
     (root / "metrics" / "evaluate.json").write_text(json.dumps(data, indent=2))
 
@@ -106,24 +123,26 @@ def base_workspace(tmp_path_factory) -> Path:
 
     torch.set_num_threads(1)
     root = make_workspace(ROOT, tmp_path_factory.mktemp("register"), "tiny",
-                          overrides={"quantize": {"calibration_per_task": 8, "rank_budget": 72}})
+                          overrides={"quantize": {"calibration_per_task": 8, "rank_per_matrix": 2}})  # 36 x 2 = 72
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["pipeline"]["tasks"] = {"rotten": {"corpus": "rotten_tomatoes"}, "bbc": {"corpus": "bbc_news"}}
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     encoder, _ = load_encoder(resolve_model("all-MiniLM-L6-v2"))
     fake_merge(root, {k: v.detach().clone().contiguous() for k, v in encoder.state_dict().items()})
+    execute("model", None, root)  # models/base/manifest.json: the base model's hash
     execute("quantize", None, root)
     write_evaluate(root, {"rotten": 0.6, "bbc": 0.5})
     for stage in ("merge", "quantize", "evaluate"):
         fill_stage_files(root, stage)
-    _dvc(root, "commit", "--force", "merge", "quantize", "evaluate")
+    _dvc(root, "commit", "--force", "model", "merge", "quantize", "evaluate")
     _CACHE["base"] = root
     return root
 
 
 def copy_workspace(base: Path, tmp_path_factory, name: str) -> Path:
-    """A copy of `base` with its tracking store (the experiment's artifacts stay in base's folder;
-    copying the database saves creating a new one), without any registered model."""
+    """A copy of `base` with its tracking store (copying the database saves creating a new one; opened
+    in the copy, its artifact locations move to the copy's own mlartifacts/), without any registered
+    model and without base's artifact files (no test reads the earlier runs' artifacts)."""
     dest = tmp_path_factory.mktemp(name) / "ws"
     shutil.copytree(base, dest, symlinks=True, ignore=shutil.ignore_patterns("mlartifacts", "register"))
     return dest
