@@ -153,7 +153,12 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str = "mea
 
 def forward_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """last_hidden_state of the base model. A decoder gets position ids counted from its first
-    real token, so left and right padding give the same states for the real tokens."""
+    real token, so left and right padding give the same states for the real tokens. The inputs
+    go to the model's device."""
+    from crucible.device import model_device
+
+    device = model_device(model)
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     if is_decoder(model.config):
         position_ids = (attention_mask.long().cumsum(1) - 1).clamp(min=0)
         return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
@@ -161,8 +166,13 @@ def forward_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
 
 
 def encode(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, pooling: str = "mean") -> torch.Tensor:
-    """Pooled features (b, d) of the base model (in its dtype)."""
-    return pool(forward_hidden(model, input_ids, attention_mask), attention_mask, pooling)
+    """Pooled features (b, d) of the base model (in its dtype), on the model's device (the inputs
+    go there first)."""
+    from crucible.device import model_device
+
+    device = model_device(model)
+    attention_mask = attention_mask.to(device)
+    return pool(forward_hidden(model, input_ids.to(device), attention_mask), attention_mask, pooling)
 
 
 def max_length(tokenizer, config, cap: int | None) -> int | None:

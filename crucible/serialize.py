@@ -39,9 +39,11 @@ def canonical_header(data: bytes) -> bytes:
 
 
 def safetensors_bytes(tensors: dict, metadata: dict[str, str] | None = None) -> bytes:
-    """safetensors.torch.save with a canonical (sorted) header: deterministic bytes."""
+    """safetensors.torch.save with a canonical (sorted) header: deterministic bytes. Tensors on
+    another device are copied to the CPU first (a file holds the same bytes whatever made it)."""
     from safetensors.torch import save
 
+    tensors = {k: v if v.device.type == "cpu" else v.detach().cpu() for k, v in tensors.items()}
     return canonical_header(save(tensors, metadata=metadata))
 
 

@@ -45,6 +45,7 @@ from torch.nn import functional as F
 from tqdm.auto import tqdm
 
 from crucible.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from crucible.device import autocast, model_device
 from crucible.dropout import RunDropout, use_run_dropout
 from crucible.gmixout import GMixout
 from crucible.models import encode
@@ -153,6 +154,7 @@ class TrainConfig:
     pad_id: int = 0
     seed: int = 0
     progress: bool = True
+    autocast: str = "fp32"        # fp32 | bf16: the forward passes' autocast dtype (weights stay float32)
 
     def __post_init__(self):
         for name in ("max_steps", "batch_size", "eval_every", "eval_batch_size"):
@@ -160,6 +162,12 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{name} = {getattr(self, name)!r}: expected >= 1")
         if not 0.0 <= self.warmup < 1.0:
             raise ValueError(f"TrainConfig.warmup = {self.warmup!r}: expected a share in [0, 1)")
+        if self.autocast not in ("fp32", "bf16"):
+            raise ValueError(f"TrainConfig.autocast = {self.autocast!r}: expected fp32 or bf16")
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return torch.bfloat16 if self.autocast == "bf16" else None
 
 
 def linear_schedule(warmup_steps: int, total_steps: int) -> Callable[[int], float]:
@@ -203,25 +211,30 @@ def batch_indices(n: int, batch_size: int, seed: int, step: int) -> torch.Tensor
 
 @torch.no_grad()
 def predict(model: EncoderClassifier, ids: Sequence[Sequence[int]], batch_size: int = 64,
-            pad_id: int = 0) -> torch.Tensor:
-    """Logits (n, n_classes) in eval mode (no dropout, no mixing); restores the training flag."""
+            pad_id: int = 0, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Logits (n, n_classes), float32 on the CPU, in eval mode (no dropout, no mixing); batches run
+    on the model's device; restores the training flag."""
     was_training = model.training
     model.eval()
+    device = model_device(model)
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # little padding per batch
     out = None
     for start in range(0, len(ids), batch_size):
         idx = order[start:start + batch_size]
-        logits = model(*collate([ids[i] for i in idx], pad_id))
+        input_ids, mask = collate([ids[i] for i in idx], pad_id)
+        with autocast(device, autocast_dtype):
+            logits = model(input_ids.to(device), mask.to(device))
         if out is None:
             out = torch.empty(len(ids), logits.shape[1])
-        out[torch.tensor(idx)] = logits.float()
+        out[torch.tensor(idx)] = logits.float().cpu()
     model.train(was_training)
     return out
 
 
-def evaluate(model: EncoderClassifier, data: Examples, batch_size: int = 64, pad_id: int = 0) -> dict:
+def evaluate(model: EncoderClassifier, data: Examples, batch_size: int = 64, pad_id: int = 0,
+             autocast_dtype: torch.dtype | None = None) -> dict:
     """accuracy and weighted loss of `model` on `data`."""
-    logits = predict(model, data.input_ids, batch_size, pad_id)
+    logits = predict(model, data.input_ids, batch_size, pad_id, autocast_dtype)
     return {"accuracy": float((logits.argmax(1) == data.labels).float().mean()),
             "loss": float(weighted_cross_entropy(logits, data.labels, data.weights))}
 
@@ -259,8 +272,14 @@ def train(model: EncoderClassifier, train_set: Examples, dev_set: Examples, cfg:
     `stop_after` ends the call after that many total steps without the final evaluation
     (simulates a kill; tests use it). Dropout draws from a generator of this run, seeded with
     stream_seed(cfg.seed, "dropout") and bound to the model's RunDropout modules; torch's global
-    generator is neither seeded nor drawn from."""
-    device = next(model.parameters()).device
+    generator is neither seeded nor drawn from.
+
+    Device: batches, labels and weights go to the model's device; batch order, head init and the
+    mixout masks are drawn on the CPU (the same numbers on any device). With cfg.autocast = bf16
+    the forward pass runs under bf16 autocast while the weights, gradients and AdamW state stay
+    float32 (the loss is computed on float32 logits)."""
+    device = model_device(model)
+    amp = cfg.autocast_dtype
     generator = torch_generator(stream_seed(cfg.seed, "dropout"), device=device)
     model.bind_generator(generator)
     optimizer = make_optimizer(model, cfg)
@@ -293,7 +312,10 @@ def train(model: EncoderClassifier, train_set: Examples, dev_set: Examples, cfg:
         input_ids, mask = collate([train_set.input_ids[i] for i in idx], cfg.pad_id)
         if mixout is not None:
             mixout.begin_step()
-        loss = weighted_cross_entropy(model(input_ids, mask), train_set.labels[idx], train_set.weights[idx])
+        with autocast(device, amp):
+            logits = model(input_ids.to(device), mask.to(device))
+        loss = weighted_cross_entropy(logits.float(), train_set.labels[idx].to(device),
+                                      train_set.weights[idx].to(device))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip if cfg.clip > 0 else float("inf"))
@@ -311,7 +333,7 @@ def train(model: EncoderClassifier, train_set: Examples, dev_set: Examples, cfg:
             log({"train_loss": loss.item(), "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0]}, step)
 
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
-            dev = evaluate(model, dev_set, cfg.eval_batch_size, cfg.pad_id)
+            dev = evaluate(model, dev_set, cfg.eval_batch_size, cfg.pad_id, amp)
             history.append({"step": step, **dev})
             if log is not None:
                 log({"dev_accuracy": dev["accuracy"], "dev_loss": dev["loss"]}, step)

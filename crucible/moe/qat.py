@@ -40,6 +40,7 @@ from torch.nn import functional as F
 from tqdm.auto import tqdm
 
 from crucible.moe.mx_experts import MXExperts, round_adapters
+from crucible.device import model_device
 from crucible.moe.routing import Routes, check_routes, forward_batch, moe_layers, replay
 from crucible.quant.linear import MXLinear
 from crucible.seeding import epoch_seed, torch_generator
@@ -160,6 +161,7 @@ def replay_qat(qmodel: nn.Module, float_model: nn.Module, batches: Sequence, rou
         while step < steps:
             b = batch_order(step, len(batches), seed, shuffle)
             batch, mask = batches[b], _mask(batches[b])
+            mask = None if mask is None else mask.to(model_device(qmodel))
             if b not in targets:
                 with torch.no_grad():
                     out = forward_batch(float_model, batch, output_hidden_states=loss == "hidden")

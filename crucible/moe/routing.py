@@ -39,6 +39,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
+from crucible.device import model_device, to_device
 from crucible.hooks import forward_hooks
 
 __all__ = ["Routes", "moe_layers", "router_renormalises", "record_routes", "replay", "consistency", "expert_load",
@@ -78,7 +79,9 @@ def router_renormalises(gate: nn.Module) -> bool:
 
 
 def forward_batch(model: nn.Module, batch, **kwargs):
-    """model(batch) for a tensor of input ids, model(**batch) for a dict, model(*batch) for a tuple."""
+    """model(batch) for a tensor of input ids, model(**batch) for a dict, model(*batch) for a tuple;
+    the batch's tensors go to the model's device first."""
+    batch = to_device(batch, model_device(model))
     if isinstance(batch, torch.Tensor):
         return model(batch, **kwargs)
     if isinstance(batch, dict):

@@ -40,6 +40,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from crucible.device import model_device, to_device
 from crucible.hooks import forward_hooks
 from crucible.quant import lowrank, mxfp4, rank_allocation
 
@@ -54,10 +55,12 @@ def collect_input_stats(model: nn.Module, names: Iterable[str], batches: Iterabl
                         masks: Callable[[tuple], torch.Tensor] | None = None) -> dict[str, lowrank.InputStats]:
     """Per-feature input statistics of the named nn.Linear modules over `batches`.
 
-    Each batch is passed as `forward(model, batch)` (default `model(*batch)`). `masks(batch)`, if
-    given, returns a (b, t) 0/1 tensor of the token positions to count (padding excluded); without
-    it every input row counts. Returns name -> InputStats."""
+    Each batch is passed as `forward(model, batch)` (default `model(*batch)`), its tensors moved to
+    the model's device first. `masks(batch)`, if given, returns a (b, t) 0/1 tensor of the token
+    positions to count (padding excluded); without it every input row counts. Returns name ->
+    InputStats (float64 sums on the model's device)."""
     names = list(names)
+    device = model_device(model)
     stats = {n: lowrank.InputStats() for n in names}
     current: dict[str, torch.Tensor | None] = {"mask": None}
 
@@ -76,6 +79,7 @@ def collect_input_stats(model: nn.Module, names: Iterable[str], batches: Iterabl
     try:
         with forward_hooks(pairs, pre=True):
             for batch in batches:
+                batch = to_device(batch, device)
                 current["mask"] = masks(batch) if masks is not None else None
                 (forward or (lambda mdl, b: mdl(*b)))(model, batch)
     finally:
@@ -94,9 +98,10 @@ def collect_output_sensitivity(model: nn.Module, names: Iterable[str], batches: 
     layer's output, diagonal and isotropic). A perturbation e of the layer's output then changes
     the loss by about g_l * E||e||^2 to second order, which makes g_l the layer's load when the
     spectra are in output-error units (qera scaling). `loss_fn(model, batch)` returns a scalar;
-    `masks(batch)` a (b, t) 0/1 tensor of the tokens to count. The model's parameters get no
-    gradient (their requires_grad is restored)."""
+    `masks(batch)` a (b, t) 0/1 tensor of the tokens to count. A batch's tensors go to the model's
+    device first. The model's parameters get no gradient (their requires_grad is restored)."""
     names = list(names)
+    device = model_device(model)
     energy = {n: 0.0 for n in names}
     count = {n: 0 for n in names}
     current: dict = {"mask": None}
@@ -126,6 +131,7 @@ def collect_output_sensitivity(model: nn.Module, names: Iterable[str], batches: 
                 w.requires_grad_(True)
             with torch.enable_grad():
                 for batch in batches:
+                    batch = to_device(batch, device)
                     current["mask"] = masks(batch) if masks is not None else None
                     loss = loss_fn(model, batch)
                     if not torch.isfinite(loss):
