@@ -125,10 +125,14 @@ def _cmd_run(args) -> int:
             root = make_workspace(root, args.workspace or root / "build" / Path(args.profile).stem, args.profile)
             apply_defaults(root)
             print(f"profile {args.profile}: running in {root}")
-        load_params(root / "params.yaml")
-    except ParamsError as exc:
+        params = load_params(root / "params.yaml")
+        from tasks.runtime.device import resolve
+
+        runtime = resolve(params.runtime)  # a device that is not there: say so before the flow starts
+    except (ParamsError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    print(f"runtime: {runtime.device} ({runtime.precision})")
     from flows.pipeline import run_pipeline
     from tasks.runtime.lock import WorkspaceLocked
     from tasks.runtime.tracking import TrackingStoreError, check_store

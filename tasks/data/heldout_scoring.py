@@ -120,11 +120,13 @@ class Scorer:
         return self.data[task, split][1]
 
     def features(self, task: str, split: str = "test"):
-        """(n, hidden) float32 pooled features of the current encoder, in row order."""
+        """(n, hidden) float32 pooled features of the current encoder, in row order, on the CPU
+        (the encoder runs on its device, under the run's autocast)."""
         import torch
 
         from crucible.models import encode
         from crucible.train import collate
+        from tasks.runtime.device import current
 
         ids, _ = self.data[task, split]
         order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # little padding per batch
@@ -133,15 +135,16 @@ class Scorer:
             for start in range(0, len(ids), self.batch_size):
                 idx = order[start:start + self.batch_size]
                 input_ids, mask = collate([ids[i] for i in idx], self.pad_id)
-                out[torch.tensor(idx)] = encode(self.encoder, input_ids, mask, self.pooling).float()
+                with current().autocast():  # encode moves the batch to the encoder's device
+                    out[torch.tensor(idx)] = encode(self.encoder, input_ids, mask, self.pooling).float().cpu()
         return out
 
     def head_logits(self, task: str, features):
-        """(n, n_classes) logits of the task's head on `features`."""
+        """(n, n_classes) logits of the task's head on `features` (on the features' device)."""
         import torch
 
         weight, bias = self.heads[task]
-        return torch.nn.functional.linear(features, weight, bias)
+        return torch.nn.functional.linear(features, weight.to(features.device), bias.to(features.device))
 
     def logits(self, task: str):
         """(n_test, n_classes) logits of the current encoder with the task's head."""

@@ -111,10 +111,13 @@ class BaseModel:
     extra: dict = field(default_factory=dict)
 
     def load(self):
-        """(model, tokenizer): the base model without a head, in model.dtype, eval mode."""
+        """(model, tokenizer): the base model without a head, in model.dtype, eval mode, on the
+        run's device (tasks/runtime/device.py)."""
         from crucible.models import load_base
+        from tasks.runtime.device import current
 
-        return load_base(self.path, self.dtype)
+        model, tokenizer = load_base(self.path, self.dtype)
+        return model.to(current().device), tokenizer
 
     def pooling(self, config) -> str:
         from crucible.models import resolve_pooling

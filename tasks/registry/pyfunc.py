@@ -60,6 +60,7 @@ class TextClassifier(mlflow.pyfunc.PythonModel):
     def load_context(self, context) -> None:
         from transformers import AutoConfig, AutoTokenizer
 
+        from crucible.device import from_environment
         from crucible.models import build_from_config, prepare_tokenizer
         from crucible.serialize import read_safetensors
         from crucible.train import EncoderClassifier
@@ -75,7 +76,8 @@ class TextClassifier(mlflow.pyfunc.PythonModel):
         self.classes = json.loads(meta["classes"])
         self.model = EncoderClassifier(encoder, len(self.classes), pooling=self.config.get("pooling", "mean"))
         self.model.head.load_state_dict(head)
-        self.model.eval()
+        self.device, self.autocast = from_environment()  # CRUCIBLE_DEVICE / CRUCIBLE_PRECISION, else auto
+        self.model.to(self.device).eval()
 
     def predict(self, context, model_input: pd.DataFrame, params=None) -> pd.DataFrame:
         import torch
@@ -90,7 +92,7 @@ class TextClassifier(mlflow.pyfunc.PythonModel):
             raise ValueError(f"expected a DataFrame with a 'text' column, got columns {list(model_input.columns)}")
         ids = tokenize(self.tokenizer, texts, self.config["max_length"])
         with torch.inference_mode():  # scoped: a global grad switch would leak into the caller's process
-            logits = predict(self.model, ids, pad_id=self.tokenizer.pad_token_id or 0)
+            logits = predict(self.model, ids, pad_id=self.tokenizer.pad_token_id or 0, autocast_dtype=self.autocast)
         proba = torch.softmax(logits, dim=1).numpy()
         out = pd.DataFrame({"label": [self.classes[i] for i in proba.argmax(1)]})
         for k, name in enumerate(self.classes):
@@ -156,6 +158,7 @@ class MultiTaskClassifier(mlflow.pyfunc.PythonModel):
     def load(self, folder: Path) -> "MultiTaskClassifier":
         import torch
 
+        from crucible.device import from_environment
         from crucible.serialize import read_safetensors
         from crucible.train import EncoderClassifier
 
@@ -167,6 +170,10 @@ class MultiTaskClassifier(mlflow.pyfunc.PythonModel):
         self.batch_size = int(self.config.get("batch_size", 64))
         self.columns = proba_columns(self.classes, self.order)
         self.encoder, self.tokenizer = load_encoder_from(folder, self.config["kind"], self.config.get("dtype", "float32"))
+        # CRUCIBLE_DEVICE / CRUCIBLE_PRECISION, else auto: on CUDA the MXFP4 layers run the fused
+        # Triton dequant-matmul; on a CPU each keeps its dequantized weight (bf16) between calls
+        self.device, self.autocast = from_environment()
+        self.encoder.to(self.device)
         self.pooling = self.config.get("pooling", "mean")
         heads, _ = read_safetensors(folder / "heads.safetensors", "task heads", REBUILD,
                                     shapes={f"{t}.{k}": shape for t, cls in self.classes.items()
@@ -177,7 +184,7 @@ class MultiTaskClassifier(mlflow.pyfunc.PythonModel):
             with torch.no_grad():
                 model.head.weight.copy_(heads[f"{t}.weight"])
                 model.head.bias.copy_(heads[f"{t}.bias"])
-            model.eval()
+            model.to(self.device).eval()
             self.models[t] = model
         return self
 
@@ -230,7 +237,7 @@ class MultiTaskClassifier(mlflow.pyfunc.PythonModel):
                 continue
             ids = tokenize(self.tokenizer, [texts[i] for i in rows], self.max_length[t])
             with torch.inference_mode():  # scoped: a global grad switch would leak into the caller's process
-                logits = predict(self.models[t], ids, self.batch_size, pad)
+                logits = predict(self.models[t], ids, self.batch_size, pad, self.autocast)
             proba = torch.softmax(logits.double(), dim=1).numpy()
             best = proba.argmax(1)
             for k, c in enumerate(self.classes[t]):

@@ -377,6 +377,20 @@ class ServeParams(_Section):
         "connections and requests in flight per worker process; more: HTTP 503 at once"))
 
 
+class RuntimeParams(_Section):
+    """Where the stages' torch work runs (tasks/runtime/device.py). Not a DVC dependency of any
+    stage: moving a workspace onto a GPU reruns nothing; each run records what it used instead.
+    CRUCIBLE_DEVICE / CRUCIBLE_PRECISION override these."""
+
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$", description=(
+        "auto: the first visible CUDA device, else the CPU; cpu; cuda; cuda:N"))
+    precision: Literal["auto", "fp32", "bf16"] = Field("auto", description=(
+        "auto: bf16 autocast on a GPU that supports it, fp32 on a CPU; weights stay float32"))
+    gpus_per_task: int = Field(0, ge=0, le=64, description=(
+        "GPUs each stage run asks a Ray or Dask cluster for (Ray: num_gpus; Dask: the worker resource "
+        "GPU); 0: none asked. On one machine the flow spreads its stage runs over the visible GPUs"))
+
+
 def _quiet_register_field_warning() -> None:
     """`register` (the stage's section) is also ABCMeta.register, a method of pydantic's metaclass
     that instances never see; pydantic warns about the name once, at class creation."""
@@ -437,6 +451,7 @@ class Params(_Section):
     evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
     register: RegisterParams = Field(default_factory=RegisterParams)
     serve: ServeParams = ServeParams()
+    runtime: RuntimeParams = RuntimeParams()
     moe: MoeParams = Field(default_factory=MoeParams)
 
     @model_validator(mode="after")

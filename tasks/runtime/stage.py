@@ -17,6 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tasks.runtime import device as runtime_device
 from tasks.runtime import tracking
 from tasks.runtime.declaration import inputs, output_dirs, outputs, params_keys
 from tasks.runtime.io import md5_file
@@ -41,7 +42,7 @@ class StageResult:
 
 def execute(module, task: str | None = None, root: Path | str = ".", params: Params | None = None,
             parent_run_id: str | None = None, threads: int | None = None,
-            lock_token: str | None = None) -> StageResult:
+            lock_token: str | None = None, device: str | None = None) -> StageResult:
     """Run one stage (a tasks/stages module, for one task) in project `root`. Raises whatever the
     stage raises; then no output has been replaced. The stage holds the workspace lock
     (tasks/runtime/lock.py) while it runs, or runs under its flow's lock when `lock_token` is the
@@ -55,6 +56,10 @@ def execute(module, task: str | None = None, root: Path | str = ".", params: Par
                            f"({', '.join(params.pipeline.tasks)})")
     elif task is not None:
         raise ValueError(f"stage '{spec.name}' is not per task; got task {task!r}")
+    # the device and precision (runtime section, CRUCIBLE_DEVICE / CRUCIBLE_PRECISION), resolved
+    # before the lock and the MLflow run: a device that is not there stops the stage, nothing written
+    # (`device`: the flow's GPU assignment for this run, flows/resources.py)
+    runtime = runtime_device.resolve(params.runtime, device=device)
     # torch/BLAS threads per worker: parallel per-task stages must not oversubscribe the cores
     # (`threads`: the flow's share of the cores for this stage; CRUCIBLE_THREADS, when set, wins)
     # BLAS too (numpy, scikit-learn): its sums also split by thread count, and Dask's worker
@@ -70,7 +75,7 @@ def execute(module, task: str | None = None, root: Path | str = ".", params: Par
         threadpool_limits(limits=threads)  # for those already loaded
     with WorkspaceLock(root, "stage", params.pipeline.lock_timeout, token=lock_token,
                        on_wait=_say, on_stale=_say):
-        return _execute(spec, task, root, params, module, parent_run_id)
+        return _execute(spec, task, root, params, module, parent_run_id, runtime)
 
 
 _say = tracking.say  # `crucible: <message>` on stderr
@@ -115,7 +120,8 @@ class PeakRSS:
                 "stage_peak_rss_above_start_mb": (self.peak - self.start) / 2**20}
 
 
-def _execute(spec, task, root: Path, params: Params, module, parent_run_id) -> StageResult:
+def _execute(spec, task, root: Path, params: Params, module, parent_run_id,
+             runtime: runtime_device.Runtime = runtime_device.CPU) -> StageResult:
     # a killed earlier run's temporary files and scratch folders (never a live run's)
     from tasks.runtime.scratch import sweep
 
@@ -127,7 +133,8 @@ def _execute(spec, task, root: Path, params: Params, module, parent_run_id) -> S
     with tracking.stage_run(root, params.tracking.experiment, spec.name, task, parent_run_id) as log:
         log.log_params(declared_values(params, keys))
         log.set_tags({f"crucible.input.{p}": md5_file(root / p) for p in inputs(spec, task, root)})
-        with PeakRSS() as rss:
+        log.set_tags(runtime.tags())
+        with PeakRSS() as rss, runtime_device.using(runtime):
             metrics = module.run(declared_view(params, keys, spec.name), task, root, log)
         written = {str(p): md5_file(root / p) for p in outputs(spec, task, root)}
         log.set_tags({f"crucible.output.{p}": h for p, h in written.items()})

@@ -24,6 +24,7 @@ import pandas as pd
 import torch
 
 from crucible.ccmmd import GaussianKernel, cc_mmd
+from tasks.runtime.device import current
 from crucible.membership_scores import domain_classifier_scores, knn_density_ratio_scores
 from tasks.runtime.declaration import Plot, StageSpec
 from tasks.data.audited import read_audited_task
@@ -112,13 +113,14 @@ def run(params: Params, task: str, root: Path, log) -> dict:
 
     kernel = GaussianKernel(bandwidths=tuple(cfg.bandwidths) if cfg.bandwidths else None,
                             scales=tuple(cfg.bandwidth_scales), seed=params.pipeline.seed)
+    device = current().device  # on CUDA the exact kernel sums run through the Triton kernel
     try:
-        result = cc_mmd(torch.from_numpy(ref_x).float(), torch.from_numpy(pool_x).float(), scores,
+        result = cc_mmd(torch.from_numpy(ref_x).float().to(device), torch.from_numpy(pool_x).float().to(device), scores,
                         audited.astype(np.float64), member, pi, kernel=kernel, truth=truth, method=cfg.method,
                         n_features=cfg.rff_features, seed=params.pipeline.seed, level=cfg.level)
     except ValueError as exc:
         raise ValueError(f"task '{task}' ({base}): {exc}") from None
-    m = result.weights.numpy()
+    m = result.weights.cpu().numpy()
     keep = m > cfg.keep_threshold
 
     metrics = {f"ccmmd_{k}" if k in ("value", "se", "ci_low", "ci_high") else k: v

@@ -21,6 +21,7 @@ from tasks.runtime.declaration import StageSpec
 from tasks.data.embeddings import ids_digest
 from tasks.runtime.io import AtomicOutputs, read_table
 from tasks.data.models import MANIFEST, base_model
+from tasks.runtime.device import current
 from tasks.runtime.params_schema import Params
 
 TABLES = ("reference", "pool", "test")
@@ -55,7 +56,8 @@ def run(params: Params, task: str, root: Path, log) -> dict:
     with tqdm(total=total, desc=f"embed {task}", unit="text") as bar:
         for name, df in frames.items():
             tensors[name] = embed_texts(model, tokenizer, df["text"].tolist(), batch_size=cfg.batch_size,
-                                        max_length=max_length, progress=bar.update, pooling=pooling).contiguous()
+                                        max_length=max_length, progress=bar.update, pooling=pooling,
+                                        autocast_dtype=current().autocast_dtype).contiguous()
             meta[f"{name}_ids_md5"] = ids_digest(df["id"])
     with AtomicOutputs() as out:
         out.bytes(safetensors_bytes(tensors, meta), Path(root) / "data" / task / "embeddings.safetensors")

@@ -54,6 +54,7 @@ from crucible.gmixout import GMixout, GMixoutConfig
 from crucible.schema import validate_disjoint, validate_table
 from crucible.seeding import derive_seed, numpy_rng, stream_seed
 from crucible.train import EncoderClassifier, Examples, TrainConfig, evaluate, tokenize, train
+from tasks.runtime.device import current, runtime_config
 from tasks.runtime.declaration import StageSpec
 from tasks.runtime.io import AtomicOutputs, read_stage_output, read_table
 from tasks.data.models import MANIFEST, BaseModel, base_model
@@ -146,12 +147,13 @@ def examples(tokenizer, df: pd.DataFrame, classes: list[str], max_length: int, u
 
 def build_model(base: BaseModel, n_classes: int, cfg: FinetuneParams, seed: int):
     """(EncoderClassifier in train mode, tokenizer, GMixout or None); the head's initialisation and
-    the mixout masks draw from generators seeded from `seed` (never torch's global one)."""
+    the mixout masks draw from generators seeded from `seed` (never torch's global one). The model
+    is on the run's device (the head is drawn on the CPU, then moved: the same numbers anywhere)."""
     from crucible.models import resolve_modules
 
     encoder, tokenizer = base.load()
     model = EncoderClassifier(encoder, n_classes, dropout=cfg.dropout, seed=stream_seed(seed, "head"),
-                              pooling=base.pooling(encoder.config))
+                              pooling=base.pooling(encoder.config)).to(current().device)
     try:
         modules = resolve_modules(model.encoder, cfg.modules)
     except ValueError as exc:
@@ -189,11 +191,11 @@ def run(params: Params, task: str, root: Path, log) -> dict:
     train_set = examples(tokenizer, train_df, classes, max_length, use_weights)
     dev_set = examples(tokenizer, dev_df, classes, max_length, use_weights=False)
     tcfg = train_config(cfg, len(train_set), seed)
-    tcfg = TrainConfig(**{**tcfg.__dict__, "pad_id": tokenizer.pad_token_id or 0})
+    tcfg = TrainConfig(**{**tcfg.__dict__, "pad_id": tokenizer.pad_token_id or 0, "autocast": current().precision})
 
     resolved = {"task": task, "base_model": base_info.name, "base_model_hash": base_info.hash, "classes": classes,
                 "max_length": max_length, "pooling": model.pooling, "dtype": base_info.dtype, "seed": seed, "finetune": cfg.resolved(), "train": tcfg.__dict__,
-                "n_train": len(train_set), "n_dev": len(dev_set)}
+                "n_train": len(train_set), "n_dev": len(dev_set), "runtime": runtime_config()}
     # the thread count too: a run resumed under another count would match no uninterrupted run
     fingerprint = hashlib.md5(json.dumps({**resolved, "train_ids": train_df["id"].tolist(),
                                           "torch_threads": torch.get_num_threads()}, sort_keys=True,
@@ -214,12 +216,12 @@ def run(params: Params, task: str, root: Path, log) -> dict:
         gm.unwrap()
     model.eval()
     test_set = examples(tokenizer, test, classes, max_length, use_weights=False)
-    test_eval = evaluate(model, test_set, tcfg.eval_batch_size, tcfg.pad_id)
-    dev_eval = evaluate(model, dev_set, tcfg.eval_batch_size, tcfg.pad_id)
+    test_eval = evaluate(model, test_set, tcfg.eval_batch_size, tcfg.pad_id, tcfg.autocast_dtype)
+    dev_eval = evaluate(model, dev_set, tcfg.eval_batch_size, tcfg.pad_id, tcfg.autocast_dtype)
 
     resolved["best_step"] = result.best_step
-    backbone = {k: v.contiguous() for k, v in model.encoder.state_dict().items()}
-    head = {"weight": model.head.weight.detach().contiguous(), "bias": model.head.bias.detach().contiguous()}
+    backbone = {k: v.detach().cpu().contiguous() for k, v in model.encoder.state_dict().items()}
+    head = {"weight": model.head.weight.detach().cpu().contiguous(), "bias": model.head.bias.detach().cpu().contiguous()}
     metrics = {"dev_accuracy": dev_eval["accuracy"], "dev_loss": dev_eval["loss"], "test_accuracy": test_eval["accuracy"],
                "test_loss": test_eval["loss"], "steps": result.steps, "best_step": result.best_step,
                "stopped_early": int(result.stopped_early),

@@ -48,6 +48,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from tasks.runtime.device import current, runtime_config
+from tasks.runtime.tracking import say
 from tasks.runtime.declaration import Plot, StageSpec
 from tasks.runtime.io import AtomicOutputs, figure_png
 from tasks.data.models import MANIFEST, base_model
@@ -139,16 +141,21 @@ def merge_worker(spec: dict) -> dict:
     """Run one method over the sequence (in this process); write merged weights; return records.
 
     spec: method, kwargs, theta0 (safetensors path), models (paths in arrival order), out_dir,
-    save ("each" | "final").
+    save ("each" | "final"), device (where the task vectors, the merger's state and its SVDs live;
+    the CPU when absent).
     """
     import torch
     from safetensors.torch import save_file
 
+    from crucible.device import make_deterministic, resolve_device
     from crucible.merge import make_merger, task_vector
     from tasks.runtime.io import read_safetensors
 
     torch.set_grad_enabled(False)
+    device = resolve_device(spec.get("device", "cpu"), what="merge worker device")
+    make_deterministic(device)
     theta_0, _ = read_safetensors(spec["theta0"], "base encoder (theta_0)", _SCRATCH)
+    theta_0 = {k: v.to(device) for k, v in theta_0.items()}
     merger = make_merger(spec["method"], **spec["kwargs"])
     sampler = _PeakSampler()
     base = _rss()
@@ -159,8 +166,9 @@ def merge_worker(spec: dict) -> dict:
             t0 = time.perf_counter()
             # finite=False: the parent checked each task model (read_task_model); task_vector checks
             # names, shapes and dtypes against theta_0
-            tau = task_vector(read_safetensors(path, "task model", _FINETUNE, finite=False)[0], theta_0, inplace=True,
-                              source=str(path), base_source=spec["theta0"])
+            theta_t = {k: v.to(device) for k, v in read_safetensors(path, "task model", _FINETUNE, finite=False)[0].items()}
+            tau = task_vector(theta_t, theta_0, inplace=True, source=str(path), base_source=spec["theta0"])
+            del theta_t
             t1 = time.perf_counter()
             merger.add(tau, source=str(path))
             del tau
@@ -173,7 +181,7 @@ def merge_worker(spec: dict) -> dict:
             ranks += [{"arrival": j, "param": k, "rank": r, "budget": merger.budget(k)}
                       for k, r in merger.ranks_used().items()]
         if spec["save"] == "each" or j == last:
-            save_file({k: v.contiguous() for k, v in merged.items()}, str(Path(spec["out_dir"]) / f"{j}.safetensors"))
+            save_file({k: v.cpu().contiguous() for k, v in merged.items()}, str(Path(spec["out_dir"]) / f"{j}.safetensors"))
         del merged
     sampler.close()
     return {"records": records, "ranks": ranks}
@@ -186,11 +194,12 @@ def _worker_main() -> None:
 
 
 def run_method(method: str, kwargs: dict, theta0: Path, models: list[Path], out_dir: Path, save: str,
-               threads: int) -> dict:
-    """merge_worker in a fresh Python process (its own peak memory); raises RuntimeError with its stderr."""
+               threads: int, device: str = "cpu") -> dict:
+    """merge_worker in a fresh Python process (its own peak memory), on `device`; raises
+    RuntimeError with its stderr."""
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = {"method": method, "kwargs": kwargs, "theta0": str(theta0), "models": [str(m) for m in models],
-            "out_dir": str(out_dir), "save": save}
+            "out_dir": str(out_dir), "save": save, "device": device}
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            # a fixed mmap threshold: freed model-sized tensors go back to the OS, so RSS tracks live memory
            "MALLOC_MMAP_THRESHOLD_": "65536",
@@ -207,7 +216,8 @@ def run_method(method: str, kwargs: dict, theta0: Path, models: list[Path], out_
 
 
 def merge_method(method: str, kwargs: dict, theta0_file: Path, specs: list[dict], out_dir: Path,
-                 store: FeatureStore | None, finetuned: dict[str, float], threads: int) -> tuple[dict, list, list]:
+                 store: FeatureStore | None, finetuned: dict[str, float], threads: int,
+                 device: str = "cpu") -> tuple[dict, list, list]:
     """One method over the sequence `specs` (arrival order): its worker's time/memory records and, with
     a feature store, the accuracy matrix R[j, i] (task i after arrival j, i <= j) and its summaries;
     the features of every arrival's merged model on the arrived tasks go into the store (variant
@@ -217,7 +227,7 @@ def merge_method(method: str, kwargs: dict, theta0_file: Path, specs: list[dict]
 
     order = [s["task"] for s in specs]
     result = run_method(method, kwargs, theta0_file, [s["model"] for s in specs], out_dir,
-                        "each" if store is not None else "final", threads)
+                        "each" if store is not None else "final", threads, device)
     recs = result["records"]
     ranks = [{"method": method, **r} for r in result["ranks"]]
     entry = {"merge_seconds": sum(r["add_seconds"] + r["merged_seconds"] for r in recs),
@@ -271,6 +281,25 @@ def reference_accuracy(store: FeatureStore, specs: list[dict]) -> tuple[dict, di
 # the stage
 
 
+def worker_device(theta_0: dict, methods: dict, headroom: float = 6.0) -> str:
+    """Where the merge workers run: the run's device (tasks/runtime/device.py) when the merger's
+    state fits there, else the CPU. A worker holds theta_0, a task vector and the merger's state
+    (GS3R and OPCM keep per-matrix bases, a few model sizes): `headroom` model sizes of free GPU
+    memory are asked for, and a GPU without them gets the CPU with a message saying so."""
+    import torch
+
+    device = current().device
+    if device.type != "cuda":
+        return "cpu"
+    need = headroom * sum(v.numel() * 4 for v in theta_0.values())
+    free, _ = torch.cuda.mem_get_info(device)
+    if free < need:
+        say(f"merge: {free / 2**30:.1f} GiB free on {device}, {need / 2**30:.1f} GiB wanted for "
+            f"{', '.join(methods)}: the merge workers run on the CPU")
+        return "cpu"
+    return str(device)
+
+
 def run(params: Params, task: str | None, root: Path, log) -> dict:
     import torch
     from safetensors.torch import save_file
@@ -299,14 +328,16 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     finetuned, base_acc = {}, {}
     with scratch(root, "merge") as tmp:  # in the workspace; a killed run's folder goes at the next start
         theta0_file = tmp / "theta0.safetensors"
-        save_file({k: v.contiguous() for k, v in scorer.theta_0.items()}, str(theta0_file))
+        save_file({k: v.cpu().contiguous() for k, v in scorer.theta_0.items()}, str(theta0_file))
+        device = worker_device(scorer.theta_0, cfg.methods)
         if cfg.evaluate:
             base_acc, finetuned = reference_accuracy(store, specs)
             rows += [{"method": ref, "arrival": None, "task": t, "accuracy": acc[t]}
                      for t in order for ref, acc in (("base", base_acc), ("finetuned", finetuned))]
         for method, kwargs in tqdm(cfg.methods.items(), desc="merge: methods", total=len(cfg.methods)):
             entry, method_rows, method_ranks = merge_method(method, kwargs or {}, theta0_file, specs, tmp / method,
-                                                            store if cfg.evaluate else None, finetuned, threads)
+                                                            store if cfg.evaluate else None, finetuned, threads,
+                                                            device)
             summary[method] = entry
             rows += method_rows
             ranks += method_ranks
@@ -317,7 +348,7 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     config = {"order": order, "main": cfg.main, "methods": cfg.methods, "base_model": base.name,
               "base_model_hash": base.hash, "pooling": scorer.pooling, "dtype": base.dtype,
               "classes": {s["task"]: s["classes"] for s in specs},
-              "max_length": {s["task"]: s["max_length"] for s in specs}}
+              "max_length": {s["task"]: s["max_length"] for s in specs}, "runtime": runtime_config()}
     main = summary[cfg.main]
     # seconds and peak RSS vary run to run: MLflow gets them, the DVC-tracked merge.json does not, so
     # the same params give the same bytes

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from tasks.runtime.declaration import StageSpec
+from tasks.runtime.device import current
 from tasks.runtime.io import AtomicOutputs
 from tasks.runtime.params_schema import Params
 from tasks.runtime.scratch import scratch
@@ -64,6 +65,7 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     seconds = {}
     t = time.perf_counter()
     dense, tokenizer, source = source_model(p)
+    dense = dense.to(current().device)  # moefy builds the MoE on the dense model's device
     seconds["load_dense"] = time.perf_counter() - t
     seqs = sequences(tokenizer, p, params.pipeline.seed)
     t = time.perf_counter()
@@ -71,7 +73,7 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
                         batch_size=p.batch_size, progress=True)
     seconds["moefy"] = time.perf_counter() - t
     t = time.perf_counter()
-    probe = seqs["eval"][: min(4, len(seqs["eval"]))]
+    probe = seqs["eval"][: min(4, len(seqs["eval"]))].to(current().device)
     with torch.no_grad():
         ref = dense(input_ids=probe).logits
         with all_experts_unit_weight(moe):

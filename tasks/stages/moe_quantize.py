@@ -37,6 +37,7 @@ from pathlib import Path
 import pandas as pd
 
 from tasks.runtime.declaration import StageSpec
+from tasks.runtime.device import current
 from tasks.runtime.io import AtomicOutputs, figure_png
 from tasks.runtime.params_schema import Params
 
@@ -90,6 +91,7 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     from crucible.moe.dense import tie_embeddings
 
     moe = tie_embeddings(AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)).eval()
+    moe = moe.to(current().device)  # calibration, the variants and replay QAT run where the model is
     if not hasattr(moe.model.layers[0].mlp, "experts"):
         raise ValueError(f"{folder}: {type(moe).__name__} has no MoE layers (mlp.experts); rebuild with moe_build")
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)

@@ -48,6 +48,7 @@ import numpy as np
 import pandas as pd
 
 from tasks.runtime.declaration import Plot, StageSpec
+from tasks.runtime.device import runtime_config
 from tasks.runtime.io import AtomicOutputs, figure_png, read_table
 from tasks.data.models import MANIFEST, base_model, resolve_model
 from tasks.runtime.params_schema import Params
@@ -320,7 +321,8 @@ def _run(params: Params, root: Path, log) -> dict:
               "scaling": cfg.scaling, "allocation": cfg.allocation, "load": cfg.load, "rank_budget": rank_budget,
               "rank_per_matrix": cfg.rank_per_matrix,
               "adapter_dtype": cfg.adapter_dtype, "ranks": chosen, "classes": merged["classes"],
-              "max_length": merged["max_length"], "merged_from": merged["config"].get("main")}
+              "max_length": merged["max_length"], "merged_from": merged["config"].get("main"),
+              "runtime": runtime_config()}
     out = root / OUT
     with AtomicOutputs() as atomic:
         atomic.bytes(data, out / "model.safetensors")
