@@ -21,6 +21,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 
 from flows import dvc
+from flows.resources import GpuSlots, local_cluster_gpus, local_gpus, requesting, spreads_locally
 from tasks.runtime import tracking
 from tasks.runtime.lock import WorkspaceLock
 from tasks.runtime.params import load_params
@@ -31,13 +32,14 @@ from tasks.stages import NAMES, execute, module, spec
 
 @task(name="stage", task_run_name="{sid}", retries=0)
 def run_stage(stage: str, task_name: str | None, root: str, parent_run_id: str, share: int,
-              lock_token: str | None = None, sid: str = "") -> dict:
+              lock_token: str | None = None, sid: str = "", device: str | None = None) -> dict:
     """One stage run on whatever worker the task runner picked. `share`: how many stage runs go
     side by side; each takes cores // share torch threads of the machine it runs on (not of the
-    flow's). `share` 0: a switched-off stage, which leaves the threads alone."""
+    flow's). `share` 0: a switched-off stage, which leaves the threads alone. `device`: the GPU
+    the flow assigned this run (flows/resources.py), or None (the runtime section decides)."""
     threads = max(1, (os.cpu_count() or 1) // share) if share else None
     return execute(stage, task_name, root, parent_run_id=parent_run_id, threads=threads,
-                   lock_token=lock_token).to_dict()
+                   lock_token=lock_token, device=device).to_dict()
 
 
 EXTRA_HINT = "pip install -e '.[{0}]' (or: pip install prefect-{0})"
@@ -63,7 +65,7 @@ def task_runner(params: Params):
         # processes, one thread each: a stage sets its own torch threads (cores // max_workers)
         return DaskTaskRunner(cluster_kwargs={"n_workers": p.max_workers, "threads_per_worker": 1,
                                               "processes": True, "dashboard_address": None,
-                                              "silence_logs": logging.WARNING})
+                                              "silence_logs": logging.WARNING, **local_cluster_gpus(params)})
     try:
         from prefect_ray import RayTaskRunner
     except ImportError:
@@ -72,7 +74,7 @@ def task_runner(params: Params):
     if address:
         return RayTaskRunner(address=address)
     return RayTaskRunner(init_kwargs={"num_cpus": p.max_workers, "include_dashboard": False,
-                                      "log_to_driver": False})
+                                      "log_to_driver": False, **local_cluster_gpus(params)})
 
 
 @flow(name="crucible-pipeline")
@@ -121,6 +123,8 @@ def _run(root_path: Path, params: Params, stages: list[str] | None, use_dvc: boo
                                        {"crucible.kind": "pipeline", "crucible.tasks": ",".join(tasks)})
     results: dict[str, object] = {}
     running: dict = {}  # future -> stage id
+    slots = GpuSlots(local_gpus(params) if spreads_locally(params) else [])
+    assigned: dict[str, str | None] = {}  # stage id -> the GPU the flow gave it
     finished: set[str] = set()
     failed: dict[str, BaseException] = {}
     try:
@@ -148,8 +152,10 @@ def _run(root_path: Path, params: Params, stages: list[str] | None, use_dvc: boo
                         finished.add(sid)
                 for sid in [sid for sid in ready if sid in todo]:
                     name, task_name = runs[sid]
-                    running[run_stage.submit(name, task_name, str(root_path), parent, shares[sid], token,
-                                             sid=sid)] = sid
+                    assigned[sid] = slots.take()
+                    with requesting(params):  # a cluster's GPUs per run (runtime.gpus_per_task)
+                        running[run_stage.submit(name, task_name, str(root_path), parent, shares[sid], token,
+                                                 sid=sid, device=assigned[sid])] = sid
                 continue
             if not running:
                 break
@@ -158,6 +164,7 @@ def _run(root_path: Path, params: Params, stages: list[str] | None, use_dvc: boo
             ok = []
             for fut in batch:
                 sid = running.pop(fut)
+                slots.give(assigned.pop(sid, None))
                 try:
                     results[sid] = fut.result()
                     ok.append(sid)
