@@ -55,6 +55,14 @@ class PipelineParams(_Section):
     lock_timeout: float = Field(600.0, ge=0, description=(
         "seconds a run waits for another run on the same workspace to finish before failing"))
 
+    @field_validator("tasks", mode="before")
+    @classmethod
+    def _drop_null_tasks(cls, tasks):
+        """`task: null` removes a task (so a profile can run fewer tasks than the one it extends)."""
+        if isinstance(tasks, dict):
+            return {k: v for k, v in tasks.items() if v is not None}
+        return tasks
+
     @field_validator("tasks")
     @classmethod
     def _task_names(cls, tasks: dict[str, TaskSpec]) -> dict[str, TaskSpec]:

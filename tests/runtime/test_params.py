@@ -174,3 +174,16 @@ def test_an_int_still_fills_a_float_field(tmp_path):
     path = tmp_path / "params.yaml"
     path.write_text("pipeline:\n  tasks: {bbc: {corpus: bbc_news}}\nfinetune:\n  epochs: 2\n")
     assert load_params(path).finetune.epochs == 2.0
+
+
+def test_a_task_set_to_null_is_dropped(tmp_path, project_root):
+    """A profile runs fewer tasks than the one it extends with `task: null` (profiles/smollm2.yaml)."""
+    import yaml
+
+    from tasks.runtime.params import load_params
+
+    profile = tmp_path / "fewer.yaml"
+    profile.write_text(yaml.safe_dump({"extends": "tiny", "pipeline": {"tasks": {"debates": None, "tweets": None}}}))
+    params = load_params(project_root / "params.yaml", str(profile))
+    assert list(params.pipeline.tasks) == ["bbc", "rotten"]
+    assert list(load_params(project_root / "params.yaml", "smollm2").pipeline.tasks) == ["bbc", "rotten", "tweets"]
