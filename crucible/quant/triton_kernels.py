@@ -227,6 +227,11 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16, 
         top_m, top_n, bk, stages = 128, 128, (64 if dtype == torch.bfloat16 else 32), 3
     bm = _pow2_at_least(m, 16, top_m)
     bn = _pow2_at_least(n, 16, top_n)
+    if dtype == torch.bfloat16 and m <= 16:
+        # decode: the weight stream is the cost; narrow N tiles give more programs (N / 32) and
+        # long K steps fewer loop trips (measured on an H200 by benchmarks/gpu_check.py at
+        # K = N = 4096: 105 us with 128-wide N tiles and BLOCK_K 64, 30 us with these)
+        bn, bk, stages = min(bn, 32), 128, 4
     dev = torch.device(device) if device is not None else None
     if bm == 128 and dev is not None and dev.type == "cuda":
         idx = dev.index if dev.index is not None else torch.cuda.current_device()
