@@ -187,3 +187,7 @@ def test_a_task_set_to_null_is_dropped(tmp_path, project_root):
     params = load_params(project_root / "params.yaml", str(profile))
     assert list(params.pipeline.tasks) == ["bbc", "rotten"]
     assert list(load_params(project_root / "params.yaml", "smollm2").pipeline.tasks) == ["bbc", "rotten", "tweets"]
+    # the rendered params (a workspace's params.yaml, which dvc.yaml's foreach reads) lose it too
+    from tasks.runtime.params import render_params
+
+    assert list(render_params(project_root / "params.yaml", str(profile))["pipeline"]["tasks"]) == ["bbc", "rotten"]
