@@ -218,6 +218,12 @@ def load_quantized_moe(path: Path | str, skeleton: nn.Module) -> nn.Module:
     for name, module in built.items():
         _set_module(skeleton, name, module)
     rest = {k: tensors[k] for k in expected}
-    rest.update({k: tensors[src] for k, src in tied.items() if src in tensors})
     skeleton.load_state_dict(rest, strict=False)
+    # a tied tensor (the LM head sharing the input embedding) is the same Parameter as the one that
+    # was written: loading a copy into it is a no-op where the skeleton left it on the meta device
+    # (transformers does, for a head it found no tensor for), and its memory would stay uninitialised
+    for k, src in tied.items():
+        owner, _, leaf = k.rpartition(".")
+        src_owner, _, src_leaf = src.rpartition(".")
+        setattr(skeleton.get_submodule(owner), leaf, getattr(skeleton.get_submodule(src_owner), src_leaf))
     return skeleton.eval()

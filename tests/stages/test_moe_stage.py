@@ -118,7 +118,19 @@ def test_quantize_compares_the_variants_and_writes_a_loadable_model(tmp_path, pr
     assert ranks["uniform"].sum() == ranks["load_aware"].sum() == 24
     skeleton = AutoModelForCausalLM.from_pretrained(root / "models/moe/build", local_files_only=True)
     qmodel = load_quantized_moe(root / "models/moe/quantize/model.safetensors", skeleton)
+    if qmodel.config.tie_word_embeddings:  # the head is the embedding written once, not uninitialised memory
+        assert qmodel.get_output_embeddings().weight is qmodel.get_input_embeddings().weight
+        assert not qmodel.get_output_embeddings().weight.is_meta
     ids = torch.randint(0, 1000, (1, 8))
+    with torch.no_grad():
+        assert torch.isfinite(qmodel(input_ids=ids).logits).all()
+    # what a long-lived process met (the whole test suite in one process): from_pretrained left the
+    # head apart from the embedding, on the meta device; the loader must tie it, not copy into it
+    skeleton = AutoModelForCausalLM.from_pretrained(root / "models/moe/build", local_files_only=True)
+    head = skeleton.get_output_embeddings()
+    head.weight = torch.nn.Parameter(torch.empty(head.weight.shape, device="meta"))
+    qmodel = load_quantized_moe(root / "models/moe/quantize/model.safetensors", skeleton)
+    assert qmodel.get_output_embeddings().weight is qmodel.get_input_embeddings().weight
     with torch.no_grad():
         assert torch.isfinite(qmodel(input_ids=ids).logits).all()
     first = _md5s(root, "models/moe/quantize")
