@@ -64,7 +64,7 @@ dvc-repro: install
 	$(BIN)/dvc repro
 
 test: install $(TEST_STAMP)
-	$(BIN)/python -m pytest -q -m "not determinism and not operations"
+	$(BIN)/python -m pytest -q --durations=15 -m "not determinism and not operations"
 
 test-fast: install $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
