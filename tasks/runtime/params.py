@@ -148,9 +148,11 @@ def render_params(path: Path | str = "params.yaml", profile: str | None = None) 
     data = _read_yaml(Path(path))
     if profile:
         data = deep_merge(data, read_profile(profile))
-        tasks = data.get("pipeline", {}).get("tasks")
-        if isinstance(tasks, dict):  # `task: null` drops the task: DVC's foreach must not see it either
-            data["pipeline"]["tasks"] = {k: v for k, v in tasks.items() if v is not None}
+        if isinstance(data.get("pipeline"), dict) and "tasks" in data["pipeline"]:
+            # `task: null` drops the task: DVC's foreach (which reads this file) must not see it either
+            from tasks.runtime.params_schema import _drop_nulls
+
+            data["pipeline"]["tasks"] = _drop_nulls(data["pipeline"]["tasks"])
     return data
 
 

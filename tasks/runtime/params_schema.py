@@ -26,6 +26,11 @@ def _valid_regex(pattern: str | None) -> str | None:
     return pattern
 
 
+def _drop_nulls(mapping):
+    """A mapping without its null entries: `name: null` in a profile removes an entry it inherits."""
+    return {k: v for k, v in mapping.items() if v is not None} if isinstance(mapping, dict) else mapping
+
+
 class _Section(BaseModel):
     # strict: `max_steps: true` is not 1 and `lr: "0.1"` is not 0.1 (an int still fills a float field)
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -55,13 +60,8 @@ class PipelineParams(_Section):
     lock_timeout: float = Field(600.0, ge=0, description=(
         "seconds a run waits for another run on the same workspace to finish before failing"))
 
-    @field_validator("tasks", mode="before")
-    @classmethod
-    def _drop_null_tasks(cls, tasks):
-        """`task: null` removes a task (so a profile can run fewer tasks than the one it extends)."""
-        if isinstance(tasks, dict):
-            return {k: v for k, v in tasks.items() if v is not None}
-        return tasks
+    # `task: null` removes a task (so a profile can run fewer tasks than the one it extends)
+    _drop_null_tasks = field_validator("tasks", mode="before")(classmethod(lambda cls, v: _drop_nulls(v)))
 
     @field_validator("tasks")
     @classmethod
@@ -265,13 +265,8 @@ class MergeParams(_Section):
     eval_limit: int | None = Field(200, ge=1, description="test items scored per task (first N); null = all")
     eval_batch_size: int = Field(64, ge=1, le=4096)
 
-    @field_validator("methods", mode="before")
-    @classmethod
-    def _drop_null_methods(cls, methods):
-        """`method: null` removes a method (so a profile can run fewer than the defaults)."""
-        if isinstance(methods, dict):
-            return {k: v for k, v in methods.items() if v is not None}
-        return methods
+    # `method: null` removes a method (so a profile can run fewer than the defaults)
+    _drop_null_methods = field_validator("methods", mode="before")(classmethod(lambda cls, v: _drop_nulls(v)))
 
     @model_validator(mode="after")
     def _methods_known(self) -> "MergeParams":

@@ -78,12 +78,16 @@ def test_outputs_config_and_metrics(finetuned_project):
     exp = client.get_experiment_by_name("crucible")
     run = client.search_runs([exp.experiment_id], "tags.`crucible.stage` = 'finetune'")[0]
     assert run.data.metrics["examples_per_second"] > 0 and run.data.params["torch_threads"] == str(torch.get_num_threads())
-    # where it ran: on the run (runtime.device auto resolves to the CPU here) and in the output's config
-    if not torch.cuda.is_available():
-        assert run.data.tags["crucible.runtime.device"] == "cpu" and run.data.tags["crucible.runtime.precision"] == "fp32"
-        assert config["runtime"] == {"device": "cpu", "precision": "fp32", "torch": torch.__version__,
-                                     "cuda": str(torch.version.cuda or "none")}
-        assert config["train"]["autocast"] == "fp32"
+    # where it ran (runtime.device auto): on the run and in the output's config
+    from crucible.device import autocast_dtype, precision_name, resolve_device
+
+    device = resolve_device("auto")
+    precision = precision_name(autocast_dtype(device, "auto"))
+    assert run.data.tags["crucible.runtime.device"] == str(device)
+    assert run.data.tags["crucible.runtime.precision"] == precision
+    assert config["runtime"] == {"device": device.type, "precision": precision, "torch": torch.__version__,
+                                 "cuda": str(torch.version.cuda or "none")}
+    assert config["train"]["autocast"] == precision
     # the dev split is reference rows only, stratified
     labeled = pd.read_parquet(base / "labeled.parquet")
     assert metrics["n_dev"] == 8 and metrics["n_train"] == 80 - 8 - 2  # two rows of weight 0 dropped
