@@ -5,6 +5,8 @@
     crucible dag write|check|show                        dvc.yaml from the stages' declarations
     crucible params check [FILE] [--profile tiny]        validate params
     crucible params render [--profile tiny] [-o FILE]    params with a profile applied
+    crucible data check [--profile mine]                 your input files (source: files), checked up front
+    crucible data example [--dir inputs]                 two example tasks in that format (sport, reviews)
     crucible ui                                          MLflow UI + Prefect server on 127.0.0.1
     crucible deploy [--port 4200]                        serve the scheduled deployments (make serve)
     crucible serve [--alias champion] [--port 5001]      the registered model over HTTP on 127.0.0.1
@@ -26,6 +28,21 @@ from flows.servers import cmd_deploy, cmd_serve, cmd_ui
 from tasks.runtime.env import apply_defaults
 
 
+def preflight(params, root: Path) -> None:
+    """What can be checked before a run starts: the demo-only params set under source: files (a
+    warning: they are ignored) and, under source: files, every task's input files (raises)."""
+    from tasks.runtime.params_schema import demo_only_settings
+    from tasks.stages.ingest import check_user_files
+
+    for setting in demo_only_settings(params):
+        print(f"warning: {setting} is a demo-only param; ingest.source is 'files', so it is ignored",
+              file=sys.stderr)
+    if params.ingest.source == "files":
+        for task, n in check_user_files(params, root).items():
+            print(f"  {params.ingest.files_dir}/{task}: OK ({', '.join(f'{k} {v}' for k, v in n.items() if k != 'short_texts')} rows"
+                  + (f"; {n['short_texts']} texts under ingest.min_chars" if n["short_texts"] else "") + ")")
+
+
 def _cmd_params(args) -> int:
     from tasks.runtime.params import ParamsError, load_params, render_params
 
@@ -36,6 +53,7 @@ def _cmd_params(args) -> int:
             params = load_params(args.file, args.profile)
             print(f"{args.file}{' + profile ' + args.profile if args.profile else ''}: OK "
                   f"({len(params.pipeline.tasks)} tasks: {', '.join(params.pipeline.tasks)})")
+            preflight(params, Path(args.file).resolve().parent)
         else:
             data = render_params(args.file, args.profile)
             load_params(args.file, args.profile)
@@ -44,9 +62,36 @@ def _cmd_params(args) -> int:
                 Path(args.output).write_text(text)
             else:
                 sys.stdout.write(text)
-    except ParamsError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (ParamsError, OSError, ValueError) as exc:
+        print(f"error: {describe(exc)}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _cmd_data(args) -> int:
+    """`crucible data check`: params, then every task's input files, as ingest will read them."""
+    from tasks.runtime.params import ParamsError, load_params
+
+    root = Path(args.root).resolve()
+    if args.action == "example":
+        from tasks.data.example_inputs import TASKS, write_example_inputs
+
+        folder = Path(args.dir) if Path(args.dir).is_absolute() else root / args.dir
+        written = write_example_inputs(folder)
+        print(f"wrote {len(written)} files: {', '.join(f'{folder}/{t}/' for t in TASKS)} "
+              f"(reference, pool, audit, test .parquet each)")
+        return 0
+    try:
+        params = load_params(root / "params.yaml", args.profile)
+        if params.ingest.source != "files":
+            print(f"ingest.source is 'demo': the {len(params.pipeline.tasks)} tasks are built from packaged "
+                  f"corpora; nothing under {params.ingest.files_dir}/ is read")
+            return 0
+        preflight(params, root)
+    except (ParamsError, OSError, ValueError) as exc:
+        print(f"error: {describe(exc)}", file=sys.stderr)
+        return 2
+    print(f"{len(params.pipeline.tasks)} tasks ready for ingest")
     return 0
 
 
@@ -129,29 +174,51 @@ def _cmd_run(args) -> int:
         from tasks.runtime.device import resolve
 
         runtime = resolve(params.runtime)  # a device that is not there: say so before the flow starts
-    except (ParamsError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        preflight(params, root)  # your input files, before any stage runs
+    except (ParamsError, OSError, ValueError) as exc:
+        print(f"error: {describe(exc)}", file=sys.stderr)
         return 2
     print(f"runtime: {runtime.device} ({runtime.precision})")
-    from flows.pipeline import run_pipeline
+    from flows.pipeline import StageFailed, run_pipeline
+    from flows.runlog import RunLog
     from tasks.runtime.lock import WorkspaceLocked
     from tasks.runtime.tracking import TrackingStoreError, check_store
 
     start = time.perf_counter()
-    try:
-        check_store(root)  # an unreachable server or a corrupt mlflow.db: say so before the flow starts
-        results = run_pipeline(root, args.stage or None)
-    except WorkspaceLocked as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 3
-    except TrackingStoreError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"\npipeline finished in {time.perf_counter() - start:.1f} s ({root})")
+    with RunLog(root) as runlog:
+        try:
+            check_store(root)  # an unreachable server or a corrupt mlflow.db: say so before the flow starts
+            results = run_pipeline(root, args.stage or None)
+        except WorkspaceLocked as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 3
+        except TrackingStoreError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        except StageFailed as exc:
+            runlog.record(exc.__cause__ or exc)
+            print(f"error: stage {exc.sid}: {describe(exc.__cause__ or exc)}", file=sys.stderr)
+            for sid in exc.others:
+                print(f"error: stage {sid} failed too (see the log)", file=sys.stderr)
+            print(f"the traceback and the run's full log: {runlog.path}", file=sys.stderr)
+            return 2
+        except Exception as exc:  # anything else: one line too, the traceback in the log
+            runlog.record(exc)
+            print(f"error: {type(exc).__name__}: {describe(exc)}", file=sys.stderr)
+            print(f"the traceback and the run's full log: {runlog.path}", file=sys.stderr)
+            return 1
+    print(summary_table(results, time.perf_counter() - start, root, params))
+    return 0
+
+
+def summary_table(results: dict, seconds: float, root: Path, params) -> str:
+    """The per-stage summary a finished run prints (`crucible run`, and each run under
+    `crucible deploy`)."""
+    lines = [f"\npipeline finished in {seconds:.1f} s ({root})"]
     for sid, res in results.items():
         status = "up to date" if res == "skipped" else f"ran in {res['seconds']:.1f} s"
-        print(f"  {sid:<28} {status}")
-    return 0
+        lines.append(f"  {sid:<28} {status}")
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -175,6 +242,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["write", "check", "show"])
     p.add_argument("--root", default=".", help="project folder (default: .)")
     p.set_defaults(func=_cmd_dag)
+
+    p = sub.add_parser("data", help="check your input files (ingest.source: files) as ingest will read them; "
+                                     "`example` writes two example tasks in that format")
+    p.add_argument("action", choices=["check", "example"])
+    p.add_argument("--dir", default="inputs", help="example: the folder to write the tasks into (default inputs)")
+    p.add_argument("--profile")
+    p.add_argument("--root", default=".", help="project folder (default: .)")
+    p.set_defaults(func=_cmd_data)
 
     p = sub.add_parser("params", help="validate or render params")
     p.add_argument("action", choices=["check", "render"])

@@ -74,6 +74,12 @@ def format_validation_error(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
+class Override(dict):
+    """A mapping a profile marks `!override`: it replaces the inherited mapping instead of merging
+    into it (Docker Compose's tag for the same thing). `pipeline.tasks: !override {spam: {}}` runs
+    only `spam`, whatever params.yaml or the extended profile lists."""
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """A YAML loader that refuses a key given twice in one mapping (plain YAML keeps the last one)."""
 
@@ -94,6 +100,16 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def _construct_override(loader: _UniqueKeyLoader, node: yaml.Node) -> Override:
+    if not isinstance(node, yaml.MappingNode):
+        raise yaml.constructor.ConstructorError(
+            None, None, f"!override marks a mapping (key: !override {{...}}), not a {node.id}", node.start_mark)
+    return Override(loader.construct_mapping(node, deep=True))
+
+
+_UniqueKeyLoader.add_constructor("!override", _construct_override)
+
+
 def _read_yaml(path: Path) -> dict:
     try:
         text = path.read_text()
@@ -109,11 +125,24 @@ def _read_yaml(path: Path) -> dict:
 
 
 def deep_merge(base: dict, override: dict) -> dict:
-    """`override` applied onto `base`: mappings merge key by key, anything else replaces."""
+    """`override` applied onto `base`: mappings merge key by key, anything else replaces, and so
+    does a mapping marked `!override` (which stays marked, so that it also replaces what the next
+    file down the chain has)."""
     out = dict(base)
     for key, value in override.items():
-        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
+        merge = isinstance(value, dict) and not isinstance(value, Override) and isinstance(out.get(key), dict)
+        out[key] = deep_merge(out[key], value) if merge else value
+    # merged into a marked mapping (a profile extending one that replaces): still replaces further down
+    return Override(out) if isinstance(base, Override) else out
+
+
+def _plain(data):
+    """Marked mappings as plain ones (for validation and YAML output)."""
+    if isinstance(data, dict):
+        return {k: _plain(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_plain(v) for v in data]
+    return data
 
 
 def profile_path(profile: str) -> Path:
@@ -153,7 +182,7 @@ def render_params(path: Path | str = "params.yaml", profile: str | None = None) 
             from tasks.runtime.params_schema import _drop_nulls
 
             data["pipeline"]["tasks"] = _drop_nulls(data["pipeline"]["tasks"])
-    return data
+    return _plain(data)
 
 
 def validate_params(data: dict, source: str) -> Params:

@@ -40,7 +40,8 @@ Prob = Annotated[float, Field(ge=0.0, le=1.0)]
 
 
 class TaskSpec(_Section):
-    """One task of the demo: which packaged corpus is its target, and optional size overrides."""
+    """One task of the demo: which packaged corpus is its target, and optional size overrides (all
+    demo-only: under source: files a task is `name: {}` and its sizes are its files')."""
 
     corpus: Literal["bbc_news", "rotten_tomatoes", "tweet_sentiment", "debates_party"] | None = Field(
         None, description="packaged corpus for source: demo; unused for source: files")
@@ -51,7 +52,7 @@ class TaskSpec(_Section):
 
 class PipelineParams(_Section):
     seed: int = Field(0, ge=0, description="one seed; every stage derives its own from it and the task")
-    tasks: dict[str, TaskSpec] = Field(..., min_length=1, description="task name -> spec, in arrival order")
+    tasks: dict[str, TaskSpec] = Field(..., description="task name -> spec, in arrival order")
     runner: Literal["threads", "dask", "ray"] = "threads"
     max_workers: int = Field(2, ge=1, le=256)
     address: str | None = Field(None, min_length=1, description=(
@@ -66,6 +67,9 @@ class PipelineParams(_Section):
     @field_validator("tasks")
     @classmethod
     def _task_names(cls, tasks: dict[str, TaskSpec]) -> dict[str, TaskSpec]:
+        if not tasks:
+            raise ValueError("no tasks: name at least one (under ingest.source: files, one per folder of "
+                             "ingest.files_dir, e.g. `tasks: !override {spam: {}}` in a profile)")
         for name in tasks:
             if not TASK_NAME.match(name):
                 raise ValueError(f"task name {name!r} must match {TASK_NAME.pattern} (used in paths and DVC stage names)")
@@ -96,22 +100,43 @@ class AuditParams(_Section):
     pi_floor: float = Field(0.02, gt=0.0, le=1.0, description="smallest inclusion probability (uncertainty design)")
 
 
+DEMO = {"demo_only": True}  # a field's json_schema_extra: the demo builds with it; source: files ignores it
+
+
 class IngestParams(_Section):
     source: Literal["demo", "files"] = "demo"
     files_dir: str = Field("inputs", description="source: files reads <files_dir>/<task>/{reference,pool,audit,test}.parquet")
-    n_reference: int = Field(200, ge=10)
-    n_pool: int = Field(2000, ge=20)
-    n_test: int = Field(400, ge=10)
-    eps: float = Field(0.3, ge=0.0, le=0.95, description="contamination rate of the pool")
-    contaminants: ContaminantMix = ContaminantMix()
-    audit: AuditParams = AuditParams()
+    n_reference: int = Field(200, ge=10, json_schema_extra=DEMO)
+    n_pool: int = Field(2000, ge=20, json_schema_extra=DEMO)
+    n_test: int = Field(400, ge=10, json_schema_extra=DEMO)
+    eps: float = Field(0.3, ge=0.0, le=0.95, description="contamination rate of the pool", json_schema_extra=DEMO)
+    contaminants: ContaminantMix = Field(ContaminantMix(), json_schema_extra=DEMO)
+    audit: AuditParams = Field(AuditParams(), json_schema_extra=DEMO)
     proxy_score: Literal["none", "lexical"] = Field(
-        "lexical", description="demo pool's optional score column: a cross-fitted bag-of-words domain classifier")
-    min_chars: int = Field(30, ge=1, description="drop corpus items shorter than this")
-    max_chars: int = Field(2000, ge=50, description="truncate longer items (the encoder reads ~256 tokens)")
+        "lexical", description="demo pool's optional score column: a cross-fitted bag-of-words domain classifier",
+        json_schema_extra=DEMO)
+    min_chars: int = Field(30, ge=1, description="demo: drop corpus items shorter than this; files: ingest warns "
+                           "about (and counts in ingest.json) texts shorter than this, and keeps them")
+    max_chars: int = Field(2000, ge=50, description="truncate longer items (the encoder reads ~256 tokens)",
+                           json_schema_extra=DEMO)
     allow_shared_ids: bool = Field(False, description="accept ids shared between test and reference or pool (ids "
                                    "that number each file's rows, not items); exact test texts in reference or pool "
                                    "are still refused, and reference and pool ids must always differ")
+
+
+def demo_only_settings(params: "Params") -> list[str]:
+    """Under ingest.source: files, the demo-only params set away from their defaults (ignored there,
+    so `crucible params check` and `crucible run` warn), as `key = value`."""
+    if params.ingest.source != "files":
+        return []
+    found = []
+    for name, info in IngestParams.model_fields.items():
+        if (info.json_schema_extra or {}).get("demo_only") and getattr(params.ingest, name) != info.get_default():
+            value = getattr(params.ingest, name)
+            found.append(f"ingest.{name} = {value.model_dump() if isinstance(value, BaseModel) else value!r}")
+    for task, spec in params.pipeline.tasks.items():
+        found += [f"pipeline.tasks.{task}.{k} = {v!r}" for k, v in spec.model_dump().items() if v is not None]
+    return found
 
 
 class ModelParams(_Section):
@@ -357,6 +382,9 @@ class RegisterParams(_Section):
         "what a task must beat chance and the base model by when its floor is derived (floor: null)"))
     floors: dict[str, Prob] = Field(default_factory=dict, description="per task: its minimum test accuracy")
     batch_size: int = Field(64, ge=1, le=4096, description="texts per forward pass of the served model")
+    promote: bool = Field(True, description=(
+        "false: the version is registered and gated, but recorded as the challenger and never moved to "
+        "champion; a DVC experiment (`dvc exp run`, which sets DVC_EXP_NAME) never promotes either"))
 
     @field_validator("floors")
     @classmethod
@@ -464,7 +492,7 @@ class Params(_Section):
                 raise ValueError(f"pipeline.tasks.{name}.corpus is required when ingest.source is 'demo' "
                                  f"(one of {', '.join(CORPORA)})")
             n_pool = spec.n_pool or self.ingest.n_pool
-            if self.ingest.audit.budget > n_pool:
+            if self.ingest.source == "demo" and self.ingest.audit.budget > n_pool:
                 raise ValueError(f"ingest.audit.budget = {self.ingest.audit.budget} exceeds the pool size "
                                  f"{n_pool} of task '{name}'")
         order = self.merge.order

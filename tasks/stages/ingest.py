@@ -37,6 +37,7 @@ from tasks.runtime.declaration import StageSpec
 from tasks.data.corpora import load_corpus
 from tasks.runtime.io import AtomicOutputs, read_table
 from tasks.runtime.params_schema import Params
+from tasks.runtime.tracking import say
 
 TABLES = ("reference", "pool", "audit", "test")
 
@@ -142,6 +143,33 @@ def read_user_files(params: Params, task: str, root: Path) -> dict[str, pd.DataF
     return tables
 
 
+def check_user_files(params: Params, root: Path) -> dict[str, dict]:
+    """source: files, every task checked up front, as ingest would (`crucible data check`, and
+    `crucible run` before its flow starts): the folder, the four files, each table's contract and the
+    cross-table rules. Returns each task's row counts; the first problem raises, naming the file."""
+    base = Path(root) / params.ingest.files_dir
+    found = sorted(p.name for p in base.iterdir() if p.is_dir()) if base.is_dir() else []
+    counts = {}
+    for task in params.pipeline.tasks:
+        folder = base / task
+        if not folder.is_dir():
+            have = f"{base} has: {', '.join(found)}" if found else f"{base} has no task folders"
+            raise FileNotFoundError(f"{folder}: no such folder, but pipeline.tasks names {task!r} under "
+                                    f"ingest.source: files ({have}); each task needs "
+                                    f"{', '.join(t + '.parquet' for t in TABLES)} there")
+        tables = read_user_files(params, task, root)
+        check_tables(tables, folder, shared_ids_ok=allow_shared_ids(params))
+        counts[task] = {kind: len(tables[kind]) for kind in TABLES}
+        counts[task]["short_texts"] = short_texts(tables, params.ingest.min_chars)
+    return counts
+
+
+def short_texts(tables: dict[str, pd.DataFrame], min_chars: int) -> int:
+    """Texts under `min_chars` characters in the reference, pool and test (the demo drops such
+    corpus items; a user's files keep them, and ingest says how many there are)."""
+    return int(sum((tables[k]["text"].str.len() < min_chars).sum() for k in ("reference", "pool", "test")))
+
+
 def allow_shared_ids(params: Params) -> bool:
     """ingest.allow_shared_ids."""
     return params.ingest.allow_shared_ids
@@ -188,6 +216,11 @@ def run(params: Params, task: str, root: Path, log) -> dict:
         tables = read_user_files(params, task, root)
         check_tables(tables, Path(root) / params.ingest.files_dir / task, shared_ids_ok=allow_shared_ids(params))
     metrics = summarise(tables, params)
+    if params.ingest.source == "files":
+        metrics["short_texts"] = short_texts(tables, params.ingest.min_chars)
+        if metrics["short_texts"]:
+            say(f"warning: ingest@{task}: {metrics['short_texts']} texts in {params.ingest.files_dir}/{task} are shorter than "
+                f"ingest.min_chars = {params.ingest.min_chars} characters (kept: your files are used as they are)")
     with AtomicOutputs() as out:
         for kind, df in tables.items():
             out.parquet(df, base / f"{kind}.parquet")

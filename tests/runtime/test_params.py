@@ -98,7 +98,7 @@ def test_invalid_yaml_names_the_file(tmp_path):
 
 
 def test_unknown_profile(project_root):
-    with pytest.raises(ParamsError, match="unknown profile 'huge'; known profiles: moe, smollm2, tiny"):
+    with pytest.raises(ParamsError, match="unknown profile 'huge'; known profiles: files, moe, smollm2, tiny"):
         load_params(project_root / "params.yaml", "huge")
 
 
