@@ -30,6 +30,14 @@ from tasks.runtime.declaration import instances, overlaps, upstream
 from tasks.stages import NAMES, execute, module, spec
 
 
+class StageFailed(RuntimeError):
+    """A stage run failed (its exception is the cause); `others`: further runs that failed."""
+
+    def __init__(self, sid: str, others: list[str] | None = None):
+        super().__init__(f"stage {sid} failed")
+        self.sid, self.others = sid, list(others or ())
+
+
 @task(name="stage", task_run_name="{sid}", retries=0)
 def run_stage(stage: str, task_name: str | None, root: str, parent_run_id: str, share: int,
               lock_token: str | None = None, sid: str = "", device: str | None = None) -> dict:
@@ -176,7 +184,8 @@ def _run(root_path: Path, params: Params, stages: list[str] | None, use_dvc: boo
                 dvc.commit(root_path, ok, wait=wait)
             finished.update(ok)
         if failed:
-            raise next(iter(failed.values()))
+            (sid, exc), *others = failed.items()
+            raise StageFailed(sid, [o for o, _ in others]) from exc
     except BaseException:
         tracking.end_run(root_path, parent, "FAILED")
         raise
