@@ -154,9 +154,10 @@ def set_version_tags(client, name: str, version: str, tags: dict) -> None:
 
 
 def apply_gate(client, name: str, mv, accuracy: dict, mean: float, floors: dict, tolerance: float,
-               basis: dict | None = None) -> dict:
+               basis: dict | None = None, hold: str | None = None) -> dict:
     """Gate version `mv`, move the aliases, tag the decision; returns the gate record. `basis`: per
-    task, where its floor comes from (gate)."""
+    task, where its floor comes from (gate). `hold`: why this version may not be promoted (an
+    experiment, register.promote: false): it is gated and recorded, but only as the challenger."""
     before = version_by_alias(client, name, CHAMPION)
     if before is not None and before.version == mv.version:  # a rerun of the champion: nothing moves
         return {"decision": CHAMPION, "passed": True,
@@ -165,6 +166,9 @@ def apply_gate(client, name: str, mv, accuracy: dict, mean: float, floors: dict,
                 "tolerance": tolerance, "floors": floors, "floor_basis": basis or {}}
     champion = champion_info(client, name)
     passed, reason = gate(accuracy, mean, floors, tolerance, champion, basis)
+    if hold is not None:
+        reason = f"not promoted: {hold}; the gate {'would pass' if passed else 'fails'}: {reason}"
+        passed = False
     with _WRITE_LOCK:
         if passed:
             client.set_registered_model_alias(name, CHAMPION, mv.version)

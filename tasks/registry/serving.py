@@ -49,6 +49,11 @@ def version_summary(name: str, mv) -> list[str]:
     lines = [f"{name} version {mv.version}" + (f" (aliases: {', '.join(sorted(mv.aliases))})" if mv.aliases else ""),
              f"model: {t.get('crucible.model_kind', '?')} ({t.get('crucible.variant', '?')}), hash "
              f"{t.get(HASH_TAG, '?')}, run {mv.run_id}"]
+    made = ([f"in DVC experiment {t['crucible.experiment']!r}"] if t.get("crucible.experiment") else []) + \
+        ([f"from a {'dirty' if t['crucible.git_dirty'] == 'true' else 'clean'} git work tree"]
+         if t.get("crucible.git_dirty") in ("true", "false") else [])
+    if made:
+        lines.append("made " + ", ".join(made))
     if "crucible.gate.decision" in t:
         lines.append(f"gate at registration: {t['crucible.gate.decision']} ({t.get('crucible.gate.reason', '')})"
                      + (f"; since superseded by version {t['crucible.gate.superseded_by']}"

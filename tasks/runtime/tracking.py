@@ -234,6 +234,24 @@ def git_commit(root: Path) -> str:
         return "unknown"
 
 
+def git_dirty(root: Path) -> bool | None:
+    """Whether the git work tree at `root` has changes to tracked files (None: not a git repository)."""
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return bool(out.stdout.strip()) if out.returncode == 0 else None
+
+
+def experiment_name() -> str | None:
+    """The DVC experiment this process runs in: `dvc exp run` sets DVC_EXP_NAME for its stages
+    (a name it makes up when none is given); None outside an experiment."""
+    import os
+
+    return os.environ.get("DVC_EXP_NAME") or None
+
+
 class StageRun:
     """Logging handle of one stage run; every call is serialised through the process-wide lock."""
 

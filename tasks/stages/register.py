@@ -211,7 +211,7 @@ def _metric_tags(deployable: dict, evaluate: dict) -> dict:
 def run(params: Params, task: str | None, root: Path, log) -> dict:
     from tasks.data.models import base_model
     from tasks.registry.pyfunc import save_multitask_model
-    from tasks.runtime.tracking import git_commit
+    from tasks.runtime.tracking import experiment_name, git_commit, git_dirty
 
     cfg = params.register
     root = Path(root)
@@ -264,7 +264,10 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
             model_id, uri = log_pyfunc(client, log.run_id, dest, lambda path, mlflow_model: save_multitask_model(
                 path, source, kind, base_dir, example, extra, mlflow_model=mlflow_model))
             pyfunc_bytes = _tree_size(dest)
-        tags = {HASH_TAG: h, "crucible.model_kind": kind, "crucible.tasks": ",".join(tasks),
+        experiment, dirty = experiment_name(), git_dirty(root)
+        tags = {HASH_TAG: h, "crucible.model_kind": kind,
+                "crucible.experiment": experiment or "",
+                "crucible.git_dirty": "unknown" if dirty is None else str(dirty).lower(), "crucible.tasks": ",".join(tasks),
                 "crucible.size.served_bytes": served, "crucible.size.float_bytes": float_size,
                 "crucible.size.pyfunc_bytes": pyfunc_bytes, "crucible.stage_run_id": log.run_id,
                 **_metric_tags(deployable, evaluate), **lineage.lineage_tags(root, commit)}
@@ -277,12 +280,16 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
         note = f"registered version {mv.version} of {name!r} (model hash {h})"
     if lost:
         note += f"; warning: {lost}"
+    experiment = experiment_name()
+    hold = (f"DVC experiment {experiment!r} (dvc exp run never promotes)" if experiment
+            else "register.promote is false" if not cfg.promote else None)
     record = apply_gate(client, name, mv, deployable["accuracy"], deployable["mean_accuracy"], floors, cfg.tolerance,
-                        basis)
+                        basis, hold=hold)
     aliases = sorted(client.get_model_version(name, mv.version).aliases)
     result = {"name": name, "version": mv.version, "new_version": new, "aliases": aliases, "model_hash": h,
               "model": kind, "variant": deployable["variant"], "model_uri": f"models:/{name}/{mv.version}",
-              "run_id": mv.run_id, "note": note, "lost_registry": lost, "gate": record, "accuracy": deployable["accuracy"],
+              "run_id": mv.run_id, "experiment": experiment_name(), "promote": cfg.promote and not experiment_name(),
+              "note": note, "lost_registry": lost, "gate": record, "accuracy": deployable["accuracy"],
               "mean_accuracy": deployable["mean_accuracy"], "n_test": deployable["n_test"],
               "size_bytes": {"served": served, "float": float_size, "pyfunc": pyfunc_bytes},
               "size_mb": {"served": served / 2**20, "float": float_size / 2**20, "pyfunc": pyfunc_bytes / 2**20},

@@ -107,6 +107,48 @@ def test_gate_never_moves_champion_to_a_worse_model(tmp_path_factory):
     assert int(client.get_model_version_by_alias(name, "champion").version) == 2
 
 
+def test_an_experiment_or_promote_false_never_moves_the_champion(tmp_path_factory, monkeypatch):
+    """Under `dvc exp run` (DVC_EXP_NAME set) a better model is registered and gated but stays the
+    challenger, with the experiment and the work tree's state in its tags; so with
+    register.promote: false. Without either the same model then becomes the champion."""
+    root = copy_workspace(base_workspace(tmp_path_factory), tmp_path_factory, "experiment")
+    client = client_of(root)
+    name = "crucible-classifier"
+    write_evaluate(root, {"rotten": 0.6, "bbc": 0.5})
+    execute("register", None, root)
+    assert registered(root)["aliases"] == ["champion"]
+
+    _bump_heads(root, 1e-3)
+    write_evaluate(root, {"rotten": 0.7, "bbc": 0.6})  # better: the gate would pass
+    monkeypatch.setenv("DVC_EXP_NAME", "lr-sweep-3")
+    execute("register", None, root)
+    exp = registered(root)
+    assert exp["version"] == 2 and exp["aliases"] == ["challenger"] and exp["experiment"] == "lr-sweep-3"
+    assert exp["gate"]["decision"] == "challenger" and exp["gate"]["champion_after"] == 1
+    assert exp["gate"]["reason"].startswith("not promoted: DVC experiment 'lr-sweep-3'")
+    assert "the gate would pass" in exp["gate"]["reason"]
+    v2 = client.get_model_version(name, "2")
+    assert v2.tags["crucible.experiment"] == "lr-sweep-3" and v2.tags["crucible.git_dirty"] in ("true", "false", "unknown")
+    assert int(client.get_model_version_by_alias(name, "champion").version) == 1
+
+    monkeypatch.delenv("DVC_EXP_NAME")
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["register"]["promote"] = False
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    _bump_heads(root, 1e-3)
+    execute("register", None, root)
+    held = registered(root)
+    assert held["version"] == 3 and held["aliases"] == ["challenger"] and held["experiment"] is None
+    assert held["gate"]["reason"].startswith("not promoted: register.promote is false")
+    assert int(client.get_model_version_by_alias(name, "champion").version) == 1
+
+    params["register"]["promote"] = True  # the same model, promotable: it passes and moves the champion
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    execute("register", None, root)
+    assert registered(root)["aliases"] == ["champion"]
+    assert int(client.get_model_version_by_alias(name, "champion").version) == 3
+
+
 def test_gate_rule():
     from tasks.registry.registry import gate
 
