@@ -58,7 +58,7 @@ def set_runner(root: Path, runner: str, workers: int) -> None:
 def make_stale(root: Path, tasks: list[str]) -> None:
     for t in tasks:
         shutil.rmtree(root / "data" / t / "finetune", ignore_errors=True)
-        (root / "data" / t / "finetune.json").unlink(missing_ok=True)
+        (root / "metrics" / t / "finetune.json").unlink(missing_ok=True)
     shutil.rmtree(root / ".crucible" / "checkpoints" / "finetune", ignore_errors=True)
 
 

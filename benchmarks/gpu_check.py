@@ -116,7 +116,7 @@ def _profile_metrics(ws: Path) -> dict[str, float]:
         elif isinstance(value, (int, float)) and not isinstance(value, bool) and "accuracy" in prefix:
             out[prefix] = float(value)
 
-    for path in [*ws.glob("data/*/finetune.json"), ws / "models/merge/merge.json", ws / "models/quantize/quantize.json",
+    for path in [*ws.glob("metrics/*/finetune.json"), ws / "metrics/merge.json", ws / "metrics/quantize.json",
                  ws / "metrics/evaluate.json"]:
         if path.is_file():
             walk(str(path.relative_to(ws)), json.loads(path.read_text()))

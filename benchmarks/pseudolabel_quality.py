@@ -69,7 +69,7 @@ def evaluate_task(root: Path, params, task: str, draws: int, seed: int) -> dict:
     labeled = pd.read_parquet(base / "labeled.parquet")
     import json
 
-    metrics = json.loads((base / "pseudolabel.json").read_text())
+    metrics = json.loads((root / "metrics" / task / "pseudolabel.json").read_text())
     emb = {k: v.double().numpy() for k, v in load_embeddings(root, task, {"reference": ref, "pool": pool,
                                                                           "test": test}).items()}
     # the stage's teacher, refitted identically (deterministic), so the pool's predictions are fixed

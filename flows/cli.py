@@ -6,6 +6,7 @@
     crucible params check [FILE] [--profile tiny]        validate params
     crucible params render [--profile tiny] [-o FILE]    params with a profile applied
     crucible data check [--profile mine]                 your input files (source: files), checked up front
+    crucible compare [REV ...]                           the figures to compare, per revision / experiment
     crucible data example [--dir inputs]                 two example tasks in that format (sport, reviews)
     crucible ui                                          MLflow UI + Prefect server on 127.0.0.1
     crucible deploy [--port 4200]                        serve the scheduled deployments (make serve)
@@ -114,6 +115,7 @@ def _cmd_stage(args) -> int:
     from tasks.stages import execute
 
     try:
+        _check_dvc_yaml(args.stage, Path(args.root))
         result = execute(args.stage, args.task, args.root)
     except WorkspaceLocked as exc:
         print(f"error: stage {args.stage}{'@' + args.task if args.task else ''}: {exc}", file=sys.stderr)
@@ -126,31 +128,53 @@ def _cmd_stage(args) -> int:
     return 0
 
 
+def _cmd_compare(args) -> int:
+    from flows.compare import table
+
+    try:
+        print(table(args.root, args.revs))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _check_dvc_yaml(stage: str, root: Path) -> None:
+    """Under `dvc repro` (which sets DVC_STAGE), a stage over all tasks refuses a dvc.yaml written
+    for other tasks than params.yaml's: DVC would not rerun it when a new task's files change."""
+    import os
+
+    from tasks.stages import project_dvc_yaml, spec
+
+    s = spec(stage)
+    if not os.environ.get("DVC_STAGE") or s.per_task or not any("{task}" in d for d in s.deps):
+        return
+    path = root / "dvc.yaml"
+    if path.is_file() and path.read_text() != project_dvc_yaml(root):
+        raise ValueError(f"{path.resolve()} does not list the files of params.yaml's pipeline.tasks (it was written "
+                         f"for other tasks, or by other code): run `crucible dag write`, then `dvc repro` again")
+
+
 def _cmd_dag(args) -> int:
     """dvc.yaml from the stages' declarations: write it, check it, or show the DAG of stage runs."""
     from tasks.runtime.declaration import upstream
     from tasks.runtime.params import ParamsError, load_params
-    from tasks.stages import dvc_yaml, specs
+    from tasks.stages import project_dvc_yaml, specs, write_dvc_yaml
 
     root = Path(args.root).resolve()
     path = root / "dvc.yaml"
-    if args.action == "write":
-        text = dvc_yaml()
-        if not path.is_file() or path.read_text() != text:
-            path.write_text(text)
-            print(f"wrote {path}")
-        else:
-            print(f"{path} is up to date")
-        return 0
-    if args.action == "check":
-        if not path.is_file() or path.read_text() != dvc_yaml():
-            print(f"error: {path} is stale: it differs from the stages' declarations (tasks/stages/*.py); "
-                  f"run `crucible dag write`", file=sys.stderr)
-            return 1
-        print(f"{path} matches the stages' declarations")
-        return 0
     try:
         tasks = list(load_params(root / "params.yaml").pipeline.tasks)
+        if args.action == "write":
+            print(f"wrote {path}" if write_dvc_yaml(root) else f"{path} is up to date")
+            return 0
+        if args.action == "check":
+            if not path.is_file() or path.read_text() != project_dvc_yaml(root):
+                print(f"error: {path} is stale: it differs from the stages' declarations (tasks/stages/*.py) for "
+                      f"pipeline.tasks ({', '.join(tasks)}); run `crucible dag write`", file=sys.stderr)
+                return 1
+            print(f"{path} matches the stages' declarations")
+            return 0
     except ParamsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -175,11 +199,15 @@ def _cmd_run(args) -> int:
 
         runtime = resolve(params.runtime)  # a device that is not there: say so before the flow starts
         preflight(params, root)  # your input files, before any stage runs
+        from tasks.stages import write_dvc_yaml
+
+        if (root / "dvc.yaml").is_file() and write_dvc_yaml(root):  # it follows pipeline.tasks
+            print(f"dvc.yaml: rewritten for pipeline.tasks ({', '.join(params.pipeline.tasks)})")
     except (ParamsError, OSError, ValueError) as exc:
         print(f"error: {describe(exc)}", file=sys.stderr)
         return 2
     print(f"runtime: {runtime.device} ({runtime.precision})")
-    from flows.pipeline import StageFailed, run_pipeline
+    from flows.pipeline import StageFailed, run_pipeline, summary_table
     from flows.runlog import RunLog
     from tasks.runtime.lock import WorkspaceLocked
     from tasks.runtime.tracking import TrackingStoreError, check_store
@@ -209,16 +237,6 @@ def _cmd_run(args) -> int:
             return 1
     print(summary_table(results, time.perf_counter() - start, root, params))
     return 0
-
-
-def summary_table(results: dict, seconds: float, root: Path, params) -> str:
-    """The per-stage summary a finished run prints (`crucible run`, and each run under
-    `crucible deploy`)."""
-    lines = [f"\npipeline finished in {seconds:.1f} s ({root})"]
-    for sid, res in results.items():
-        status = "up to date" if res == "skipped" else f"ran in {res['seconds']:.1f} s"
-        lines.append(f"  {sid:<28} {status}")
-    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -257,6 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile")
     p.add_argument("-o", "--output")
     p.set_defaults(func=_cmd_params)
+
+    p = sub.add_parser("compare", help="the figures to compare (accuracy per task, eps_hat, CC-MMD, size, bits per "
+                                        "weight, gate) in the work tree, HEAD and HEAD's DVC experiments, or given revisions")
+    p.add_argument("revs", nargs="*", metavar="REV", help="git revisions or DVC experiment names")
+    p.add_argument("--root", default=".")
+    p.set_defaults(func=_cmd_compare)
 
     p = sub.add_parser("ui", help="start the MLflow UI and a Prefect server on 127.0.0.1")
     p.add_argument("--root", default=".")

@@ -14,6 +14,7 @@ and `dvc repro` does nothing. One MLflow parent run per flow run; each stage run
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -213,8 +214,41 @@ def run_pipeline(root: Path | str = ".", stages: list[str] | None = None) -> dic
     return pipeline.with_options(task_runner=task_runner(params))(root=str(root), stages=stages)
 
 
+def summary_table(results: dict, seconds: float, root: Path, params: Params) -> str:
+    """The per-stage summary of a finished run (`crucible run`, and each run of `crucible deploy`):
+    what ran and for how long, what was up to date, then the smoke-test notice and evaluate's
+    warnings."""
+    lines = [f"\npipeline finished in {seconds:.1f} s ({root})"]
+    for sid, res in results.items():
+        status = "up to date" if res == "skipped" else f"ran in {res['seconds']:.1f} s"
+        lines.append(f"  {sid:<28} {status}")
+    return "\n".join(lines + _run_notes(Path(root), params))
+
+
+def _run_notes(root: Path, params) -> list[str]:
+    """What a finished run's summary adds: the smoke-test notice, evaluate's warnings."""
+    notes = []
+    if params.pipeline.smoke_test:
+        notes.append("note: a smoke test (pipeline.smoke_test, e.g. the tiny profile): it shows every stage runs; its "
+                     "models see a few steps of small samples and are not meant for use")
+    try:
+        notes += [f"warning: {w}" for w in json.loads((root / "metrics" / "evaluate.json").read_text()).get("warnings", [])]
+    except (OSError, ValueError):
+        pass
+    return notes
+
+
 @flow(name="crucible-scheduled")
 def scheduled(root: str = ".", stages: list[str] | None = None) -> dict:
     """Deployment entry point (prefect.yaml, `crucible deploy`): the pipeline on the task runner
-    params choose (optionally only the listed stages)."""
-    return run_pipeline(root, stages)
+    params choose (optionally only the listed stages), then the same per-stage summary as
+    `crucible run`, on stdout and in the flow run's log."""
+    import time
+
+    start = time.perf_counter()
+    results = run_pipeline(root, stages)
+    text = summary_table(results, time.perf_counter() - start, Path(root).resolve(),
+                         load_params(Path(root) / "params.yaml"))
+    print(text, flush=True)
+    get_run_logger().info("%s", text)
+    return results

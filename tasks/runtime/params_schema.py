@@ -60,6 +60,9 @@ class PipelineParams(_Section):
         "null: a local cluster of max_workers workers. CRUCIBLE_DASK_ADDRESS / CRUCIBLE_RAY_ADDRESS override it"))
     lock_timeout: float = Field(600.0, ge=0, description=(
         "seconds a run waits for another run on the same workspace to finish before failing"))
+    smoke_test: bool = Field(False, description=(
+        "a run that only shows the pipeline works end to end (the tiny profile): its models are not meant to "
+        "be used, and the run's summary says so; read by no stage"))
 
     # `task: null` removes a task (so a profile can run fewer tasks than the one it extends)
     _drop_null_tasks = field_validator("tasks", mode="before")(classmethod(lambda cls, v: _drop_nulls(v)))

@@ -132,7 +132,8 @@ def _execute(spec, task, root: Path, params: Params, module, parent_run_id,
     start = time.perf_counter()
     with tracking.stage_run(root, params.tracking.experiment, spec.name, task, parent_run_id) as log:
         log.log_params(declared_values(params, keys))
-        log.set_tags({f"crucible.input.{p}": md5_file(root / p) for p in inputs(spec, task, root)})
+        log.set_tags({f"crucible.input.{p}": md5_file(root / p)
+                      for p in inputs(spec, task, root, list(params.pipeline.tasks))})
         log.set_tags(runtime.tags())
         with PeakRSS() as rss, runtime_device.using(runtime):
             metrics = module.run(declared_view(params, keys, spec.name), task, root, log)

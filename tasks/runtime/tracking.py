@@ -29,7 +29,7 @@ _WRITE_LOCK = threading.Lock()
 PARENT_ENV = "CRUCIBLE_PARENT_RUN_ID"
 DB_NAME = "mlflow.db"
 ARTIFACTS = "mlartifacts"
-REGISTERED = Path("models") / "register" / "registered.json"  # the register stage's record (tasks/stages/register.py)
+REGISTERED = Path("metrics") / "registered.json"  # the register stage's record (tasks/stages/register.py)
 FAILURE_TAG = "crucible.failure"  # why a run or a logged model was ended by the next start
 SERVER_CHECK_S = 5.0  # seconds per attempt (two attempts) to reach a tracking server before a run starts
 

@@ -17,6 +17,7 @@ import yaml
 
 from tasks.runtime.params import render_params, validate_params
 
+# dvc.yaml as the project has it: `crucible run` rewrites it for the profile's tasks where they differ
 PROJECT_FILES = ("dvc.yaml", ".dvcignore", "prefect.yaml")
 PROJECT_DIRS = ("crucible", "tasks", "flows", "inputs")
 
@@ -48,9 +49,10 @@ def make_workspace(source: Path | str, dest: Path | str, profile: str | None = N
     text = yaml.safe_dump(data, sort_keys=False)
     if not (dest / "params.yaml").exists() or (dest / "params.yaml").read_text() != text:
         (dest / "params.yaml").write_text(text)
+
     if not (dest / ".git").exists():
         _run(["git", "init", "-q"], dest)
-        (dest / ".gitignore").write_text("/mlflow.db\n/mlartifacts/\n/.prefect/\n/.crucible/\n")
+        (dest / ".gitignore").write_text("/mlflow.db\n/mlartifacts/\n/.prefect/\n/.crucible/\n/dvc_plots/\n")
     if not (dest / ".dvc").exists():
         dvc = Path(sys.executable).with_name("dvc")
         _run([str(dvc) if dvc.exists() else "dvc", "init", "-q"], dest)

@@ -37,12 +37,30 @@ def specs() -> list[StageSpec]:
     return [spec(n) for n in NAMES]
 
 
-def dvc_yaml() -> str:
-    """dvc.yaml's text, from the declarations."""
+def dvc_yaml(tasks) -> str:
+    """dvc.yaml's text, from the declarations, for pipeline.tasks `tasks`."""
     from tasks.stages import evaluate
 
     extra = {k: tuple(p for p in v if (Path(__file__).resolve().parents[2] / p).exists()) for k, v in EXTRA_CODE.items()}
-    return dvc_yaml_text(specs(), evaluate.VIEWS, evaluate.VIEWS_COMMENT, extra)
+    return dvc_yaml_text(specs(), evaluate.VIEWS, evaluate.VIEWS_COMMENT, extra, list(tasks))
+
+
+def project_dvc_yaml(root: Path | str) -> str:
+    """dvc.yaml's text for the project at `root` (its params.yaml's tasks)."""
+    from tasks.runtime.params import load_params
+
+    return dvc_yaml(load_params(Path(root) / "params.yaml").pipeline.tasks)
+
+
+def write_dvc_yaml(root: Path | str) -> bool:
+    """Rewrite `root`/dvc.yaml when it differs from the declarations for its params' tasks; True if
+    it was rewritten."""
+    path = Path(root) / "dvc.yaml"
+    text = project_dvc_yaml(root)
+    if path.is_file() and path.read_text() == text:
+        return False
+    path.write_text(text)
+    return True
 
 
 def execute(name: str, task: str | None = None, root: Path | str = ".", **kwargs):

@@ -9,8 +9,8 @@ delta-method interval beside the naive (every item clean) and audit-only estimat
 eps_hat = 1 - N_hat / n (crucible.ccmmd; docs/methods.md, curate). Where the demo's truth covers the pool,
 the oracle and the true eps are reported beside them.
 
-Outputs: data/<task>/curated.parquet (id, text, score, audited, m, keep), curate.json (metrics),
-curate.png (scores by true membership where known; the estimates with the interval).
+Outputs: data/<task>/curated.parquet (id, text, score, audited, m, keep), metrics/<task>/curate.json
+(metrics), reports/<task>/curate.png (scores by true membership where known; the estimates with the interval).
 A gate (`curate.gate_max_ccmmd`) fails the stage, writing nothing, when the interval's lower end
 exceeds the threshold: the pool's clean part does not match the reference.
 """
@@ -39,8 +39,8 @@ SPEC = StageSpec(
                                               "truth.parquet", "embeddings.safetensors")),
     params=("pipeline.seed", "curate"),
     outs=("data/{task}/curated.parquet",),
-    metrics=("data/{task}/curate.json",),
-    plots=(Plot("data/{task}/curate.png"),),
+    metrics=("metrics/{task}/curate.json",),
+    plots=(Plot("reports/{task}/curate.png"),),
 )
 
 
@@ -143,8 +143,8 @@ def run(params: Params, task: str, root: Path, log) -> dict:
                             "m": m, "keep": keep})
     with AtomicOutputs() as out:
         out.parquet(curated, base / "curated.parquet")
-        out.json(metrics, base / "curate.json")
-        out.bytes(plot(scores, truth, result, task), base / "curate.png")
-    log.log_artifact(base / "curate.png")
-    log.log_artifact(base / "curate.json")
+        out.json(metrics, Path(root) / "metrics" / task / "curate.json")
+        out.bytes(plot(scores, truth, result, task), Path(root) / "reports" / task / "curate.png")
+    log.log_artifact(Path(root) / "reports" / task / "curate.png")
+    log.log_artifact(Path(root) / "metrics" / task / "curate.json")
     return metrics

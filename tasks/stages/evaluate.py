@@ -77,7 +77,9 @@ SPEC = StageSpec(
             "models) through three interfaces (head, fresh probe, clustering) from the features merge and "
             "quantize kept; one self-contained HTML report.",
     deps=(*(str(MERGE / n) for n in ("features.safetensors", "heads.safetensors", "config.json")),
-          *(str(QUANTIZE / n) for n in ("features.safetensors", "config.json")), "models/moe/moe.json", "data"),
+          *(str(QUANTIZE / n) for n in ("features.safetensors", "config.json")), "metrics/quantize.json",
+          "metrics/moe.json", str(MERGE / "accuracy.png"), str(QUANTIZE / "quantize.png"),
+          *(f"metrics/{{task}}/{s}.json" for s in ("ingest", "curate", "pseudolabel", "finetune"))),
     params=("pipeline.seed", "pipeline.tasks", "merge.order", "merge.methods", "merge.main", "evaluate"),
     uncached=(str(REPORTS / "index.html"), str(REPORTS / "plots")),
     metrics=(str(METRICS / "evaluate.json"), str(METRICS / "variants.json")),
@@ -286,8 +288,8 @@ def stage_summaries(root: Path, order: list[str]) -> dict[str, pd.DataFrame]:
     """Curation, pseudo-label and fine-tune figures per task (rows with what each stage recorded)."""
     cur, pl, ft = [], [], []
     for t in order:
-        c = _read_json(root / "data" / t / "curate.json") or {}
-        ing = _read_json(root / "data" / t / "ingest.json") or {}
+        c = _read_json(root / "metrics" / t / "curate.json") or {}
+        ing = _read_json(root / "metrics" / t / "ingest.json") or {}
         if c:
             cur.append({"task": t, "eps_true": c.get("eps_true", ing.get("eps_true")), "eps_hat": c.get("eps_hat"),
                         "ccmmd": c.get("ccmmd_value"), "ccmmd_ci_low": c.get("ccmmd_ci_low"),
@@ -295,11 +297,11 @@ def stage_summaries(root: Path, order: list[str]) -> dict[str, pd.DataFrame]:
                         "audit_only": c.get("audit_only"), "oracle": c.get("oracle"),
                         "keep_precision": c.get("keep_precision"), "keep_recall": c.get("keep_recall"),
                         "n_keep": c.get("n_keep"), "n_pool": c.get("n_pool")})
-        p = _read_json(root / "data" / t / "pseudolabel.json") or {}
+        p = _read_json(root / "metrics" / t / "pseudolabel.json") or {}
         if p:
             pl.append({"task": t, **{k: p.get(k) for k in ("accuracy", "accuracy_ci_low", "accuracy_ci_high",
                                                            "accuracy_true", "naive_accuracy", "n_selected")}})
-        f = _read_json(root / "data" / t / "finetune.json") or {}
+        f = _read_json(root / "metrics" / t / "finetune.json") or {}
         if f:
             ft.append({"task": t, **{k: f.get(k) for k in ("test_accuracy", "dev_accuracy", "steps", "n_train")}})
     cols = {"curation": ["task", "eps_true", "eps_hat", "ccmmd", "ccmmd_ci_low", "ccmmd_ci_high", "naive", "audit_only",
@@ -336,8 +338,35 @@ def _csv(df: pd.DataFrame) -> bytes:
     return df.to_csv(index=False, float_format="%.6g").encode()
 
 
+NEAR_CHANCE = 0.02  # a fine-tune within this of chance learned next to nothing
+
+
+def finetune_warnings(cells: pd.DataFrame, chance: dict[str, float]) -> list[str]:
+    """A task's fine-tune (its encoder and head, on its test rows) below the base encoder's fresh
+    probe, or within NEAR_CHANCE of chance: it learned less than the frozen model already knows (too
+    few steps, a too high learning rate, too little data). Said on stderr and in evaluate.json."""
+    def value(variant: str, metric: str, task: str) -> float | None:
+        hit = cells[(cells["variant"] == variant) & (cells["metric"] == metric) & (cells["task"] == task)]
+        return None if hit.empty else float(hit["value"].iloc[0])
+
+    out = []
+    for task, floor in chance.items():
+        ft, probe = value(f"finetune:{task}", "head", task), value("base", "probe", task)
+        if ft is None:
+            continue
+        if ft <= floor + NEAR_CHANCE:
+            out.append(f"finetune@{task}: test accuracy {ft:.3f} is at chance ({floor:.3f}, the majority class's "
+                       f"share): it learned next to nothing (more steps or data, another lr)")
+        elif probe is not None and ft < probe:
+            out.append(f"finetune@{task}: test accuracy {ft:.3f} is below the base model's fresh probe {probe:.3f} "
+                       f"(a linear probe on the frozen encoder beats the fine-tune)")
+    return out
+
+
 def run(params: Params, task: str | None, root: Path, log) -> dict:
     from tqdm.auto import tqdm
+
+    from tasks.runtime.tracking import say
 
     from tasks.report.page import build_report
 
@@ -364,8 +393,12 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
 
     table = {m: {r.interface: {"acc": r.acc, "bwt": r.bwt} for r in summary[summary["method"] == m].itertuples()}
              for m in mats}
+    warnings = finetune_warnings(cells, chance)
+    for w in warnings:
+        say(f"warning: {w}")
     metrics = _json_safe({"order": order, "main": main, "interfaces": ifaces, "methods": table,
-                          "deployable": deploy, "baselines": baselines, "n_test": n_test, "n_probe": n_probe})
+                          "deployable": deploy, "baselines": baselines, "n_test": n_test, "n_probe": n_probe,
+                          "warnings": warnings})
     variants = {}
     for r in cells.itertuples():
         variants.setdefault(r.variant, {}).setdefault(r.task, {})[r.metric] = r.value
@@ -380,8 +413,8 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
         "order": order, "interfaces": ifaces, "main": main, "cells": cells, "summary": summary, "curves": curves,
         "matrices": {m: {i: R.tolist() for i, R in by.items()} for m, by in mats.items()},
         **summaries,
-        "quantize": _read_json(root / QUANTIZE / "quantize.json"),
-        "moe": _read_json(root / "models" / "moe" / "moe.json"),
+        "quantize": _read_json(root / METRICS / "quantize.json"),
+        "moe": _read_json(root / METRICS / "moe.json"),
         "figures": {name: (root / path).read_bytes() for name, path in
                     (("merge", MERGE / "accuracy.png"), ("quantize", QUANTIZE / "quantize.png"),
                      ("moe", Path("models") / "moe" / "quantize" / "moe.png"))

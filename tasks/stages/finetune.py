@@ -17,7 +17,7 @@ Outputs (all published together):
 - data/<task>/finetune/head.safetensors: `weight` (n_classes, hidden), `bias`; metadata `classes`;
 - data/<task>/finetune/config.json: the resolved config (finetune params, base model, classes,
   max_length, pooling, seed, training sizes, best step);
-- data/<task>/finetune.json: dev/test accuracy and loss, steps, best step, sizes. No timings: the
+- metrics/<task>/finetune.json: dev/test accuracy and loss, steps, best step, sizes. No timings: the
   file is a DVC output (its md5 is in dvc.lock and in merge's `data` dependency), so it must not
   change when nothing else does; throughput and train seconds go to the stage's MLflow run.
 Checkpoints go to <root>/.crucible/checkpoints/finetune/<task>/, outside `data/` (a killed run
@@ -71,7 +71,7 @@ SPEC = StageSpec(
     params=("pipeline.seed", "ingest.allow_shared_ids", "model", "finetune.method",
             "finetune.${finetune.method}", *(f"finetune.{k}" for k in FinetuneParams.common_fields())),
     outs=("data/{task}/finetune",),
-    metrics=("data/{task}/finetune.json",),
+    metrics=("metrics/{task}/finetune.json",),
 )
 
 
@@ -233,7 +233,7 @@ def run(params: Params, task: str, root: Path, log) -> dict:
         out.bytes(safetensors_bytes(backbone, {"format": "pt", "base_model": base_info.name}), out_dir / "model.safetensors")
         out.bytes(safetensors_bytes(head, {"classes": json.dumps(classes)}), out_dir / "head.safetensors")
         out.json(resolved, out_dir / "config.json")
-        out.json(metrics, base / "finetune.json")
+        out.json(metrics, Path(root) / "metrics" / task / "finetune.json")
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     shutil.rmtree(base / ".finetune-checkpoints", ignore_errors=True)  # where earlier versions kept them
     log.log_artifact(out_dir / "config.json")

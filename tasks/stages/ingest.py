@@ -18,7 +18,7 @@ text copied exactly in the reference or the pool (train/test leakage; `ingest.al
 accepts ids shared with test, for files whose ids number rows), every audited id in the pool, and
 audit and test labels among the reference's classes. A failed check writes nothing.
 
-Outputs, under data/<task>/: reference, pool, audit, test, truth (.parquet) and ingest.json.
+Outputs, under data/<task>/: reference, pool, audit, test, truth (.parquet); metrics/<task>/ingest.json.
 The same params give byte-identical files.
 """
 
@@ -48,7 +48,7 @@ SPEC = StageSpec(
     # every task's spec: the demo mixes the other tasks' corpora into this task's pool
     params=("pipeline.seed", "pipeline.tasks", "ingest"),
     outs=tuple(f"data/{{task}}/{t}.parquet" for t in (*TABLES, "truth")),
-    metrics=("data/{task}/ingest.json",),
+    metrics=("metrics/{task}/ingest.json",),
 )
 
 
@@ -224,5 +224,5 @@ def run(params: Params, task: str, root: Path, log) -> dict:
     with AtomicOutputs() as out:
         for kind, df in tables.items():
             out.parquet(df, base / f"{kind}.parquet")
-        out.json(metrics, base / "ingest.json")
+        out.json(metrics, Path(root) / "metrics" / task / "ingest.json")
     return metrics

@@ -28,11 +28,11 @@ Outputs (all published together) under models/merge/:
   and every method's merged model after every arrival, on each arrived task's test rows and probe
   rows (`evaluate.probe_rows`), for the evaluate stage (tasks.data.heldout_scoring.FeatureStore; empty of
   variants when `merge.evaluate` is off);
-- merge.json: metrics (main method at top level, every method under `methods`: accuracy matrix,
+- metrics/merge.json: metrics (main method at top level, every method under `methods`: accuracy matrix,
   ACC, BWT, state size, ranks; seconds and peak RSS go to the MLflow run only, as they vary from
   run to run);
-- accuracy.csv: method, arrival, task, accuracy (long format, for `dvc plots`), incl. base/finetuned;
-- ranks.csv: method, arrival, param, rank, budget (methods that hold a low-rank state);
+- metrics/merge_accuracy.csv: method, arrival, task, accuracy (long format, for `dvc plots`), incl. base/finetuned;
+- metrics/merge_ranks.csv: method, arrival, param, rank, budget (methods that hold a low-rank state);
 - accuracy.png: accuracy of every task after each arrival, per method.
 """
 
@@ -58,19 +58,21 @@ from tasks.runtime.scratch import scratch
 from tasks.data.heldout_scoring import FeatureStore, Scorer, read_probe_rows, read_task_model, read_tests
 
 OUT = Path("models") / "merge"
+METRICS = Path("metrics")  # small files git can commit: `dvc metrics diff` / `dvc plots diff` against HEAD
 TIMING = ("merge_seconds", "add_seconds", "merged_seconds", "peak_rss_mb", "peak_rss_mb_by_arrival")
 
 
 SPEC = StageSpec(
     name="merge", per_task=False,
-    comment="Once over all tasks: the fine-tunes merged in arrival order by every method. It depends on "
-            "`data` (every task's fine-tune and splits), so it needs no edit when pipeline.tasks changes.",
-    deps=(str(MANIFEST), "data"),
+    comment="Once over all tasks: the fine-tunes merged in arrival order by every method, scored on each "
+            "task's test rows and probe rows (the reference, or labeled rows: evaluate.probe_rows).",
+    deps=(str(MANIFEST), "data/{task}/finetune", "data/{task}/test.parquet", "data/{task}/reference.parquet",
+          "data/{task}/labeled.parquet"),
     params=("pipeline.tasks", "model", "merge", "evaluate.probe_rows", "evaluate.probe_limit"),
     outs=tuple(str(OUT / n) for n in ("model.safetensors", "heads.safetensors", "config.json",
                                       "features.safetensors")),
-    metrics=(str(OUT / "merge.json"),),
-    plots=(Plot(str(OUT / "accuracy.csv"), x="arrival", y="accuracy"), Plot(str(OUT / "ranks.csv")),
+    metrics=(str(METRICS / "merge.json"),),
+    plots=(Plot(str(METRICS / "merge_accuracy.csv"), x="arrival", y="accuracy"), Plot(str(METRICS / "merge_ranks.csv")),
            Plot(str(OUT / "accuracy.png"))),
 )
 
@@ -365,11 +367,11 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
         atomic.bytes(safetensors_bytes(heads, {"classes": json.dumps(config["classes"])}), out / "heads.safetensors")
         atomic.json(config, out / "config.json")
         atomic.bytes(store.to_bytes(), out / "features.safetensors")
-        atomic.json(metrics, out / "merge.json")
+        atomic.json(metrics, root / METRICS / "merge.json")
         atomic.bytes(pd.DataFrame(rows, columns=["method", "arrival", "task", "accuracy"]).to_csv(index=False).encode(),
-                     out / "accuracy.csv")
+                     root / METRICS / "merge_accuracy.csv")
         atomic.bytes(pd.DataFrame(ranks, columns=["method", "arrival", "param", "rank", "budget"])
-                     .to_csv(index=False).encode(), out / "ranks.csv")
+                     .to_csv(index=False).encode(), root / METRICS / "merge_ranks.csv")
         atomic.bytes(plot_accuracy(rows, order, summary), out / "accuracy.png")
     flat = {}
     for method, entry in summary.items():
@@ -379,7 +381,7 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
                 flat[f"{method}.{k}"] = entry[k]
     log.log_metrics(flat)
     log.log_artifact(out / "accuracy.png")
-    log.log_artifact(out / "merge.json")
+    log.log_artifact(root / METRICS / "merge.json")
     result = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     return {**result, **{k: timing[cfg.main][k] for k in ("merge_seconds", "peak_rss_mb")}}
 

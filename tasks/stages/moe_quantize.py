@@ -23,9 +23,9 @@ Outputs (published together):
   adapters (crucible.moe.mx_storage.save_quantized_moe; loads onto the build's architecture);
 - models/moe/quantize/{consistency,drift,ranks}.csv and moe.png: per layer consistency and drift
   of every variant, and every matrix's rank (uniform, load-aware) against its expert's load;
-- models/moe/moe.json (DVC metrics; the report's MoE section): the figures above, the build's
+- metrics/moe.json (DVC metrics; the report's MoE section): the figures above, the build's
   dense and float perplexity, the allocation, the QAT loss curve. Timings go to MLflow only.
-With moe.enabled false only models/moe/moe.json (saying so) and a note in models/moe/quantize/.
+With moe.enabled false only metrics/moe.json (saying so) and a note in models/moe/quantize/.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from tasks.runtime.params_schema import Params
 
 BUILD = Path("models") / "moe" / "build"
 HOME = Path("models") / "moe" / "quantize"
-METRICS = Path("models") / "moe" / "moe.json"
+METRICS = Path("metrics") / "moe.json"
 FILES = ("model.safetensors", "consistency.csv", "drift.csv", "ranks.csv", "moe.png")
 
 SPEC = StageSpec(

@@ -13,10 +13,10 @@ Audited members keep their true labels; audited non-members are dropped (weight 
 Outputs:
 - data/<task>/labeled.parquet: id, text, label, source (reference | audit | pseudo), confidence,
   weight. Reference rows have confidence 1 and weight 1; audited members confidence 1.
-- data/<task>/pseudolabel.json: the estimates (accuracy on the clean pool, on the selection, the
+- metrics/<task>/pseudolabel.json: the estimates (accuracy on the clean pool, on the selection, the
   clean pool's class prior) with their intervals and, where the demo's truth covers the pool, the
   true values beside them (`*_true`).
-- data/<task>/pseudolabel_confusion.png and .csv (actual, predicted): pseudo-labels against the
+- reports/<task>/pseudolabel_confusion.png and metrics/<task>/pseudolabel_confusion.csv (actual, predicted): pseudo-labels against the
   audit's true labels of audited members (`dvc plots`).
 Bad input (a single-class reference, audit labels outside the reference's classes, an empty
 selection) stops the stage with a ValueError; nothing is written.
@@ -45,9 +45,9 @@ SPEC = StageSpec(
                                               "truth.parquet", "curated.parquet", "embeddings.safetensors")),
     params=("pipeline.seed", "pseudolabel"),
     outs=("data/{task}/labeled.parquet",),
-    metrics=("data/{task}/pseudolabel.json",),
-    plots=(Plot("data/{task}/pseudolabel_confusion.png"),
-           Plot("data/{task}/pseudolabel_confusion.csv", x="predicted", y="actual", template="confusion")),
+    metrics=("metrics/{task}/pseudolabel.json",),
+    plots=(Plot("reports/{task}/pseudolabel_confusion.png"),
+           Plot("metrics/{task}/pseudolabel_confusion.csv", x="predicted", y="actual", template="confusion")),
 )
 
 
@@ -177,10 +177,10 @@ def run(params: Params, task: str, root: Path, log) -> dict:
                               "predicted": labels[pred.label[is_member]].astype(str)})
     with AtomicOutputs() as out:
         out.parquet(labeled, base / "labeled.parquet")
-        out.json(metrics, base / "pseudolabel.json")
-        out.file(base / "pseudolabel_confusion.csv", lambda p: confusion.to_csv(p, index=False))
+        out.json(metrics, Path(root) / "metrics" / task / "pseudolabel.json")
+        out.file(Path(root) / "metrics" / task / "pseudolabel_confusion.csv", lambda p: confusion.to_csv(p, index=False))
         out.bytes(plot_confusion(confusion["actual"].tolist(), confusion["predicted"].tolist(), classes, task),
-                  base / "pseudolabel_confusion.png")
-    log.log_artifact(base / "pseudolabel_confusion.png")
-    log.log_artifact(base / "pseudolabel.json")
+                  Path(root) / "reports" / task / "pseudolabel_confusion.png")
+    log.log_artifact(Path(root) / "reports" / task / "pseudolabel_confusion.png")
+    log.log_artifact(Path(root) / "metrics" / task / "pseudolabel.json")
     return metrics

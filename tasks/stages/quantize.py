@@ -54,6 +54,7 @@ from tasks.data.models import MANIFEST, base_model, resolve_model
 from tasks.runtime.params_schema import Params
 
 OUT = Path("models") / "quantize"
+METRICS = Path("metrics")  # small files git can commit: `dvc metrics diff` / `dvc plots diff` against HEAD
 MERGE = Path("models") / "merge"
 VARIANTS = ("float", "mxfp4", "mxfp4_uniform", "mxfp4_load_aware")
 
@@ -62,14 +63,15 @@ SPEC = StageSpec(
     name="quantize", per_task=False,
     comment="Once: the merged encoder in MXFP4 with low-rank compensation; calibration texts from the "
             "tasks' reference sets, scoring on their test splits.",
-    deps=(str(MANIFEST), *(str(MERGE / n) for n in ("model.safetensors", "heads.safetensors", "config.json")), "data"),
+    deps=(str(MANIFEST), *(str(MERGE / n) for n in ("model.safetensors", "heads.safetensors", "config.json")),
+          "data/{task}/reference.parquet", "data/{task}/test.parquet", "data/{task}/labeled.parquet"),
     params=("pipeline.tasks", "model", "merge.order", "quantize", "evaluate.probe_rows",
             "evaluate.probe_limit"),
     outs=tuple(str(OUT / n) for n in ("model.safetensors", "heads.safetensors", "config.json",
                                       "features.safetensors")),
-    metrics=(str(OUT / "quantize.json"),),
-    plots=(Plot(str(OUT / "ranks.csv"), x="matrix", y="rank_load_aware"),
-           Plot(str(OUT / "accuracy.csv"), x="accuracy", y="variant", template="bar_horizontal"),
+    metrics=(str(METRICS / "quantize.json"),),
+    plots=(Plot(str(METRICS / "quantize_ranks.csv"), x="matrix", y="rank_load_aware"),
+           Plot(str(METRICS / "quantize_accuracy.csv"), x="accuracy", y="variant", template="bar_horizontal"),
            Plot(str(OUT / "quantize.png"))),
 )
 
@@ -329,10 +331,10 @@ def _run(params: Params, root: Path, log) -> dict:
         atomic.bytes(merged["paths"]["heads.safetensors"].read_bytes(), out / "heads.safetensors")
         atomic.json(config, out / "config.json")
         atomic.bytes(store.to_bytes(), out / "features.safetensors")
-        atomic.json(metrics, out / "quantize.json")
-        atomic.bytes(pd.DataFrame(rank_rows).to_csv(index=False).encode(), out / "ranks.csv")
+        atomic.json(metrics, root / METRICS / "quantize.json")
+        atomic.bytes(pd.DataFrame(rank_rows).to_csv(index=False).encode(), root / METRICS / "quantize_ranks.csv")
         atomic.bytes(pd.DataFrame(acc_rows, columns=["variant", "task", "accuracy"]).to_csv(index=False).encode(),
-                     out / "accuracy.csv")
+                     root / METRICS / "quantize_accuracy.csv")
         atomic.bytes(plot_quantize(rank_rows, accuracy, order), out / "quantize.png")
     flat = {"bits_per_weight": metrics["bits_per_weight"], "bits_per_weight_all_in": metrics["bits_per_weight_all_in"],
             "model_mb": metrics["model_mb"]["quantized"], "float_model_mb": metrics["model_mb"]["float"],
@@ -340,7 +342,7 @@ def _run(params: Params, root: Path, log) -> dict:
             **{f"relative_weighted_error.{k}": v for k, v in metrics["relative_weighted_error"].items()}}
     log.log_metrics(flat)
     log.log_artifact(out / "quantize.png")
-    log.log_artifact(out / "quantize.json")
+    log.log_artifact(root / METRICS / "quantize.json")
     return flat
 
 

@@ -26,7 +26,7 @@ test accuracy per task of both models) and dvc.lock (lineage).
    evaluate metrics, and lineage (tasks.runtime.lineage: git commit, dvc.lock md5 of every upstream
    artifact, the params of each stage). `crucible lineage <version|alias>` resolves them.
 
-Output: models/register/registered.json (name, version, aliases, model hash, gate decision and
+Output: metrics/registered.json (name, version, aliases, model hash, gate decision and
 reason, accuracy, sizes; a DVC metric, not cached).
 """
 
@@ -46,7 +46,7 @@ from tasks.registry.registry import (HASH_TAG, PYFUNC_CODE, apply_gate, ensure_r
                                      versions)
 from tasks.runtime.params_schema import Params
 
-OUT = Path("models") / "register"
+from tasks.runtime.tracking import REGISTERED  # metrics/registered.json
 SOURCES = {"quantized": Path("models") / "quantize", "float": Path("models") / "merge"}
 MODEL_FILES = ("model.safetensors", "heads.safetensors", "config.json")
 EVALUATE = Path("metrics") / "evaluate.json"
@@ -57,9 +57,10 @@ SPEC = StageSpec(
     comment="Once: the deployable model (register.model) with every task's head as one MLflow pyfunc in "
             "the registry; the alias `champion` moves only through the gate. Not cached: the registry "
             "holds the model; a forced rerun of the same model registers nothing.",
-    deps=(str(MANIFEST), *(str(SOURCES[k] / n) for k in ("quantized", "float") for n in MODEL_FILES), str(EVALUATE)),
+    deps=(str(MANIFEST), *(str(SOURCES[k] / n) for k in ("quantized", "float") for n in MODEL_FILES), str(EVALUATE),
+          "data/{task}/test.parquet"),
     params=("tracking.registered_model", "model", "register"),
-    metrics=(str(OUT / "registered.json"),),
+    metrics=(str(REGISTERED),),
 )
 
 
@@ -146,7 +147,7 @@ def lost_registry(root: Path, name: str, known: list) -> str | None:
     """What was lost when the registry holds no version of `name` but this workspace's
     registered.json says it registered one before (the tracking store was deleted or replaced);
     None otherwise."""
-    path = Path(root) / OUT / "registered.json"
+    path = Path(root) / REGISTERED
     if known or not path.is_file():
         return None
     try:
@@ -295,7 +296,7 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
               "size_mb": {"served": served / 2**20, "float": float_size / 2**20, "pyfunc": pyfunc_bytes / 2**20},
               "size_ratio_served_to_float": served / float_size if float_size else None}
     with AtomicOutputs() as atomic:
-        atomic.json(result, root / OUT / "registered.json")
+        atomic.json(result, root / REGISTERED)
     print(f"register: {note}; gate: {record['decision']} ({record['reason']})", file=sys.stderr)
     log.set_tags({"crucible.register.version": mv.version, "crucible.register.new_version": str(new).lower(),
                   "crucible.register.decision": record["decision"], HASH_TAG: h})

@@ -85,7 +85,7 @@ def test_deployment_is_served_with_its_schedule_and_a_triggered_run_completes(tm
         assert "Completed" in run.stdout
         runs = _pipeline_runs(root)
         assert len(runs) == 1 and runs[0].info.status == "FINISHED"
-        assert all((root / "data" / t / "ingest.json").is_file() for t in yaml.safe_load(
+        assert all((root / "metrics" / t / "ingest.json").is_file() for t in yaml.safe_load(
             (root / "params.yaml").read_text())["pipeline"]["tasks"])
     finally:
         serve.send_signal(signal.SIGINT)  # Ctrl-C

@@ -21,17 +21,44 @@ TASKS = ["bbc", "rotten", "tweets", "debates"]
 
 
 def test_dvc_yaml_is_generated_from_the_declarations():
-    assert (ROOT / "dvc.yaml").read_text() == dvc_yaml(), "dvc.yaml is stale: run `crucible dag write`"
+    assert (ROOT / "dvc.yaml").read_text() == dvc_yaml(TASKS), "dvc.yaml is stale: run `crucible dag write`"
+
+
+def test_stages_over_all_tasks_depend_on_exactly_the_files_they_read():
+    """No stage depends on a folder of another stage's mixed outputs: merge on each task's fine-tune
+    and splits, evaluate on the per-task metrics it reports, so a report-only change (a PNG, a
+    stage's metrics file) never reruns merge or quantize."""
+    stages = yaml.safe_load(dvc_yaml(["spam", "ham"]))["stages"]
+    for name in ("merge", "quantize", "evaluate", "register"):
+        data = [d for d in stages[name]["deps"] if not d.startswith(("crucible/", "tasks/"))]
+        assert "data" not in data and "metrics" not in data, (name, data)
+        assert not any(d.endswith((".png", ".csv")) and d.startswith(("data/", "reports/")) for d in data), (name, data)
+        for t in ("spam", "ham"):
+            assert any(d.startswith(f"data/{t}/") or d.startswith(f"metrics/{t}/") for d in data), (name, t, data)
+    assert {"data/spam/finetune", "data/ham/test.parquet"} <= set(stages["merge"]["deps"])
+    assert not any("embeddings" in d or "curate" in d or "pool" in d for d in stages["merge"]["deps"])
+    assert "metrics/ham/curate.json" in stages["evaluate"]["deps"]
+    assert not any(d.startswith("metrics/") for d in stages["merge"]["deps"] + stages["quantize"]["deps"])
+    # every metric and plot data file DVC tracks lies under metrics/ (git commits it; models/ and data/
+    # are ignored), the figures under reports/ or beside their stage's model
+    for name, stage in stages.items():
+        body = stage.get("do", stage)
+        for entry in body.get("metrics", []):
+            assert next(iter(entry)).startswith("metrics/"), (name, entry)
+        for entry in body.get("plots", []):
+            path = next(iter(entry))
+            assert path.startswith("metrics/") or path.endswith(".png") or path.startswith("reports/"), (name, path)
 
 
 def test_dag_check_fails_on_a_stale_dvc_yaml(tmp_path):
     """The CLI check that CI and users run: a hand edit of dvc.yaml is reported, exit 1."""
     text = (ROOT / "dvc.yaml").read_text().replace("- data/${key}/test.parquet\n", "", 1)
     (tmp_path / "dvc.yaml").write_text(text)
+    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
     proc = subprocess.run([sys.executable, "-m", "flows.cli", "dag", "check", "--root", str(tmp_path)],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 1 and "stale" in proc.stderr
-    (tmp_path / "dvc.yaml").write_text(dvc_yaml())
+    (tmp_path / "dvc.yaml").write_text(dvc_yaml(TASKS))
     proc = subprocess.run([sys.executable, "-m", "flows.cli", "dag", "check", "--root", str(tmp_path)],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
@@ -40,10 +67,10 @@ def test_dag_check_fails_on_a_stale_dvc_yaml(tmp_path):
 def test_a_changed_declaration_changes_dvc_yaml(monkeypatch):
     from tasks.stages import curate
 
-    before = dvc_yaml()
+    before = dvc_yaml(TASKS)
     monkeypatch.setattr(curate, "SPEC", StageSpec(**{**curate.SPEC.__dict__, "params": (*curate.SPEC.params,
                                                                                        "evaluate.normalize")}))
-    after = dvc_yaml()
+    after = dvc_yaml(TASKS)
     assert after != before and "- evaluate.normalize" in after
 
 

@@ -91,7 +91,7 @@ def test_a_corrupt_store_is_named_with_what_to_do(ws, damage):
 def test_a_deleted_store_of_a_workspace_that_registered_is_a_warning_naming_what_was_lost(tmp_path, capsys):
     from tasks.runtime.tracking import tracking_uri
 
-    record = tmp_path / "models" / "register" / "registered.json"
+    record = tmp_path / "metrics" / "registered.json"
     record.parent.mkdir(parents=True)
     record.write_text(json.dumps({"name": "crucible-classifier", "version": 3, "aliases": ["champion"]}))
     tracking_uri(tmp_path)

@@ -12,6 +12,10 @@ from tasks.stages.curate import DataQualityGateError
 from tasks.runtime.io import md5_file
 from tasks.stages import execute
 
+# the stage's outputs, relative to the workspace: the table under data/, the metrics under metrics/,
+# the figure under reports/
+OUTPUTS = ("data/rotten/curated.parquet", "metrics/rotten/curate.json", "reports/rotten/curate.png")
+
 
 @pytest.fixture(scope="module")
 def curated_project(tmp_path_factory, project_root):
@@ -43,31 +47,30 @@ def test_curate_outputs_and_metrics(curated_project):
     expected = on["score"] + (audit.loc[on.index, "member"] - on["score"]) / audit.loc[on.index, "pi"]
     assert np.allclose(on["m"], expected)
     assert (curated["keep"] == (curated["m"] > 0.5)).all()
-    metrics = json.loads((base / "curate.json").read_text())
+    metrics = json.loads((curated_project / "metrics" / "rotten" / "curate.json").read_text())
     for key in ("ccmmd_value", "ccmmd_ci_low", "ccmmd_ci_high", "naive", "audit_only", "oracle", "eps_hat", "eps_true"):
         assert np.isfinite(metrics[key]), key
     assert metrics["ccmmd_ci_low"] <= metrics["ccmmd_value"] <= metrics["ccmmd_ci_high"]
     assert metrics["eps_hat"] == pytest.approx(1 - curated["m"].sum() / len(curated))
-    assert (base / "curate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (curated_project / "reports" / "rotten" / "curate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (base / "curate.json").exists() and not (base / "curate.png").exists()
 
 
 def test_curate_is_deterministic(curated_project):
-    base = curated_project / "data" / "rotten"
-    before = {f: md5_file(base / f) for f in ("curated.parquet", "curate.json", "curate.png")}
+    before = {f: md5_file(curated_project / f) for f in OUTPUTS}
     execute("curate", "rotten", curated_project)
-    assert {f: md5_file(base / f) for f in before} == before
+    assert {f: md5_file(curated_project / f) for f in before} == before
 
 
 def test_gate_failure_names_the_figures_and_writes_nothing(curated_project):
-    base = curated_project / "data" / "rotten"
-    before = md5_file(base / "curated.parquet")
+    before = {f: md5_file(curated_project / f) for f in OUTPUTS}
     set_curate(curated_project, gate_max_ccmmd=-1.0)
     try:
         with pytest.raises(DataQualityGateError, match=r"task 'rotten': data-quality gate failed: CC-MMD\^2 = .* interval"):
             execute("curate", "rotten", curated_project)
     finally:
         set_curate(curated_project, gate_max_ccmmd=None)
-    assert md5_file(base / "curated.parquet") == before
+    assert {f: md5_file(curated_project / f) for f in OUTPUTS} == before
 
 
 def test_scorer_column_needs_a_score_column(curated_project):
@@ -101,8 +104,7 @@ def test_embeddings_for_other_rows_are_refused(curated_project):
 @pytest.mark.parametrize("table", ["reference", "pool"])
 def test_bad_reference_or_shared_ids_are_refused_before_curating(curated_project, table):
     base = curated_project / "data" / "rotten"
-    outputs = ("curated.parquet", "curate.json", "curate.png")
-    before = {f: md5_file(base / f) for f in outputs}
+    before = {f: md5_file(curated_project / f) for f in OUTPUTS}
     path = base / f"{table}.parquet"
     saved = path.read_bytes()
     df = pd.read_parquet(path)
@@ -120,4 +122,4 @@ def test_bad_reference_or_shared_ids_are_refused_before_curating(curated_project
             execute("curate", "rotten", curated_project)
     finally:
         path.write_bytes(saved)
-    assert {f: md5_file(base / f) for f in outputs} == before
+    assert {f: md5_file(curated_project / f) for f in OUTPUTS} == before

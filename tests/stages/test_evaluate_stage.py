@@ -27,7 +27,8 @@ def _cluster_features(rng, labels, means, noise):
 
 def write_features(root, *, probe_rows: int = 30, seed: int = 0, merged: bool = True):
     """models/merge/ and models/quantize/ as the two stages leave them, with features whose quality
-    falls with a variant-specific noise level (so the interfaces have something to measure)."""
+    falls with a variant-specific noise level (so the interfaces have something to measure), and the
+    per-task metrics the report summarises (metrics/<task>/{curate,pseudolabel,finetune}.json)."""
     rng = np.random.default_rng(seed)
     means = {t: 3.0 * rng.standard_normal((len(c), D)) for t, c in CLASSES.items()}
     labels = {(t, s): np.arange(n) % len(CLASSES[t]) for t in ORDER for s, n in (("test", 24), ("probe", probe_rows))}
@@ -62,7 +63,7 @@ def write_features(root, *, probe_rows: int = 30, seed: int = 0, merged: bool = 
     (root / "models" / "merge" / "heads.safetensors").write_bytes(
         safetensors_bytes(heads, {"classes": json.dumps(CLASSES)}))
     for t in ORDER:
-        d = root / "data" / t
+        d = root / "metrics" / t
         d.mkdir(parents=True, exist_ok=True)
         (d / "curate.json").write_text(json.dumps({"eps_true": 0.3, "eps_hat": 0.28, "ccmmd_value": 0.001,
                                                    "ccmmd_ci_low": -0.001, "ccmmd_ci_high": 0.003, "naive": 0.004,
@@ -237,15 +238,21 @@ def test_every_bad_feature_file_names_the_file_and_the_tensor(project, folder, c
     with pytest.raises(ValueError, match=rf"^{path}: {message}.*rerun it with `crucible stage {folder}`|"
                                          rf"^{path}: {message}.*run the {folder} stage first"):
         execute("evaluate", None, project)
-    assert not (project / "metrics").exists()  # nothing written
+    # nothing written: neither evaluate's metrics (beside the per-task metrics it reads) nor the report
+    assert not (project / "metrics" / "evaluate.json").exists() and not (project / "metrics" / "variants.json").exists()
+    assert not (project / "reports" / "index.html").exists()
 
 
 def test_an_unwritable_metrics_folder_is_an_error_line_with_exit_2(project, capsys):
     """`crucible stage evaluate` cannot write metrics/: the usual `error:` line naming the file and the
     reason, exit 2, no traceback, nothing published (a file stands where the folder should be, which
     stops root too; a read-only folder does the same for other users)."""
+    import shutil
+
     from flows.cli import build_parser
 
+    # the per-task metrics evaluate summarises go with the folder (the report is written without them)
+    shutil.rmtree(project / "metrics")
     (project / "metrics").write_text("not a folder\n")
     args = build_parser().parse_args(["stage", "evaluate", "--root", str(project)])
     assert args.func(args) == 2

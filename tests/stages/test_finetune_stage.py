@@ -16,7 +16,10 @@ from safetensors.torch import load_file
 from tasks.stages import execute
 
 torch.set_num_threads(1)
-OUTPUTS = ("finetune/model.safetensors", "finetune/head.safetensors", "finetune/config.json", "finetune.json")
+# the stage's outputs, relative to the workspace: the model under data/<task>/finetune/, the metrics
+# under metrics/<task>/
+OUTPUTS = ("data/rotten/finetune/model.safetensors", "data/rotten/finetune/head.safetensors",
+           "data/rotten/finetune/config.json", "metrics/rotten/finetune.json")
 
 
 def synthetic_tables(seed: int = 0) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -58,7 +61,8 @@ def finetuned_project(tmp_path_factory, project_root):
 def test_outputs_config_and_metrics(finetuned_project):
     base = finetuned_project / "data" / "rotten"
     for name in OUTPUTS:
-        assert (base / name).is_file(), name
+        assert (finetuned_project / name).is_file(), name
+    assert not (base / "finetune.json").exists()
     from tasks.stages.finetune import checkpoint_dir
 
     assert not checkpoint_dir(finetuned_project, "rotten").exists()  # removed after success
@@ -66,7 +70,7 @@ def test_outputs_config_and_metrics(finetuned_project):
     config = json.loads((base / "finetune" / "config.json").read_text())
     assert config["classes"] == ["fresh", "rotten"] and config["base_model"] == "all-MiniLM-L6-v2"
     assert config["finetune"]["method"] == "gmixout" and config["train"]["max_steps"] == 6
-    metrics = json.loads((base / "finetune.json").read_text())
+    metrics = json.loads((finetuned_project / "metrics" / "rotten" / "finetune.json").read_text())
     assert metrics["steps"] == 6 and 1 <= metrics["best_step"] <= 6
     assert 0 <= metrics["dev_accuracy"] <= 1 and 0 <= metrics["test_accuracy"] <= 1
     assert metrics["n_test"] == 40
@@ -115,7 +119,8 @@ def test_saved_model_loads_into_the_base_architecture_and_reproduces_the_dev_acc
     labeled = pd.read_parquet(base / "labeled.parquet")
     dev = labeled[split_dev(labeled, 0.2, task_seed(0, "rotten"))]
     acc = evaluate(model, examples(tokenizer, dev, classes, 32, use_weights=False))["accuracy"]
-    assert acc == pytest.approx(json.loads((base / "finetune.json").read_text())["dev_accuracy"])
+    metrics = json.loads((finetuned_project / "metrics" / "rotten" / "finetune.json").read_text())
+    assert acc == pytest.approx(metrics["dev_accuracy"])
 
 
 def test_rerun_is_byte_identical(finetuned_project):
@@ -123,10 +128,9 @@ def test_rerun_is_byte_identical(finetuned_project):
     head, config and metrics."""
     from tasks.runtime.io import md5_file
 
-    base = finetuned_project / "data" / "rotten"
-    before = {name: md5_file(base / name) for name in OUTPUTS}
+    before = {name: md5_file(finetuned_project / name) for name in OUTPUTS}
     execute("finetune", "rotten", finetuned_project)
-    assert {name: md5_file(base / name) for name in OUTPUTS} == before
+    assert {name: md5_file(finetuned_project / name) for name in OUTPUTS} == before
 
 
 def test_split_dev_is_stratified_and_seeded():
@@ -170,7 +174,7 @@ def test_logged_pyfunc_predicts_like_the_stage(finetuned_project, tmp_path):
     out = model.predict(test[["text"]])
     assert list(out.columns) == ["label", "proba_fresh", "proba_rotten"]
     assert np.allclose(out[["proba_fresh", "proba_rotten"]].sum(axis=1), 1.0, atol=1e-5)
-    metrics = json.loads((finetuned_project / "data" / "rotten" / "finetune.json").read_text())
+    metrics = json.loads((finetuned_project / "metrics" / "rotten" / "finetune.json").read_text())
     assert (out["label"] == test["label"]).mean() == pytest.approx(metrics["test_accuracy"], abs=1e-6)
     text = open(f"{local}/requirements.txt").read()
     assert "torch==" in text and "transformers==" in text

@@ -30,8 +30,9 @@ def set_params(root: Path, **sections) -> None:
 
 
 def hashes(root: Path, task: str) -> dict:
-    base = root / "data" / task
-    return {p.name: md5_file(p) for p in sorted(base.glob("*")) if p.is_file() and not p.name.startswith(".")}
+    """The task's ingest outputs by name: the tables under data/<task>/, ingest.json under metrics/<task>/."""
+    files = [*sorted((root / "data" / task).glob("*")), *sorted((root / "metrics" / task).glob("ingest.json"))]
+    return {p.name: md5_file(p) for p in files if p.is_file() and not p.name.startswith(".")}
 
 
 def test_demo_ingest_is_deterministic_and_valid(tiny_project):
@@ -42,11 +43,12 @@ def test_demo_ingest_is_deterministic_and_valid(tiny_project):
     assert first.outputs == second.outputs
     assert set(h1) == {f"{t}.parquet" for t in TABLES} | {"ingest.json"}
     base = tiny_project / "data" / "debates"
+    assert not (base / "ingest.json").exists(), "the metrics file lies under metrics/<task>/, where git commits it"
     pool, audit, truth = (pd.read_parquet(base / f"{t}.parquet") for t in ("pool", "audit", "truth"))
     assert len(pool) == 120 and set(audit["id"]) <= set(pool["id"])
     merged = audit.merge(truth, on="id", suffixes=("", "_truth"))
     assert (merged["member"] == merged["member_truth"]).all(), "the annotator answers from the truth"
-    metrics = json.loads((base / "ingest.json").read_text())
+    metrics = json.loads((tiny_project / "metrics" / "debates" / "ingest.json").read_text())
     assert metrics["eps_true"] == pytest.approx(1 - truth["member"].mean())
     # another seed gives another draw
     set_params(tiny_project, pipeline__seed=7)
@@ -120,3 +122,4 @@ def test_killed_ingest_leaves_previous_outputs_intact(tiny_project):
     execute("ingest", "debates", tiny_project)  # a clean rerun publishes and sweeps the leftovers
     assert hashes(tiny_project, "debates")["pool.parquet"] != before["pool.parquet"]
     assert not list((tiny_project / "data" / "debates").glob(".*.tmp"))
+    assert not list((tiny_project / "metrics" / "debates").glob(".*.tmp"))

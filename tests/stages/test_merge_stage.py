@@ -19,6 +19,16 @@ from support.workspaces import minilm_hash
 torch.set_num_threads(1)
 TASKS = ("bbc", "rotten", "tweets")
 METHODS = {"gs3r": {"energy": 1.0, "rank_budget": 1.0}, "weight_average": {}, "task_arithmetic": {"lam": 0.5}}
+# the stage's outputs: the model and its figure under models/merge/, the metrics and the plot data
+# under metrics/ (where git commits them)
+MODEL_FILES = ("model.safetensors", "heads.safetensors", "config.json", "features.safetensors", "accuracy.png")
+METRIC_FILES = ("merge.json", "merge_accuracy.csv", "merge_ranks.csv")
+
+
+def output_hashes(root) -> dict:
+    """md5 of every file the stage writes (models/merge/ and its files under metrics/)."""
+    files = [*(root / "models" / "merge").iterdir(), *(root / "metrics" / n for n in METRIC_FILES)]
+    return {str(p.relative_to(root)): md5_file(p) for p in files if p.is_file()}
 
 
 def fake_finetunes(root, theta_0: dict, seed: int = 0) -> None:
@@ -71,12 +81,14 @@ def merged_project(tmp_path_factory, project_root, base_state):
 def test_outputs_and_metrics(merged_project):
     root, result = merged_project
     out = root / "models" / "merge"
-    for name in ("model.safetensors", "heads.safetensors", "config.json", "features.safetensors", "merge.json",
-                 "accuracy.csv", "ranks.csv", "accuracy.png"):
+    for name in MODEL_FILES:
         assert (out / name).is_file(), name
+    for name in METRIC_FILES:
+        assert (root / "metrics" / name).is_file(), name
+    assert not {"merge.json", "accuracy.csv", "ranks.csv"} & {p.name for p in out.iterdir()}
     config = json.loads((out / "config.json").read_text())
     assert config["order"] == ["rotten", "bbc", "tweets"] and config["main"] == "gs3r"
-    metrics = json.loads((out / "merge.json").read_text())
+    metrics = json.loads((root / "metrics" / "merge.json").read_text())
     assert set(metrics["methods"]) == set(METHODS)
     for entry in metrics["methods"].values():
         assert len(entry["accuracy_curve"]) == 3 and entry["state_mb"] > 0
@@ -87,7 +99,7 @@ def test_outputs_and_metrics(merged_project):
     heads = load_file(str(out / "heads.safetensors"))
     assert set(heads) == {f"{t}.{p}" for t in TASKS for p in ("weight", "bias")}
     assert heads["bbc.weight"].shape == (3, 384)
-    ranks = pd.read_csv(out / "ranks.csv")
+    ranks = pd.read_csv(root / "metrics" / "merge_ranks.csv")
     assert set(ranks["method"]) == {"gs3r"} and (ranks["rank"] <= ranks["budget"]).all()
 
 
@@ -104,8 +116,8 @@ def test_accuracy_matrix_matches_a_direct_evaluation(merged_project, base_state)
     specs = [read_task_model(root, t, "all-MiniLM-L6-v2") for t in order]
     tests = {t: pd.read_parquet(root / "data" / t / "test.parquet") for t in order}
     scorer = Scorer(resolve_model("all-MiniLM-L6-v2"), specs, tests, 64)
-    acc = pd.read_csv(root / "models" / "merge" / "accuracy.csv")
-    metrics = json.loads((root / "models" / "merge" / "merge.json").read_text())
+    acc = pd.read_csv(root / "metrics" / "merge_accuracy.csv")
+    metrics = json.loads((root / "metrics" / "merge.json").read_text())
     for t in order:
         scorer.load(load_file(str(root / "data" / t / "finetune" / "model.safetensors")))
         assert metrics["finetuned_accuracy"][t] == pytest.approx(scorer.accuracy(t))
@@ -143,7 +155,7 @@ def test_features_are_those_of_the_scored_models(merged_project):
     assert meta["tasks"] == order
     arrived = {v["name"]: v["tasks"] for v in meta["variants"]}
     assert arrived["finetune:bbc"] == ["rotten", "bbc"] and arrived["base"] == order
-    acc = pd.read_csv(root / "models" / "merge" / "accuracy.csv")
+    acc = pd.read_csv(root / "metrics" / "merge_accuracy.csv")
     heads = load_file(str(root / "models" / "merge" / "heads.safetensors"))
     for j in range(3):
         for t in order[:j + 1]:
@@ -183,8 +195,7 @@ def test_main_model_is_the_gs3r_merge_and_loads_into_the_base_architecture(merge
 
 def test_foreign_base_model_is_refused_and_outputs_stay(merged_project):
     root, _ = merged_project
-    out = root / "models" / "merge"
-    before = {p.name: md5_file(p) for p in out.iterdir()}
+    before = output_hashes(root)
     config_path = root / "data" / "bbc" / "finetune" / "config.json"
     original = config_path.read_text()
     config_path.write_text(json.dumps({**json.loads(original), "base_model": "bert-base-uncased"}))
@@ -193,15 +204,14 @@ def test_foreign_base_model_is_refused_and_outputs_stay(merged_project):
             execute("merge", None, root)
     finally:
         config_path.write_text(original)
-    assert {p.name: md5_file(p) for p in out.iterdir()} == before
+    assert output_hashes(root) == before
 
 
 def test_finetune_of_other_base_weights_is_refused(merged_project):
     """Same model name, other content (the weights were replaced after the fine-tune): task vectors
     against another base cannot be merged."""
     root, _ = merged_project
-    out = root / "models" / "merge"
-    before = {p.name: md5_file(p) for p in out.iterdir()}
+    before = output_hashes(root)
     config_path = root / "data" / "bbc" / "finetune" / "config.json"
     original = config_path.read_text()
     config_path.write_text(json.dumps({**json.loads(original), "base_model_hash": "0" * 32}))
@@ -211,7 +221,7 @@ def test_finetune_of_other_base_weights_is_refused(merged_project):
             execute("merge", None, root)
     finally:
         config_path.write_text(original)
-    assert {p.name: md5_file(p) for p in out.iterdir()} == before
+    assert output_hashes(root) == before
 
 
 def test_missing_finetune_names_the_file_and_the_fix(tmp_path, project_root):
@@ -221,3 +231,4 @@ def test_missing_finetune_names_the_file_and_the_fix(tmp_path, project_root):
     with pytest.raises(FileNotFoundError, match=r"finetune/model.safetensors: missing.*crucible stage finetune"):
         execute("merge", None, root)
     assert not (root / "models" / "merge").exists()
+    assert not [p for n in METRIC_FILES for p in [root / "metrics" / n] if p.exists()]

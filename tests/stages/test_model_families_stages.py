@@ -77,8 +77,8 @@ def test_stages_end_to_end_on_a_local_model_folder(family, tmp_path, project_roo
     for stage in ("merge", "quantize", "moe_build", "moe_quantize", "evaluate", "register"):
         execute(stage, None, root)
     qconfig = json.loads((root / "models" / "quantize" / "config.json").read_text())
-    assert qconfig["rank_budget"] == 8 * json.loads((root / "models" / "quantize" / "quantize.json").read_text())["matrices"]
-    assert json.loads((root / "models" / "register" / "registered.json").read_text())
+    assert qconfig["rank_budget"] == 8 * json.loads((root / "metrics" / "quantize.json").read_text())["matrices"]
+    assert json.loads((root / "metrics" / "registered.json").read_text())
 
     # the champion, from the registry alone, in a fresh process (the base model's folder gone)
     folder.rename(tmp_path / "moved")

@@ -107,7 +107,7 @@ def test_quantize_compares_the_variants_and_writes_a_loadable_model(tmp_path, pr
     root = _workspace(tmp_path, project_root, tiny_lm)
     execute("moe_build", None, root)
     execute("moe_quantize", None, root)
-    m = json.loads((root / "models/moe/moe.json").read_text())
+    m = json.loads((root / "metrics/moe.json").read_text())
     assert m["enabled"] and m["rank_budget"] == 24
     assert set(m["perplexity"]) >= {"dense", "float", "mxfp4", "uniform", "load_aware", "qat"}
     assert m["ranks"]["total"]["uniform"] == m["ranks"]["total"]["load_aware"] == 24
@@ -143,9 +143,9 @@ def test_quantize_switched_off_and_a_missing_build(tmp_path, project_root, tiny_
     root = _workspace(tmp_path, project_root, tiny_lm, enabled=False)
     with pytest.raises(FileNotFoundError, match="run the moe_build stage first"):
         execute("moe_quantize", None, root)
-    assert not (root / "models/moe/moe.json").exists()
+    assert not (root / "metrics/moe.json").exists()
     execute("moe_build", None, root)
     execute("moe_quantize", None, root)
-    assert json.loads((root / "models/moe/moe.json").read_text()) == {
+    assert json.loads((root / "metrics/moe.json").read_text()) == {
         "enabled": False, "note": "moe.enabled is false: the MoE branch did not run"}
     assert sorted(p.name for p in (root / "models/moe/quantize").iterdir()) == ["disabled.json"]

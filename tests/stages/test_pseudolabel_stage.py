@@ -11,7 +11,10 @@ from crucible.schema import DataValidationError
 from tasks.runtime.io import md5_file
 from tasks.stages import execute
 
-OUTPUTS = ("labeled.parquet", "pseudolabel.json", "pseudolabel_confusion.png", "pseudolabel_confusion.csv")
+# the stage's outputs, relative to the workspace: the table under data/, the metrics and the plot data
+# under metrics/, the figure under reports/
+OUTPUTS = ("data/bbc/labeled.parquet", "metrics/bbc/pseudolabel.json", "reports/bbc/pseudolabel_confusion.png",
+           "metrics/bbc/pseudolabel_confusion.csv")
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +62,7 @@ def test_labeled_table_sources_labels_and_weights(labeled_project):
 
 def test_metrics_intervals_truth_and_plots(labeled_project):
     base = labeled_project / "data" / "bbc"
-    metrics = json.loads((base / "pseudolabel.json").read_text())
+    metrics = json.loads((labeled_project / "metrics" / "bbc" / "pseudolabel.json").read_text())
     classes = sorted(pd.read_parquet(base / "reference.parquet")["label"].unique())
     names = ["accuracy", "selected_accuracy", *(f"prior_{c}" for c in classes)]
     for name in names:
@@ -68,22 +71,22 @@ def test_metrics_intervals_truth_and_plots(labeled_project):
     assert sum(metrics[f"prior_{c}"] for c in classes) == pytest.approx(1.0)
     assert sum(metrics[f"prior_{c}_true"] for c in classes) == pytest.approx(1.0)
     assert metrics["temperature"] > 0 and metrics["holdout_nll"] <= metrics["holdout_nll_uncalibrated"]
-    confusion = pd.read_csv(base / "pseudolabel_confusion.csv")
+    confusion = pd.read_csv(labeled_project / "metrics" / "bbc" / "pseudolabel_confusion.csv")
     assert list(confusion.columns) == ["actual", "predicted"]
     assert len(confusion) == metrics["n_audit_members"]
-    assert (base / "pseudolabel_confusion.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (labeled_project / "reports" / "bbc" / "pseudolabel_confusion.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(base.glob("pseudolabel*")), "no metrics or plot files left under data/<task>/"
 
 
 def test_pseudolabel_is_deterministic(labeled_project):
-    base = labeled_project / "data" / "bbc"
-    before = {f: md5_file(base / f) for f in OUTPUTS}
+    before = {f: md5_file(labeled_project / f) for f in OUTPUTS}
     execute("pseudolabel", "bbc", labeled_project)
-    assert {f: md5_file(base / f) for f in OUTPUTS} == before
+    assert {f: md5_file(labeled_project / f) for f in OUTPUTS} == before
 
 
 def test_quota_caps_pseudo_labels_per_class(labeled_project):
     base = labeled_project / "data" / "bbc"
-    saved = {f: (base / f).read_bytes() for f in OUTPUTS}
+    saved = {f: (labeled_project / f).read_bytes() for f in OUTPUTS}
     set_pseudolabel(labeled_project, selection="quota", quota=3)
     try:
         execute("pseudolabel", "bbc", labeled_project)
@@ -92,12 +95,11 @@ def test_quota_caps_pseudo_labels_per_class(labeled_project):
     finally:
         set_pseudolabel(labeled_project, selection="threshold", quota=1000)
         for f, data in saved.items():
-            (base / f).write_bytes(data)
+            (labeled_project / f).write_bytes(data)
 
 
 def test_empty_selection_fails_and_writes_nothing(labeled_project):
-    base = labeled_project / "data" / "bbc"
-    before = {f: md5_file(base / f) for f in OUTPUTS}
+    before = {f: md5_file(labeled_project / f) for f in OUTPUTS}
     set_pseudolabel(labeled_project, threshold=1.0)
     try:
         with pytest.raises(ValueError, match=r"task 'bbc': the pseudo-label selection is empty: .* "
@@ -105,8 +107,8 @@ def test_empty_selection_fails_and_writes_nothing(labeled_project):
             execute("pseudolabel", "bbc", labeled_project)
     finally:
         set_pseudolabel(labeled_project, threshold=0.5)
-    assert {f: md5_file(base / f) for f in OUTPUTS} == before
-    assert not list(base.glob(".*.tmp"))
+    assert {f: md5_file(labeled_project / f) for f in OUTPUTS} == before
+    assert not [p for d in ("data", "metrics", "reports") for p in (labeled_project / d / "bbc").glob(".*.tmp")]
 
 
 def test_audit_label_outside_the_classes_fails(labeled_project):
@@ -131,7 +133,7 @@ def test_single_class_reference_fails(labeled_project):
     base = labeled_project / "data" / "bbc"
     path = base / "reference.parquet"
     saved = path.read_bytes()
-    before = {f: md5_file(base / f) for f in OUTPUTS}
+    before = {f: md5_file(labeled_project / f) for f in OUTPUTS}
     ref = pd.read_parquet(path)
     ref["label"] = "business"
     ref.to_parquet(path)  # same ids in the same order: the embeddings still match
@@ -142,14 +144,14 @@ def test_single_class_reference_fails(labeled_project):
             execute("pseudolabel", "bbc", labeled_project)
     finally:
         path.write_bytes(saved)
-    assert {f: md5_file(base / f) for f in OUTPUTS} == before
+    assert {f: md5_file(labeled_project / f) for f in OUTPUTS} == before
 
 
 def test_pool_id_shared_with_the_reference_fails_and_writes_nothing(labeled_project):
     base = labeled_project / "data" / "bbc"
     path = base / "pool.parquet"
     saved = path.read_bytes()
-    before = {f: md5_file(base / f) for f in OUTPUTS}
+    before = {f: md5_file(labeled_project / f) for f in OUTPUTS}
     pool = pd.read_parquet(path)
     shared = pd.read_parquet(base / "reference.parquet")["id"].iat[3]
     audited = set(pd.read_parquet(base / "audit.parquet")["id"])
@@ -163,4 +165,4 @@ def test_pool_id_shared_with_the_reference_fails_and_writes_nothing(labeled_proj
             execute("pseudolabel", "bbc", labeled_project)
     finally:
         path.write_bytes(saved)
-    assert {f: md5_file(base / f) for f in OUTPUTS} == before
+    assert {f: md5_file(labeled_project / f) for f in OUTPUTS} == before

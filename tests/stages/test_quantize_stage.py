@@ -17,6 +17,18 @@ from tasks.stages import execute
 from support.workspaces import TASKS, fake_merge
 
 torch.set_num_threads(1)
+# the stage's outputs: the model and its figure under models/quantize/, the metrics and the plot data
+# under metrics/ (where git commits them)
+MODEL_FILES = ("model.safetensors", "heads.safetensors", "config.json", "features.safetensors", "quantize.png")
+METRIC_FILES = ("quantize.json", "quantize_ranks.csv", "quantize_accuracy.csv")
+
+
+def output_hashes(root) -> dict:
+    """md5 of every file the stage writes (models/quantize/ and its files under metrics/)."""
+    files = [*(root / "models" / "quantize").iterdir(), *(root / "metrics" / n for n in METRIC_FILES)]
+    return {str(p.relative_to(root)): md5_file(p) for p in files if p.is_file()}
+
+
 def make_project(tmp_path_factory, project_root, base_state, quantize=None):
     from tasks.runtime.workspace import make_workspace
 
@@ -39,10 +51,12 @@ def quantized_project(tmp_path_factory, project_root, base_state):
 def test_outputs_and_metrics(quantized_project):
     root, result = quantized_project
     out = root / "models" / "quantize"
-    for name in ("model.safetensors", "heads.safetensors", "config.json", "quantize.json", "ranks.csv",
-                 "accuracy.csv", "quantize.png"):
+    for name in MODEL_FILES:
         assert (out / name).is_file(), name
-    m = json.loads((out / "quantize.json").read_text())
+    for name in METRIC_FILES:
+        assert (root / "metrics" / name).is_file(), name
+    assert not {"quantize.json", "ranks.csv", "accuracy.csv"} & {p.name for p in out.iterdir()}
+    m = json.loads((root / "metrics" / "quantize.json").read_text())
     assert m["matrices"] == 36 and m["bits_per_weight"] == pytest.approx(4.25)
     assert 4.25 < m["bits_per_weight_all_in"] < 5.0
     assert sum(m["ranks"].values()) == 72
@@ -52,7 +66,7 @@ def test_outputs_and_metrics(quantized_project):
     assert set(m["accuracy"]["float"]) == set(TASKS)
     we = m["weighted_error"]
     assert we["load_aware"] <= we["uniform"] < we["mxfp4"]
-    ranks = pd.read_csv(out / "ranks.csv")
+    ranks = pd.read_csv(root / "metrics" / "quantize_ranks.csv")
     assert len(ranks) == 36 and ranks["rank_uniform"].sum() == ranks["rank_load_aware"].sum() == 72
     assert ranks["rank_uniform"].max() - ranks["rank_uniform"].min() <= 1
     assert (ranks["energy_kept_load_aware"] <= 1.0).all()
@@ -69,7 +83,7 @@ def test_written_model_reloads_to_the_scored_accuracy(quantized_project):
     from tasks.data.heldout_scoring import Scorer
 
     root, _ = quantized_project
-    m = json.loads((root / "models" / "quantize" / "quantize.json").read_text())
+    m = json.loads((root / "metrics" / "quantize.json").read_text())
     heads = load_file(str(root / "models" / "quantize" / "heads.safetensors"))
     specs = [{"task": t, "head": {"weight": heads[f"{t}.weight"], "bias": heads[f"{t}.bias"]}, "classes": c,
               "max_length": 32} for t, c in TASKS.items()]
@@ -88,8 +102,8 @@ def test_same_inputs_give_the_same_model(quantized_project, tmp_path_factory, pr
     root, _ = quantized_project
     again = make_project(tmp_path_factory, project_root, base_state)
     execute("quantize", None, again)
-    for name in ("model.safetensors", "config.json", "ranks.csv"):
-        assert md5_file(again / "models" / "quantize" / name) == md5_file(root / "models" / "quantize" / name), name
+    for name in ("models/quantize/model.safetensors", "models/quantize/config.json", "metrics/quantize_ranks.csv"):
+        assert md5_file(again / name) == md5_file(root / name), name
 
 
 @pytest.mark.parametrize("setting, message", [
@@ -101,8 +115,7 @@ def test_same_inputs_give_the_same_model(quantized_project, tmp_path_factory, pr
 ])
 def test_bad_params_stop_and_leave_earlier_outputs(quantized_project, setting, message):
     root, _ = quantized_project
-    out = root / "models" / "quantize"
-    before = {p.name: md5_file(p) for p in out.iterdir()}
+    before = output_hashes(root)
     params = yaml.safe_load((root / "params.yaml").read_text())
     saved = dict(params["quantize"])
     params["quantize"].update(setting)
@@ -113,7 +126,7 @@ def test_bad_params_stop_and_leave_earlier_outputs(quantized_project, setting, m
     finally:
         params["quantize"] = saved
         (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    assert {p.name: md5_file(p) for p in out.iterdir()} == before
+    assert output_hashes(root) == before
 
 
 def test_invalid_module_regex_is_a_params_error(tiny_params):
@@ -152,3 +165,4 @@ def test_bad_merged_model_is_refused_naming_the_file(tmp_path_factory, project_r
     with pytest.raises(FileNotFoundError, match=r"models/merge/model.safetensors: missing"):
         execute("quantize", None, root)
     assert not (root / "models" / "quantize").exists()
+    assert not [p for n in METRIC_FILES for p in [root / "metrics" / n] if p.exists()]

@@ -32,7 +32,7 @@ def client_of(root: Path):
 
 
 def registered(root: Path) -> dict:
-    return json.loads((root / "models" / "register" / "registered.json").read_text())
+    return json.loads((root / "metrics" / "registered.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +230,7 @@ def test_a_broken_model_config_names_the_file(tmp_path_factory):
     (root / "models" / "quantize" / "config.json").write_text('{"classes": ')
     with pytest.raises(ValueError, match=r"models/quantize/config\.json: not valid JSON .*crucible stage quantize"):
         execute("register", None, root)
-    assert not (root / "models" / "register" / "registered.json").exists()
+    assert not (root / "metrics" / "registered.json").exists()
 
 
 def test_evaluate_metrics_are_checked(tmp_path):
@@ -299,7 +299,7 @@ def test_quantized_pyfunc_scores_the_quantize_stage_figure(ws, champion):
     model, mv = champion
     inner = model.unwrap_python_model()
     assert sum(isinstance(m, MXLinear) for m in inner.encoder.modules()) == 36
-    stage = json.loads((ws / "models" / "quantize" / "quantize.json").read_text())
+    stage = json.loads((ws / "metrics" / "quantize.json").read_text())
     from tasks.runtime.params import load_params
 
     limit = load_params(ws / "params.yaml").quantize.eval_limit
@@ -326,7 +326,7 @@ def test_float_pyfunc_scores_the_float_figure(ws, tmp_path):
     save_multitask_model(tmp_path / "float", ws / "models" / "merge", "float", resolve_model("all-MiniLM-L6-v2"),
                          example)
     model = mlflow.pyfunc.load_model(str(tmp_path / "float"))
-    stage = json.loads((ws / "models" / "quantize" / "quantize.json").read_text())
+    stage = json.loads((ws / "metrics" / "quantize.json").read_text())
     for t in ("rotten", "bbc"):
         test = pd.read_parquet(ws / "data" / t / "test.parquet")
         out = model.predict(pd.DataFrame({"text": test["text"], "task": t}))
@@ -380,13 +380,13 @@ def test_lineage_tags_equal_dvc_lock(ws, capsys):
     _dvc(ws, "commit", "--force", "register")
     assert json.loads(_dvc(ws, "status", "register", "--json").stdout or "{}") == {}
     # a changed artifact is reported, against the disk
-    target = ws / "models" / "quantize" / "quantize.json"
+    target = ws / "metrics" / "quantize.json"
     saved = target.read_bytes()
     try:
         target.write_bytes(saved + b" ")
         code, out = lineage_cli("1")
         assert code == 1 and "workspace differs" in out
-        assert [line for line in out.splitlines() if line.startswith("models/quantize/quantize.json")][0].endswith(
+        assert [line for line in out.splitlines() if line.startswith("metrics/quantize.json")][0].endswith(
             "match     differs")
     finally:
         target.write_bytes(saved)
@@ -442,7 +442,7 @@ def test_a_copied_workspace_serves_its_own_files_after_the_original_is_deleted(t
     got = registered(copy)
     assert got["version"] == 1 and got["new_version"]
     assert got["lost_registry"].startswith(f"the registry holds no version of 'crucible-classifier', but "
-                                           f"{copy / 'models' / 'register' / 'registered.json'} records version 1 "
+                                           f"{copy / 'metrics' / 'registered.json'} records version 1 "
                                            f"(champion)")
     assert "warning: the registry holds no version" in got["note"]
 

@@ -80,7 +80,9 @@ def _paths(entries) -> list[str]:
 
 def fill_stage_files(root: Path, stage: str) -> None:
     """Placeholder files for whatever a dvc.yaml stage declares and the workspace lacks (deps and
-    outs; a name without a suffix is a folder), so `dvc commit` can record it."""
+    outs, metrics under metrics/ and figures included; a name without a suffix is a folder), so
+    `dvc commit` can record it. dvc.yaml must list the files of params.yaml's pipeline.tasks
+    (`write_dvc_yaml`), or this fills in other tasks' files."""
     entry = yaml.safe_load((root / "dvc.yaml").read_text())["stages"][stage]
     for path in _paths(entry.get("deps")) + sum((_paths(entry.get(k)) for k in ("outs", "metrics", "plots")), []):
         p = root / path
@@ -120,6 +122,7 @@ def base_workspace(tmp_path_factory) -> Path:
     from crucible.embed import load_encoder
     from tasks.data.models import resolve_model
     from tasks.runtime.workspace import make_workspace
+    from tasks.stages import write_dvc_yaml
 
     torch.set_num_threads(1)
     root = make_workspace(ROOT, tmp_path_factory.mktemp("register"), "tiny",
@@ -127,6 +130,7 @@ def base_workspace(tmp_path_factory) -> Path:
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["pipeline"]["tasks"] = {"rotten": {"corpus": "rotten_tomatoes"}, "bbc": {"corpus": "bbc_news"}}
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    write_dvc_yaml(root)  # the stages over all tasks list these two tasks' files (`crucible dag write`)
     encoder, _ = load_encoder(resolve_model("all-MiniLM-L6-v2"))
     fake_merge(root, {k: v.detach().clone().contiguous() for k, v in encoder.state_dict().items()})
     execute("model", None, root)  # models/base/manifest.json: the base model's hash
@@ -144,7 +148,8 @@ def copy_workspace(base: Path, tmp_path_factory, name: str) -> Path:
     in the copy, its artifact locations move to the copy's own mlartifacts/), without any registered
     model and without base's artifact files (no test reads the earlier runs' artifacts)."""
     dest = tmp_path_factory.mktemp(name) / "ws"
-    shutil.copytree(base, dest, symlinks=True, ignore=shutil.ignore_patterns("mlartifacts", "register"))
+    shutil.copytree(base, dest, symlinks=True, ignore=shutil.ignore_patterns("mlartifacts", "register",
+                                                                           "registered.json"))
     return dest
 
 
