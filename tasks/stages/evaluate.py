@@ -337,8 +337,7 @@ def _csv(df: pd.DataFrame) -> bytes:
 
 
 def run(params: Params, task: str | None, root: Path, log) -> dict:
-    from tqdm.auto import tqdm
-
+    from crucible.progress import Progress
     from tasks.report.page import build_report
 
     root = Path(root)
@@ -349,7 +348,7 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     ifaces = interfaces(params)
 
     pairs = sum(len(v["tasks"]) for v in data["variants"])
-    with tqdm(total=pairs, desc="evaluate: variants x tasks") as bar:
+    with Progress(total=pairs, desc="evaluate: variants x tasks", unit="pair") as bar:
         cells = score_variants(data, params, progress=bar.update)
     mats = continual_matrices(cells, order, methods, main, quantized, ifaces)
     summary, curves = summarise(mats, methods)

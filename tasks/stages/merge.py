@@ -303,8 +303,8 @@ def worker_device(theta_0: dict, methods: dict, headroom: float = 6.0) -> str:
 def run(params: Params, task: str | None, root: Path, log) -> dict:
     import torch
     from safetensors.torch import save_file
-    from tqdm.auto import tqdm
 
+    from crucible.progress import Progress
     from crucible.serialize import safetensors_bytes
 
     cfg = params.merge
@@ -334,7 +334,8 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
             base_acc, finetuned = reference_accuracy(store, specs)
             rows += [{"method": ref, "arrival": None, "task": t, "accuracy": acc[t]}
                      for t in order for ref, acc in (("base", base_acc), ("finetuned", finetuned))]
-        for method, kwargs in tqdm(cfg.methods.items(), desc="merge: methods", total=len(cfg.methods)):
+        for method, kwargs in Progress(cfg.methods.items(), desc="merge: methods", unit="method",
+                                       total=len(cfg.methods)):
             entry, method_rows, method_ranks = merge_method(method, kwargs or {}, theta0_file, specs, tmp / method,
                                                             store if cfg.evaluate else None, finetuned, threads,
                                                             device)
