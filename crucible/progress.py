@@ -104,7 +104,8 @@ class Progress:
         self.n += k
         if self._bar is not None:
             self._bar.update(k)
-        elif self.mode == "lines" and time.perf_counter() - self._last_line >= _every():
+        elif self.mode == "lines" and self.n != self.total and time.perf_counter() - self._last_line >= _every():
+            # (not at the last step: the summary at close says it)
             self._last_line = time.perf_counter()
             self._write(self.summary(running=True))
 
