@@ -204,7 +204,9 @@ def run_method(method: str, kwargs: dict, theta0: Path, models: list[Path], out_
            # a fixed mmap threshold: freed model-sized tensors go back to the OS, so RSS tracks live memory
            "MALLOC_MMAP_THRESHOLD_": "65536",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", "from tasks.stages.merge import _worker_main; _worker_main()"],
+    # quiet first (tasks/runtime/quiet.py): its stderr is the error message when it fails
+    code = "from tasks.runtime import quiet; quiet.install(); from tasks.stages.merge import _worker_main; _worker_main()"
+    proc = subprocess.run([sys.executable, "-c", code],
                           input=json.dumps(spec), text=True, capture_output=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"merge method {method!r} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
