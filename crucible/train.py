@@ -42,7 +42,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 from torch.nn import functional as F
-from tqdm.auto import tqdm
+from crucible.progress import Progress
 
 from crucible.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from crucible.device import autocast, model_device
@@ -264,13 +264,15 @@ def _clone_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def train(model: EncoderClassifier, train_set: Examples, dev_set: Examples, cfg: TrainConfig, *,
           mixout: GMixout | None = None, checkpoint_dir: Path | str | None = None, resume: bool = True,
-          log: Callable[[dict, int], None] | None = None, stop_after: int | None = None) -> TrainResult:
+          log: Callable[[dict, int], None] | None = None, stop_after: int | None = None,
+          desc: str = "finetune") -> TrainResult:
     """Train `model` in place; on return it holds the best dev-accuracy weights (in train mode).
 
     `mixout` must already wrap `model`. With `checkpoint_dir`, a checkpoint is written every
     `cfg.checkpoint_every` steps and, with `resume`, training continues from the latest one.
     `stop_after` ends the call after that many total steps without the final evaluation
-    (simulates a kill; tests use it). Dropout draws from a generator of this run, seeded with
+    (simulates a kill; tests use it). `desc` names the run on its progress line (crucible.progress),
+    e.g. finetune@bbc. Dropout draws from a generator of this run, seeded with
     stream_seed(cfg.seed, "dropout") and bound to the model's RunDropout modules; torch's global
     generator is neither seeded nor drawn from.
 
@@ -303,7 +305,7 @@ def train(model: EncoderClassifier, train_set: Examples, dev_set: Examples, cfg:
     model.train()
     history, seen, first_step = [], 0, step
     start = time.perf_counter()
-    bar = tqdm(total=cfg.max_steps, initial=step, desc="finetune", unit="step", disable=not cfg.progress)
+    bar = Progress(total=cfg.max_steps, initial=step, desc=desc, unit="step", disable=not cfg.progress)
     while step < cfg.max_steps and not stopped_early:
         if stop_after is not None and step >= stop_after:
             bar.close()

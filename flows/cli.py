@@ -26,6 +26,7 @@ from pathlib import Path
 
 from flows.registry_cli import cmd_lineage, cmd_predict
 from flows.servers import cmd_deploy, cmd_serve, cmd_ui
+from tasks.runtime import quiet
 from tasks.runtime.env import apply_defaults
 
 
@@ -328,6 +329,7 @@ def _exit_on_sigterm(signum, frame) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     apply_defaults(Path(getattr(args, "root", ".")))
+    quiet.install()  # before torch, transformers or mlflow are imported
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     sys.exit(args.func(args))
 

@@ -23,7 +23,7 @@ from prefect import flow, get_run_logger, task
 
 from flows import dvc
 from flows.resources import GpuSlots, local_cluster_gpus, local_gpus, requesting, spreads_locally
-from tasks.runtime import tracking
+from tasks.runtime import quiet, tracking
 from tasks.runtime.lock import WorkspaceLock
 from tasks.runtime.params import load_params
 from tasks.runtime.params_schema import Params
@@ -90,6 +90,7 @@ def task_runner(params: Params):
 def pipeline(root: str = ".", stages: list[str] | None = None) -> dict:
     """Run the pipeline in project `root` (optionally only the listed stages). Returns, per stage
     id, 'skipped' or the stage's result (paths, hashes, metrics)."""
+    quiet.install()  # a deployment's flow run starts in a process of Prefect's, not through `crucible`
     logger = get_run_logger()
     root_path = Path(root).resolve()
     params = load_params(root_path / "params.yaml")

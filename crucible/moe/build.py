@@ -158,9 +158,9 @@ def capture_ffn(dense: nn.Module, input_ids: torch.Tensor, batch_size: int = 8,
     device = next(dense.parameters()).device
     starts = range(0, input_ids.shape[0], batch_size)
     if progress:
-        from tqdm.auto import tqdm
+        from crucible.progress import Progress
 
-        starts = tqdm(starts, desc="moefy: capture")
+        starts = Progress(starts, desc="moefy: capture", unit="batch")
     try:
         with forward_hooks(pairs, pre=True):
             for s in starts:
@@ -218,9 +218,9 @@ def moefy(dense: nn.Module, calib_input_ids: torch.Tensor, n_experts: int = 8, t
 
     layer_iter = enumerate(captured)
     if progress:
-        from tqdm.auto import tqdm
+        from crucible.progress import Progress
 
-        layer_iter = tqdm(layer_iter, total=len(captured), desc="moefy: layers")
+        layer_iter = Progress(layer_iter, total=len(captured), desc="moefy: layers", unit="layer")
     expert_weights, cluster_s, router_s = [], 0.0, 0.0
     for i, (x, a) in layer_iter:
         t0 = time.perf_counter()

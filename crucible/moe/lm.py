@@ -70,9 +70,9 @@ def perplexity(model: nn.Module, sequences, batch_size: int = 8, progress: bool 
         device = torch.device("cpu")
     starts = range(0, len(rows), batch_size)
     if progress:
-        from tqdm.auto import tqdm
+        from crucible.progress import Progress
 
-        starts = tqdm(starts, desc="perplexity")
+        starts = Progress(starts, desc="perplexity", unit="batch")
     was_training = model.training
     model.eval()
     nll, count = 0.0, 0

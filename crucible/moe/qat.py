@@ -37,11 +37,11 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 from torch.nn import functional as F
-from tqdm.auto import tqdm
 
 from crucible.moe.mx_experts import MXExperts, round_adapters
 from crucible.device import model_device
 from crucible.moe.routing import Routes, check_routes, forward_batch, moe_layers, replay
+from crucible.progress import Progress
 from crucible.quant.linear import MXLinear
 from crucible.seeding import epoch_seed, torch_generator
 
@@ -148,7 +148,7 @@ def replay_qat(qmodel: nn.Module, float_model: nn.Module, batches: Sequence, rou
         optimizer.load_state_dict(ckpt["optimizer"])
         step, history = int(ckpt["step"]), list(ckpt["history"])
     targets: dict[int, object] = {}
-    bar = tqdm(total=steps, initial=min(step, steps), desc="replay-qat", unit="step", disable=not progress)
+    bar = Progress(total=steps, initial=min(step, steps), desc="replay-qat", unit="step", disable=not progress)
     try:
         for p in qmodel.parameters():
             p.requires_grad_(False)

@@ -115,9 +115,9 @@ def _eval_pass(model: nn.Module, eval_ids: torch.Tensor, batch_size: int, refere
 
     items = batches
     if progress:
-        from tqdm.auto import tqdm
+        from crucible.progress import Progress
 
-        items = tqdm(batches, desc=f"eval {desc}", unit="batch")
+        items = Progress(batches, desc=f"eval {desc}", unit="batch")
     with forward_hooks([(model, hook)], with_kwargs=True):
         routes = record_routes(model, items)
     ppl = math.exp(acc["nll"] / acc["count"])

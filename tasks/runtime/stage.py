@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tasks.runtime import device as runtime_device
+from tasks.runtime import quiet
 from tasks.runtime import tracking
 from tasks.runtime.declaration import inputs, output_dirs, outputs, params_keys
 from tasks.runtime.io import md5_file
@@ -47,6 +48,7 @@ def execute(module, task: str | None = None, root: Path | str = ".", params: Par
     stage raises; then no output has been replaced. The stage holds the workspace lock
     (tasks/runtime/lock.py) while it runs, or runs under its flow's lock when `lock_token` is the
     flow's."""
+    quiet.install()  # where the stage runs: a Prefect thread, a Dask worker process, `crucible stage`
     spec = module.SPEC
     root = Path(root).resolve()
     params = params or load_params(root / "params.yaml")

@@ -13,9 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from crucible.embed import embed_texts
+from crucible.progress import Progress
 from crucible.schema import validate_disjoint
 from tasks.runtime.declaration import StageSpec
 from tasks.data.embeddings import ids_digest
@@ -53,7 +53,7 @@ def run(params: Params, task: str, root: Path, log) -> dict:
     tensors, meta = {}, {"model": base.name, "max_length": str(max_length)}
     if pooling != "mean":  # (mean: the file as before pooling was a choice)
         meta["pooling"] = pooling
-    with tqdm(total=total, desc=f"embed {task}", unit="text") as bar:
+    with Progress(total=total, desc=f"embed@{task}", unit="text") as bar:
         for name, df in frames.items():
             tensors[name] = embed_texts(model, tokenizer, df["text"].tolist(), batch_size=cfg.batch_size,
                                         max_length=max_length, progress=bar.update, pooling=pooling,
@@ -61,5 +61,5 @@ def run(params: Params, task: str, root: Path, log) -> dict:
             meta[f"{name}_ids_md5"] = ids_digest(df["id"])
     with AtomicOutputs() as out:
         out.bytes(safetensors_bytes(tensors, meta), Path(root) / "data" / task / "embeddings.safetensors")
-    rate = total / max(bar.format_dict["elapsed"], 1e-9)
+    rate = total / max(bar.elapsed, 1e-9)
     return {"n_embedded": total, "dim": int(tensors["pool"].shape[1]), "texts_per_second": rate}

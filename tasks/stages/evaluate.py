@@ -364,10 +364,8 @@ def finetune_warnings(cells: pd.DataFrame, chance: dict[str, float]) -> list[str
 
 
 def run(params: Params, task: str | None, root: Path, log) -> dict:
-    from tqdm.auto import tqdm
-
+    from crucible.progress import Progress
     from tasks.runtime.tracking import say
-
     from tasks.report.page import build_report
 
     root = Path(root)
@@ -378,7 +376,7 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     ifaces = interfaces(params)
 
     pairs = sum(len(v["tasks"]) for v in data["variants"])
-    with tqdm(total=pairs, desc="evaluate: variants x tasks") as bar:
+    with Progress(total=pairs, desc="evaluate: variants x tasks", unit="pair") as bar:
         cells = score_variants(data, params, progress=bar.update)
     mats = continual_matrices(cells, order, methods, main, quantized, ifaces)
     summary, curves = summarise(mats, methods)

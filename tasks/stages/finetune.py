@@ -211,7 +211,8 @@ def run(params: Params, task: str, root: Path, log) -> dict:
             log.log_metrics(metrics, step)
 
     log.log_params({"torch_threads": torch.get_num_threads()})
-    result = train(model, train_set, dev_set, tcfg, mixout=gm, checkpoint_dir=ckpt_dir, log=log_curve)
+    result = train(model, train_set, dev_set, tcfg, mixout=gm, checkpoint_dir=ckpt_dir, log=log_curve,
+                   desc=f"finetune@{task}")
     if gm is not None:
         gm.unwrap()
     model.eval()

@@ -206,7 +206,9 @@ def run_method(method: str, kwargs: dict, theta0: Path, models: list[Path], out_
            # a fixed mmap threshold: freed model-sized tensors go back to the OS, so RSS tracks live memory
            "MALLOC_MMAP_THRESHOLD_": "65536",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", "from tasks.stages.merge import _worker_main; _worker_main()"],
+    # quiet first (tasks/runtime/quiet.py): its stderr is the error message when it fails
+    code = "from tasks.runtime import quiet; quiet.install(); from tasks.stages.merge import _worker_main; _worker_main()"
+    proc = subprocess.run([sys.executable, "-c", code],
                           input=json.dumps(spec), text=True, capture_output=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"merge method {method!r} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -305,8 +307,8 @@ def worker_device(theta_0: dict, methods: dict, headroom: float = 6.0) -> str:
 def run(params: Params, task: str | None, root: Path, log) -> dict:
     import torch
     from safetensors.torch import save_file
-    from tqdm.auto import tqdm
 
+    from crucible.progress import Progress
     from crucible.serialize import safetensors_bytes
 
     cfg = params.merge
@@ -336,7 +338,8 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
             base_acc, finetuned = reference_accuracy(store, specs)
             rows += [{"method": ref, "arrival": None, "task": t, "accuracy": acc[t]}
                      for t in order for ref, acc in (("base", base_acc), ("finetuned", finetuned))]
-        for method, kwargs in tqdm(cfg.methods.items(), desc="merge: methods", total=len(cfg.methods)):
+        for method, kwargs in Progress(cfg.methods.items(), desc="merge: methods", unit="method",
+                                       total=len(cfg.methods)):
             entry, method_rows, method_ranks = merge_method(method, kwargs or {}, theta0_file, specs, tmp / method,
                                                             store if cfg.evaluate else None, finetuned, threads,
                                                             device)

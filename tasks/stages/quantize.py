@@ -191,8 +191,8 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
 
 def _run(params: Params, root: Path, log) -> dict:
     import torch
-    from tqdm.auto import tqdm
 
+    from crucible.progress import Progress
     from crucible.quant import CompensationPlan, cache_dequantized, quantize_model, save_quantized, select_linears
     from crucible.quant.linear import MXEmbedding, mx_layers, quantize_embeddings, select_modules
     from tasks.data.heldout_scoring import FeatureStore, Scorer, read_probe_rows, read_tests
@@ -241,7 +241,7 @@ def _run(params: Params, root: Path, log) -> dict:
                          f"total rank {total_rank} of the {len(linears)} matrices that quantize.modules selects")
     batches = calibration_batches(root, params, scorer.tokenizer, merged["classes"], merged["max_length"])
     stats, sensitivity = calibrate(scorer, linears, batches, cfg.load == "sensitivity")
-    bar = tqdm(total=len(linears), desc="quantize: error SVDs")
+    bar = Progress(total=len(linears), desc="quantize: error SVDs", unit="matrix")
     plan = CompensationPlan.build(linears, stats, cfg.mode, cfg.scaling, cfg.load, progress=lambda _: bar.update(),
                                   sensitivity=sensitivity)
     bar.close()
@@ -263,8 +263,8 @@ def _run(params: Params, root: Path, log) -> dict:
     # dropped; the main one is serialised before it goes
     accuracy: dict[str, dict[str, float]] = {}
     chosen = ranks[cfg.allocation]
-    for variant, r in tqdm([("float", None), ("mxfp4", zero), ("mxfp4_uniform", ranks["uniform"]),
-                            ("mxfp4_load_aware", ranks["load_aware"])], desc="quantize: scoring"):
+    for variant, r in Progress([("float", None), ("mxfp4", zero), ("mxfp4_uniform", ranks["uniform"]),
+                            ("mxfp4_load_aware", ranks["load_aware"])], desc="quantize: scoring", unit="variant"):
         enc = float_encoder if r is None else quantized(r)
         scorer.use_encoder(enc)
         if r is None:  # the merge stage keeps the float model's features
