@@ -23,3 +23,28 @@ def test_metadata_order_does_not_change_the_bytes(tmp_path):
         assert fh.metadata() == {k: k.upper() for k in keys}
         assert torch.equal(fh.get_tensor("b"), tensors["b"])
     assert int.from_bytes(first[:8], "little") % 8 == 0  # the header stays 8-byte aligned
+
+
+def test_nonfinite_finds_every_nan_and_inf_in_every_float_dtype():
+    """The one-reduction check (aminmax) passes only finite tensors; a NaN or an inf anywhere, alone
+    or beside the other, is reported with its count and first position, as the masked check did."""
+    import pytest
+
+    from crucible.serialize import nonfinite
+
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        x = torch.linspace(-3, 3, 24).reshape(4, 6).to(dtype)
+        assert nonfinite(x) is None and nonfinite(x[:0]) is None
+        for bad, at, text in ((float("nan"), (1, 2), "nan"), (float("inf"), (3, 5), "inf"),
+                              (-float("inf"), (0, 0), "-inf")):
+            y = x.clone()
+            y[at] = bad
+            assert nonfinite(y) == f"1 NaN or inf values of 24 (first: {text} at {list(at)})", (dtype, bad)
+        y = x.clone()
+        y[2, 1], y[0, 3] = float("nan"), float("inf")
+        assert nonfinite(y).startswith("2 NaN or inf values of 24 (first: inf at [0, 3])")
+        assert nonfinite(torch.tensor(float("nan"), dtype=dtype)) == "1 NaN or inf values of 1 (first: nan at [])"
+    assert nonfinite(torch.tensor([1, 2])) is None  # not floating: nothing to check
+    with pytest.raises(NotImplementedError):  # as before: torch has no finiteness test for this dtype
+        nonfinite(torch.zeros(2).to(torch.float8_e4m3fn))
+
