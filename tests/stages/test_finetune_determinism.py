@@ -13,7 +13,10 @@ import torch
 import tasks.stages.finetune as finetune
 from tasks.runtime.io import md5_file
 from tasks.stages import execute
-from test_finetune_stage import OUTPUTS, synthetic_tables
+from test_finetune_stage import synthetic_tables
+
+# the fine-tune's files under data/<task>/ (its metrics are metrics/<task>/finetune.json)
+OUTPUTS = ("finetune/model.safetensors", "finetune/head.safetensors", "finetune/config.json")
 
 torch.set_num_threads(1)
 TASKS = {"rotten": 0, "bbc": 1}  # task -> seed of its synthetic tables
@@ -32,7 +35,8 @@ def workspace(project_root, dest):
 
 
 def digests(root, task="rotten") -> dict[str, str]:
-    return {name: md5_file(root / "data" / task / name) for name in OUTPUTS}
+    return {**{name: md5_file(root / "data" / task / name) for name in OUTPUTS},
+            "finetune.json": md5_file(root / "metrics" / task / "finetune.json")}
 
 
 def tree(folder) -> dict[str, tuple[str, int]]:
