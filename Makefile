@@ -73,7 +73,7 @@ test-determinism: install $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -m determinism
 
 # The long end-to-end checks kept out of `make test`'s 15 minutes: determinism (threads, Dask,
-# dvc repro) and operations (a Prefect server with the deployments; concurrent runs).
+# dvc repro; dvc repro and the flow agree, a report-only change reruns only its stages) and operations (a Prefect server with the deployments; concurrent runs).
 test-long: install $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -m "determinism or operations"
 

@@ -26,7 +26,8 @@ def ids(task: str) -> set[str]:
     return {f"{s}@{task}" for s in STAGES if s in PER_TASK} | (set(ONCE) - TASK_FREE)
 
 
-pytestmark = pytest.mark.slow
+# slow (7 minutes): in `make test-long` with the determinism checks it shares the tiny profile with
+pytestmark = [pytest.mark.slow, pytest.mark.determinism]
 
 
 def sh(root: Path, *cmd: str, env: dict | None = None) -> subprocess.CompletedProcess:
