@@ -11,7 +11,7 @@ for a quantized linear.
 
 Loads: an expert's load is the share of calibration tokens routed to it (count / tokens, the router
 sends each token to k experts). Every other quantized matrix (attention q/k/v/o, Qwen3-MoE's dense
-MLP layers) processes every token: load 1. With "qera" scaling (s_i = sqrt(E[x_i^2]) over the
+MLP layers, Qwen2-MoE's shared expert) processes every token: load 1. With "qera" scaling (s_i = sqrt(E[x_i^2]) over the
 inputs the matrix actually receives) a singular value squared is then the output error per routed
 token, and load x sigma^2 the error per token of the whole layer: one scale across experts and
 attention. An expert no calibration token reached has load 0 and an unscaled spectrum.
@@ -123,7 +123,7 @@ def expert_stats(model: nn.Module, batches: Iterable, routes=None, linears: bool
 # --------------------------------------------------------------------------- errors, ranks, adapters
 
 def moe_plan(float_model: nn.Module, stats: MoEStats, mode: str = "floor", scaling: str = "qera",
-             attention: bool = True, dense: bool = True) -> CompensationPlan:
+             attention: bool = True, dense: bool = True, shared: bool = True) -> CompensationPlan:
     """The quantization error E = W - dequant(Q(W)) of every expert matrix (key
     "<experts>.gate_up_proj.<e>" / "<experts>.down_proj.<e>") and, with `attention` / `dense`, of the
     linears quantize_moe quantizes (their module names), each factorized once (SVD of E diag(s), s
@@ -150,7 +150,7 @@ def moe_plan(float_model: nn.Module, stats: MoEStats, mode: str = "floor", scali
                 s = None if scaling == "plain" or side[e].count == 0 else side[e].scale(scaling)
                 key = f"{name}.{kind}_proj.{e}"
                 layers[key] = LayerError(key, tuple(w.shape), lowrank.factorize(err, s), float(st.loads[e]))
-    for n in quantizable_linears(float_model, attention, dense):
+    for n in quantizable_linears(float_model, attention, dense, shared):
         lin = float_model.get_submodule(n)
         if not isinstance(lin, nn.Linear):
             raise ValueError(f"moe_plan: {n} is {type(lin).__name__}; pass the float model")

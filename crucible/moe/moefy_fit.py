@@ -26,6 +26,8 @@ Method
 Contract
 - balanced_groups(acts [T, I], n_groups, seed=0, iters=30, tol=1e-4) -> LongTensor [n_groups, I / n_groups]:
   a partition of range(I), each row ascending, rows ordered by their first neuron.
+- shared_neurons(acts [T, I], n_shared, active) -> LongTensor [n_shared]: the neurons with the
+  highest activation rate (firing = among a token's `active` largest |a_j|), ascending.
 - group_mass(acts [T, I], groups [E, s]) -> [T, E] float64: the sum of |a_j| over each group.
 - fit_router(hidden [T, H], mass [T, E], ridge=1e-3) -> weight [E, H] float32. ridge is relative to
   the mean diagonal of X^T X.
@@ -41,7 +43,7 @@ import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 
-__all__ = ["balanced_groups", "group_mass", "fit_router", "router_quality"]
+__all__ = ["shared_neurons", "balanced_groups", "group_mass", "fit_router", "router_quality"]
 
 _TINY = 1e-12
 
@@ -95,6 +97,26 @@ def balanced_groups(acts: torch.Tensor, n_groups: int, seed: int = 0, iters: int
     groups = [np.flatnonzero(labels == e) for e in range(n_groups)]
     groups.sort(key=lambda g: int(g[0]))
     return torch.from_numpy(np.stack(groups)).long()
+
+
+def shared_neurons(acts: torch.Tensor, n_shared: int, active: int) -> torch.Tensor:
+    """The `n_shared` neurons that fire on the most tokens (CMoE's activation rate): a neuron fires on
+    a token when its |a_j| is among the token's `active` largest; ties by the mean |a_j|. acts [T, I]
+    -> LongTensor [n_shared], ascending."""
+    if acts.dim() != 2:
+        raise ValueError(f"shared_neurons: acts shape={list(acts.shape)} must be [T, I]")
+    n_neurons = acts.shape[1]
+    n_shared = _int_param(n_shared, "n_shared", 0, n_neurons, where="shared_neurons")
+    active = _int_param(active, "active", max(n_shared, 1), n_neurons, where="shared_neurons")
+    if n_shared == 0:
+        return torch.zeros(0, dtype=torch.long)
+    a = acts.detach().abs().double()
+    top = a.topk(active, dim=1).indices
+    rate = torch.bincount(top.flatten(), minlength=n_neurons).double() / a.shape[0]
+    mean = a.mean(0)
+    # lexicographic: rate first, then the mean |a| (in [0, 1) after normalising) breaks ties
+    key = rate + mean / (mean.max() + 1.0) / (a.shape[0] + 1.0)
+    return key.topk(n_shared).indices.sort().values
 
 
 def group_mass(acts: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:

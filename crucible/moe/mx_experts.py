@@ -42,11 +42,12 @@ from crucible.quant import mxfp4
 from crucible.quant.linear import ADAPTER_DTYPES, MXLinear, quantize_model
 
 __all__ = ["MXExperts", "quantize_moe", "quantizable_linears", "cache_moe_dequantized", "round_adapters",
-           "ATTENTION_PATTERN", "DENSE_MLP_PATTERN", "KINDS"]
+           "ATTENTION_PATTERN", "DENSE_MLP_PATTERN", "SHARED_PATTERN", "KINDS"]
 
 KINDS = ("gate_up", "down")
 ATTENTION_PATTERN = r"\.self_attn\.(q|k|v|o)_proj$"
 DENSE_MLP_PATTERN = r"\.mlp\.(gate|up|down)_proj$"  # Qwen3-MoE's dense layers; a SparseMoeBlock has none
+SHARED_PATTERN = r"\.mlp\.shared_experts?\.(gate|up|down)_proj$"  # Qwen2-MoE's always-on shared expert
 
 
 # --------------------------------------------------------------------------- the module
@@ -231,28 +232,30 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
-def quantizable_linears(model: nn.Module, attention: bool = True, dense: bool = True) -> list[str]:
+def quantizable_linears(model: nn.Module, attention: bool = True, dense: bool = True, shared: bool = True) -> list[str]:
     """Names of the linear layers (nn.Linear or MXLinear) quantize_moe quantizes besides the experts:
-    attention q/k/v/o if `attention`, the MLPs of dense (router-less) decoder layers if `dense`."""
-    rx = [re.compile(p) for p, on in ((ATTENTION_PATTERN, attention), (DENSE_MLP_PATTERN, dense)) if on]
+    attention q/k/v/o if `attention`, the MLPs of dense (router-less) decoder layers if `dense`, the
+    shared expert's gate/up/down if `shared` (its sigmoid gate, like the router, stays float)."""
+    rx = [re.compile(p) for p, on in ((ATTENTION_PATTERN, attention), (DENSE_MLP_PATTERN, dense),
+                                      (SHARED_PATTERN, shared)) if on]
     return [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, MXLinear)) and any(r.search(n) for r in rx)]
 
 
 def quantize_moe(model: nn.Module, attention: bool = True, mode: str = "floor", dense: bool = True,
-                 adapter_dtype: str = "bfloat16", cache: bool = True) -> dict[str, nn.Module]:
+                 adapter_dtype: str = "bfloat16", cache: bool = True, shared: bool = True) -> dict[str, nn.Module]:
     """In place: every MoE layer's experts -> MXExperts; if `attention`, q/k/v/o -> MXLinear; if
     `dense`, the MLP linears of dense decoder layers (Qwen3-MoE mlp_only_layers) -> MXLinear (load
     1). The routers, embeddings, lm_head and norms stay float. All-or-nothing: everything is built
     before anything is swapped. `cache`: keep dequantized weights between calls (RAM for speed).
-    A MoE block with a shared expert is refused (ValueError). Returns name -> new module."""
+    `shared`: a shared expert's linears (Qwen2-MoE) -> MXLinear too; off, they stay float. Returns
+    name -> new module."""
     built: dict[str, nn.Module] = {}
     for name, block in moe_layers(model).items():
-        if any(hasattr(block, a) for a in ("shared_expert", "shared_experts")):
-            raise ValueError(f"{name}: MoE blocks with a shared expert are not supported by quantize_moe")
         if isinstance(block.experts, MXExperts):
             raise ValueError(f"{name}.experts is already quantized")
         built[f"{name}.experts"] = MXExperts.from_experts(block.experts, mode, adapter_dtype, name=f"{name}.experts")
-    names = [n for n in quantizable_linears(model, attention, dense) if isinstance(model.get_submodule(n), nn.Linear)]
+    names = [n for n in quantizable_linears(model, attention, dense, shared)
+             if isinstance(model.get_submodule(n), nn.Linear)]
     linears = {}
     if names:
         pattern = "^(" + "|".join(re.escape(n) for n in names) + ")$"

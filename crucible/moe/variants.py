@@ -75,31 +75,32 @@ _LINEAR_KEY = re.compile(r"\.(?P<kind>q|k|v|o)_proj$")
 
 # --------------------------------------------------------------------------- budget
 
-def compensated_matrices(model: nn.Module, attention: bool = True) -> dict[str, tuple[int, int]]:
+def compensated_matrices(model: nn.Module, attention: bool = True, shared: bool = True) -> dict[str, tuple[int, int]]:
     """key -> (out, in) of every matrix the compensation covers, keyed as moe_plan keys them:
     "<experts>.gate_up_proj.<e>" / "<experts>.down_proj.<e>" per expert, then the linears quantize_moe
-    quantizes besides the experts (attention q/k/v/o if `attention`, dense-layer MLPs). `model` is
-    the float MoE."""
+    quantizes besides the experts (attention q/k/v/o if `attention`, dense-layer MLPs, a shared
+    expert's linears if `shared`). `model` is the float MoE."""
     out: dict[str, tuple[int, int]] = {}
     for name, block in moe_layers(model).items():
         e, two_i, h = block.experts.gate_up_proj.shape
         for kind, shape in (("gate_up", (two_i, h)), ("down", (h, two_i // 2))):
             for j in range(e):
                 out[f"{name}.experts.{kind}_proj.{j}"] = (int(shape[0]), int(shape[1]))
-    for n in quantizable_linears(model, attention, True):
+    for n in quantizable_linears(model, attention, True, shared):
         lin = model.get_submodule(n)
         out[n] = (int(lin.out_features), int(lin.in_features))
     return out
 
 
-def max_rank_budget(model: nn.Module, attention: bool = True) -> int:
+def max_rank_budget(model: nn.Module, attention: bool = True, shared: bool = True) -> int:
     """The largest total rank: the sum over compensated matrices of min(out, in)."""
-    return sum(min(s) for s in compensated_matrices(model, attention).values())
+    return sum(min(s) for s in compensated_matrices(model, attention, shared).values())
 
 
-def default_rank_budget(model: nn.Module, attention: bool = True, per_matrix: int = 8) -> int:
+def default_rank_budget(model: nn.Module, attention: bool = True, per_matrix: int = 8, shared: bool = True) -> int:
     """per_matrix x the number of compensated matrices (an average rank of `per_matrix` each)."""
-    return min(int(per_matrix) * len(compensated_matrices(model, attention)), max_rank_budget(model, attention))
+    return min(int(per_matrix) * len(compensated_matrices(model, attention, shared)),
+               max_rank_budget(model, attention, shared))
 
 
 # --------------------------------------------------------------------------- the comparison
@@ -155,14 +156,15 @@ def quantize_variants(moe_float: nn.Module, calib_ids: torch.Tensor, eval_ids: t
                       checkpoint_dir=None, checkpoint_every: int = 0, qat_uniform: bool = False,
                       reference: FloatReference | None = None, include_float: bool = True,
                       include_mxfp4: bool = True, qat_max_grad_norm: float | None = None,
-                      svd_threads: int | None = 1) -> MoEVariants:
+                      svd_threads: int | None = 1, shared: bool = True) -> MoEVariants:
     """Quantize `moe_float` (a transformers MoE, float, not modified) into the variants of the module
     docstring and evaluate each on eval_ids.
 
     calib_ids [N, T]: calibration sequences (routes, statistics, QAT data), cut into batches of
     `batch_size` rows; eval_ids [M, T']: held-out sequences. rank_budget: the total rank over all
     compensated matrices (compensated_matrices; an int in [1, max_rank_budget]), the same for the
-    uniform and the load-aware allocation. attention: quantize (and compensate) q/k/v/o too.
+    uniform and the load-aware allocation. attention: quantize (and compensate) q/k/v/o too;
+    shared: a shared expert's linears too (off: they stay float, as the router does).
     qat_steps (0: no QAT variant), qat_lr, qat_loss ("kl" | "hidden"), checkpoint_every, log: replay_qat's
     (`log(metrics, step)` after each QAT step of "qat"); checkpoint_dir: QAT checkpoints in
     checkpoint_dir/qat (and checkpoint_dir/uniform_qat), so a rerun with the same arguments resumes
@@ -181,10 +183,10 @@ def quantize_variants(moe_float: nn.Module, calib_ids: torch.Tensor, eval_ids: t
     qat_steps = _check_int(qat_steps, "qat_steps", 0)
     _check_int(seed, "seed", 0)
     _check_int(checkpoint_every, "checkpoint_every", 0)
-    top = max_rank_budget(moe_float, attention)
+    top = max_rank_budget(moe_float, attention, shared)
     if isinstance(rank_budget, bool) or not isinstance(rank_budget, numbers.Integral) or not 1 <= rank_budget <= top:
         raise ValueError(f"quantize_variants: rank_budget must be an int in [1, {top}] (the total rank over the "
-                         f"{len(compensated_matrices(moe_float, attention))} compensated matrices, sum of min(out, in)), "
+                         f"{len(compensated_matrices(moe_float, attention, shared))} compensated matrices, sum of min(out, in)), "
                          f"got {rank_budget!r}")
     rank_budget = int(rank_budget)
     if not (isinstance(qat_lr, numbers.Real) and math.isfinite(qat_lr) and qat_lr > 0):
@@ -223,9 +225,10 @@ def quantize_variants(moe_float: nn.Module, calib_ids: torch.Tensor, eval_ids: t
 
     calib_batches = _rows(calib_ids, batch_size)
     routes = timed("record routes (calib)", record_routes, moe_float, calib_batches)
-    stats = timed("expert stats (calib)", expert_stats, moe_float, calib_batches, routes, linears=attention)
+    stats = timed("expert stats (calib)", expert_stats, moe_float, calib_batches, routes, linears=attention or shared)
     with _threads(svd_threads):
-        plan = timed("plan (quantization error SVD)", moe_plan, moe_float, stats, mode=mode, attention=attention)
+        plan = timed("plan (quantization error SVD)", moe_plan, moe_float, stats, mode=mode, attention=attention,
+                     shared=shared)
     del stats
     calib_load: dict[str, list[float]] = {}
     for key, layer in plan.layers.items():
@@ -235,7 +238,7 @@ def quantize_variants(moe_float: nn.Module, calib_ids: torch.Tensor, eval_ids: t
 
     def quantize():
         q = copy.deepcopy(moe_float)
-        quantize_moe(q, attention=attention, mode=mode)
+        quantize_moe(q, attention=attention, mode=mode, shared=shared)
         return q.eval()
 
     base = timed("quantize (MXFP4)", quantize)
@@ -299,7 +302,7 @@ def quantize_variants(moe_float: nn.Module, calib_ids: torch.Tensor, eval_ids: t
                         "tokens": int(calib_ids.numel()), "batch_size": batch_size},
         "evaluation": {"sequences": int(eval_ids.shape[0]), "seq_len": int(eval_ids.shape[1]),
                        "tokens": int(eval_ids.numel())},
-        "settings": {"rank_budget": rank_budget, "attention": bool(attention), "mode": mode, "seed": int(seed),
+        "settings": {"rank_budget": rank_budget, "attention": bool(attention), "shared": bool(shared), "mode": mode, "seed": int(seed),
                      "qat_steps": qat_steps, "qat_lr": float(qat_lr), "qat_loss": qat_loss},
         "seconds": seconds,
     }

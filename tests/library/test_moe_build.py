@@ -11,15 +11,15 @@ import pytest
 import torch
 from torch import nn
 
-from crucible.moe.build import all_experts_unit_weight, moefy, save_moe
-from crucible.moe.moefy_fit import balanced_groups, fit_router, group_mass, router_quality
+from crucible.moe.build import active_share, all_experts_unit_weight, moefy, save_moe, set_top_k
+from crucible.moe.moefy_fit import balanced_groups, fit_router, group_mass, router_quality, shared_neurons
 from crucible.moe.lm import perplexity, token_sequences
 
 VOCAB = 256
 CONFIGS = {  # untied, kv 2 < 4 heads, default rope | tied, kv 1 < 4 heads, head_dim != hidden / heads, llama3 rope
     "untied_gqa": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, tie_word_embeddings=False),
-    "tied_mqa_llama3": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+    "tied_mqa_llama3": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
                             num_key_value_heads=1, head_dim=8, tie_word_embeddings=True, rms_norm_eps=1e-5,
                             rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 4.0,
                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -46,11 +46,11 @@ def calib_ids(seed: int = 1, n: int = 6, t: int = 24) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def built():
-    """name -> (dense, moe, report), E = 4, k = 2."""
+    """name -> (dense, moe, report), a quarter of the FFN shared, E = 4 routed, k = 2."""
     out = {}
     for i, name in enumerate(CONFIGS):
         dense = tiny_llama(name, seed=i)
-        moe, report = moefy(dense, calib_ids(), n_experts=4, top_k=2, seed=i)
+        moe, report = moefy(dense, calib_ids(), n_experts=4, top_k=2, shared_share=0.25, seed=i)
         out[name] = dense, moe, report
     return out
 
@@ -79,10 +79,12 @@ def test_all_experts_at_unit_weight_is_the_dense_model(built, name):
     assert (logits(moe, ids) - ref).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("expert_scale", [1.0, 3.0])
-def test_equivalence_for_any_expert_scale_and_seed(expert_scale):
+@pytest.mark.parametrize("expert_scale, shared_share", [(1.0, 0.0), (3.0, 0.5)])
+def test_equivalence_for_any_expert_scale_share_and_seed(expert_scale, shared_share):
     dense = tiny_llama("untied_gqa", seed=5)
-    moe, report = moefy(dense, calib_ids(seed=3), n_experts=8, top_k=3, seed=11, expert_scale=expert_scale)
+    moe, report = moefy(dense, calib_ids(seed=3), n_experts=8, top_k=3, shared_share=shared_share, seed=11,
+                        expert_scale=expert_scale)
+    assert moe.config.shared_expert_intermediate_size == int(128 * shared_share)
     assert report.expert_scale == moe.config.moefy_expert_scale == expert_scale
     ids = calib_ids(seed=8, n=2, t=16)
     with all_experts_unit_weight(moe):
@@ -96,8 +98,10 @@ def test_config_and_shared_weights_carry_over(built, name):
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "rms_norm_eps", "tie_word_embeddings", "hidden_act", "max_position_embeddings"):
         assert getattr(m, key) == getattr(d, key), key
-    assert m.rope_parameters == d.rope_parameters and m.sliding_window is None
-    assert (m.intermediate_size, m.num_local_experts, m.num_experts_per_tok) == (d.intermediate_size // 4, 4, 2)
+    assert m.rope_parameters == d.rope_parameters and not m.use_sliding_window and not m.qkv_bias
+    shared = d.intermediate_size // 4
+    assert (m.shared_expert_intermediate_size, m.moe_intermediate_size, m.num_experts, m.num_experts_per_tok,
+            m.norm_topk_prob) == (shared, (d.intermediate_size - shared) // 4, 4, 2, True)
     dense_sd, moe_sd = dense.state_dict(), moe.state_dict()
     for key, value in dense_sd.items():
         if ".mlp." not in key:
@@ -108,27 +112,64 @@ def test_config_and_shared_weights_carry_over(built, name):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_groups_are_a_balanced_partition_and_experts_hold_their_rows(built, name):
+def test_shared_and_routed_neurons_partition_the_ffn_and_experts_hold_their_rows(built, name):
     dense, moe, report = built[name]
-    n_neurons, size = dense.config.intermediate_size, dense.config.intermediate_size // 4
+    n_neurons = dense.config.intermediate_size
+    n_shared = n_neurons // 4
+    size = (n_neurons - n_shared) // 4
     for i, layer in enumerate(report.layers):
-        groups = torch.tensor(layer.groups)
-        assert groups.shape == (4, size)
-        assert torch.equal(groups.flatten().sort().values, torch.arange(n_neurons))
+        groups, shared = torch.tensor(layer.groups), torch.tensor(layer.shared)
+        assert groups.shape == (4, size) and shared.shape == (n_shared,) and layer.shared == sorted(layer.shared)
+        assert torch.equal(torch.cat([shared, groups.flatten()]).sort().values, torch.arange(n_neurons))
         assert all(g == sorted(g) for g in layer.groups) and [g[0] for g in layer.groups] == sorted(g[0] for g in layer.groups)
-        mlp, experts = dense.model.layers[i].mlp, moe.model.layers[i].mlp.experts
+        block = moe.model.layers[i].mlp
+        mlp, experts = dense.model.layers[i].mlp, block.experts
         for e in range(4):
             assert torch.equal(experts.gate_up_proj[e, :size], mlp.gate_proj.weight[groups[e]])
             assert torch.equal(experts.gate_up_proj[e, size:], mlp.up_proj.weight[groups[e]])
             assert torch.equal(experts.down_proj[e], mlp.down_proj.weight[:, groups[e]] * report.expert_scale)
+        assert torch.equal(block.shared_expert.gate_proj.weight, mlp.gate_proj.weight[shared])
+        assert torch.equal(block.shared_expert.down_proj.weight, mlp.down_proj.weight[:, shared] * 2)
+        assert not block.shared_expert_gate.weight.any()  # sigmoid(0) x 2: the shared expert at unit weight
         assert math.isclose(sum(layer.load), 1.0) and 0.5 <= layer.recall <= 1.0  # chance is k / E = 0.5
+        assert 0 < layer.shared_mass < layer.active_mass <= 1.0
+
+
+def test_shared_neurons_are_those_firing_on_most_tokens():
+    gen = torch.Generator().manual_seed(0)
+    acts = torch.rand(500, 40, generator=gen) * 0.1
+    acts[:, [3, 17, 29]] += 1.0            # always among the largest: rate 1
+    acts[::2, 8] += 2.0                    # largest on half the tokens only
+    assert shared_neurons(acts, 3, active=4).tolist() == [3, 17, 29]
+    assert shared_neurons(acts, 4, active=4).tolist() == [3, 8, 17, 29]
+    assert shared_neurons(acts, 0, active=4).numel() == 0
+    with pytest.raises(ValueError, match=r"active=2 must be an int in \[3, 40\]"):
+        shared_neurons(acts, 3, active=2)
+
+
+def test_set_top_k_keeps_unit_weight_and_active_share():
+    dense = tiny_llama("untied_gqa", seed=5)
+    moe, report = moefy(dense, calib_ids(seed=3), n_experts=4, top_k=2, shared_share=0.25)
+    assert report.active_share == active_share(4, 2, 0.25) == 0.625
+    ids = calib_ids(seed=8, n=2, t=16)
+    before = logits(moe, ids)
+    set_top_k(moe, 3)
+    assert moe.config.num_experts_per_tok == 3 and moe.config.moefy_expert_scale == 3.0
+    assert all(layer.mlp.gate.top_k == 3 for layer in moe.model.layers)
+    assert not torch.allclose(logits(moe, ids), before, atol=1e-4)
+    with all_experts_unit_weight(moe):
+        assert torch.allclose(logits(moe, ids), logits(dense, ids), atol=1e-5, rtol=0)
+    set_top_k(moe, 2)
+    assert torch.allclose(logits(moe, ids), before, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match=r"top_k=5 must be an int in \[1, 4\]"):
+        set_top_k(moe, 5)
 
 
 def test_same_seed_same_weights_other_seed_other_groups():
     dense = tiny_llama("untied_gqa", seed=2)
     ids = calib_ids(seed=4)
-    a, rep_a = moefy(dense, ids, n_experts=4, top_k=2, seed=3)
-    b, rep_b = moefy(dense, ids, n_experts=4, top_k=2, seed=3)
+    a, rep_a = moefy(dense, ids, n_experts=4, top_k=2, shared_share=0.25, seed=3)
+    b, rep_b = moefy(dense, ids, n_experts=4, top_k=2, shared_share=0.25, seed=3)
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
     assert rep_a.to_dict()["layers"] == rep_b.to_dict()["layers"]
@@ -152,7 +193,7 @@ def test_save_then_load_offline_gives_identical_logits(built, tmp_path, caplog):
             loaded, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True, local_files_only=True)
         assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
         assert not [r for r in caplog.records if "key" in r.getMessage().lower()]
-        assert type(loaded).__name__ == "MixtralForCausalLM"
+        assert type(loaded).__name__ == "Qwen2MoeForCausalLM"
         assert loaded.config.moefy_expert_scale == moe.config.moefy_expert_scale
         ids = calib_ids(seed=9, n=2, t=12)
         assert torch.equal(logits(loaded.eval(), ids), logits(moe, ids))
@@ -162,7 +203,9 @@ def test_save_then_load_offline_gives_identical_logits(built, tmp_path, caplog):
 # --------------------------------------------------------------------------- bad input
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(n_experts=3), r"n_experts=3 must divide intermediate_size=128"),
+    (dict(n_experts=5), r"shared_share=0.25 leaves 96 of intermediate_size=128 neurons for n_experts=5 .*"
+                        r"multiples of 8; shares that do: 0.0625, 0.375, 0.6875"),
+    (dict(shared_share=1.0), r"shared_share=1.0 must be a number in \[0, 1\)"),
     (dict(n_experts=0), r"n_experts=0"),
     (dict(top_k=0), r"top_k=0 must be an int in \[1, 4\]"),
     (dict(top_k=5), r"top_k=5 must be an int in \[1, 4\]"),
@@ -174,7 +217,7 @@ def test_save_then_load_offline_gives_identical_logits(built, tmp_path, caplog):
 ])
 def test_bad_arguments_are_named(built, kwargs, match):
     dense = built["untied_gqa"][0]
-    args = dict(calib_input_ids=calib_ids(), n_experts=4, top_k=2) | kwargs
+    args = dict(calib_input_ids=calib_ids(), n_experts=4, top_k=2, shared_share=0.25) | kwargs
     with pytest.raises(ValueError, match=match):
         moefy(dense, **args)
 
@@ -321,12 +364,34 @@ def test_smollm2_gguf_loads_and_its_first_layers_moefy():
         assert torch.allclose(logits(moe, ids[:, :32]), logits(dense, ids[:, :32]), atol=1e-4, rtol=0)
 
 
-def test_a_gated_decoder_other_than_llama_is_refused_saying_why():
-    """The MoE branch splits Llama-architecture models only; a Qwen2 (biased q/k/v) is refused with
-    the reason and what is accepted."""
+def test_a_qwen2_dense_model_keeps_its_qkv_biases_exactly():
+    """Qwen2 (biased q/k/v) becomes a Qwen2-MoE with qkv_bias on: all experts reproduce it."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    dense = Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                                         num_key_value_heads=2, intermediate_size=64))
-    with pytest.raises(ValueError, match=r"model_type='qwen2'.*biases.*accepts Llama-architecture"):
-        moefy(dense, calib_ids(seed=0), n_experts=4, top_k=2)
+    torch.manual_seed(0)
+    dense = Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=128)).eval()
+    with torch.no_grad():
+        for layer in dense.model.layers:
+            layer.self_attn.q_proj.bias.normal_(0, 0.5)
+            for lin in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                lin.weight.normal_(0, 0.15)
+    moe, _ = moefy(dense, calib_ids(seed=0), n_experts=4, top_k=2, shared_share=0.25)
+    assert moe.config.qkv_bias and torch.equal(moe.model.layers[0].self_attn.q_proj.bias,
+                                               dense.model.layers[0].self_attn.q_proj.bias)
+    ids = calib_ids(seed=8, n=2, t=16)
+    with all_experts_unit_weight(moe):
+        assert torch.allclose(logits(moe, ids), logits(dense, ids), atol=1e-5, rtol=0)
+
+
+def test_other_decoders_are_refused_by_name():
+    from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4))
+    with pytest.raises(ValueError, match=r"model_type='gpt2'.*Conv1D.*accepts llama, qwen2, mistral"):
+        moefy(gpt2, calib_ids(seed=0), n_experts=4, top_k=2)
+    mistral = MistralForCausalLM(MistralConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1,
+                                               num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                                               sliding_window=16))
+    with pytest.raises(ValueError, match=r"sliding_window=16 is not supported"):
+        moefy(mistral, calib_ids(seed=0), n_experts=4, top_k=2)

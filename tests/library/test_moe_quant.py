@@ -15,12 +15,13 @@ from crucible.moe.qat import adapter_parameters, replay_qat
 from crucible.moe.routing import Routes, consistency, moe_layers, record_routes
 from crucible.quant import mxfp4
 from crucible.quant.linear import MXLinear
-from support.moe_models import tiny_mixtral, tiny_qwen3, token_batches
+from support.moe_models import tiny_mixtral, tiny_qwen2moe, tiny_qwen3, token_batches
 
 torch.set_num_threads(1)
 
 MODELS = {"mixtral": lambda: tiny_mixtral(seed=0, init=0.1),
-          "qwen3": lambda: tiny_qwen3(seed=1, init=0.1, mlp_only_layers=(1,))}
+          "qwen3": lambda: tiny_qwen3(seed=1, init=0.1, mlp_only_layers=(1,)),
+          "qwen2moe-shared": lambda: tiny_qwen2moe(seed=2, init=0.1)}
 
 
 @pytest.fixture(scope="module")
@@ -209,12 +210,14 @@ def test_quantize_moe_keeps_router_and_embeddings_float():
     assert isinstance(qmodel.model.embed_tokens, torch.nn.Embedding) and isinstance(qmodel.lm_head, torch.nn.Linear)
     with pytest.raises(ValueError, match="already quantized"):
         quantize_moe(qmodel)
-    shared = tiny_mixtral(seed=5)
-    shared.model.layers[0].mlp.shared_expert = torch.nn.Linear(4, 4)
-    before = copy.deepcopy(shared.state_dict())
-    with pytest.raises(ValueError, match="shared expert"):
-        quantize_moe(shared)
-    assert all(torch.equal(v, shared.state_dict()[k]) for k, v in before.items())  # untouched
+    # a Qwen2-MoE shared expert: MXFP4 like attention (load 1), or kept float; its sigmoid gate stays float
+    for on in (True, False):
+        q = tiny_qwen2moe(seed=5, init=0.1)
+        gate = q.model.layers[0].mlp.shared_expert_gate.weight.clone()
+        quantize_moe(q, shared=on)
+        block = q.model.layers[0].mlp
+        assert all(isinstance(getattr(block.shared_expert, f"{k}_proj"), MXLinear) == on for k in ("gate", "up", "down"))
+        assert type(block.shared_expert_gate) is torch.nn.Linear and torch.equal(block.shared_expert_gate.weight, gate)
     bad = tiny_mixtral(seed=5)
     with torch.no_grad():
         bad.model.layers[1].mlp.experts.down_proj[2, 3, 4] = float("nan")
@@ -317,7 +320,8 @@ def test_load_errors_name_the_file_and_the_tensor(setup, tmp_path):
 
 
 MODELS_OTHER = {"MixtralForCausalLM": lambda: tiny_mixtral(seed=0, intermediate=96),
-                "Qwen3MoeForCausalLM": lambda: tiny_qwen3(seed=1, intermediate=96, mlp_only_layers=(1,))}
+                "Qwen3MoeForCausalLM": lambda: tiny_qwen3(seed=1, intermediate=96, mlp_only_layers=(1,)),
+                "Qwen2MoeForCausalLM": lambda: tiny_qwen2moe(seed=2, intermediate=96, shared=96)}
 
 
 # --------------------------------------------------------------------------- replay QAT

@@ -9,7 +9,7 @@ import torch
 from crucible.moe.mx_experts import quantize_moe
 from crucible.moe.routing import (Routes, consistency, expert_load, hidden_drift, moe_layers, record_routes, replay,
                                   router_renormalises)
-from support.moe_models import tiny_mixtral, tiny_qwen3, token_batches
+from support.moe_models import tiny_mixtral, tiny_qwen2moe, tiny_qwen3, token_batches
 
 torch.set_num_threads(1)
 
@@ -17,6 +17,7 @@ MODELS = {
     "mixtral": lambda: tiny_mixtral(seed=0, init=0.1),
     "qwen3": lambda: tiny_qwen3(seed=1, init=0.1, norm_topk_prob=False),
     "qwen3-norm": lambda: tiny_qwen3(seed=2, init=0.1, norm_topk_prob=True),
+    "qwen2moe-shared": lambda: tiny_qwen2moe(seed=3, init=0.1),
 }
 
 

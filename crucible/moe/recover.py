@@ -1,0 +1,169 @@
+"""A short recovery of a MoEfied model by distillation from its dense source (docs/methods.md, moe;
+CMoE, Pei et al. 2025, recovers its training-free MoE with a short fine-tune).
+
+    history = recover(moe, dense, batches, steps=60, lr=1e-3, train="router",
+                      checkpoint_dir="ckpt", checkpoint_every=20)
+
+Each step takes one batch (the batches in a seeded per-epoch order, crucible.moe.qat.batch_order),
+runs the MoE with its own routing and minimises KL(p_dense || p_moe) of the next-token
+distributions at `temperature` (times temperature^2), averaged over tokens (a dict batch's
+attention_mask excludes padding). The dense model's log-probabilities are computed once per batch
+and kept. What trains, cheapest first:
+- train="router": every MoE block's router weight (`mlp.gate.weight`, which sets both the top-k
+  choice and the combine weights, its scale included) and the shared expert's gate
+  (`mlp.shared_expert_gate.weight`, the shared expert's per-token scale);
+- train="experts": those and every expert's weights (routed `experts.*`, `shared_expert.*`).
+Everything else (attention, embeddings, norms, lm_head) has requires_grad off for the run
+(restored afterwards). Both models run in eval mode. AdamW without weight decay, constant lr.
+
+Deterministic given `seed`. Resumable as replay QAT is: every `checkpoint_every` steps (and at the
+last) the trained tensors, the AdamW state, the step and the history go to
+checkpoint_dir/step-<7 digits>/ (safetensors + JSON, crucible.checkpoint); a later call with the same
+checkpoint_dir continues from the newest one and ends where an uninterrupted run ends.
+
+Contract
+- recover(moe, dense, batches, steps, lr=1e-3, train="router", temperature=1.0, seed=0,
+  checkpoint_dir=None, checkpoint_every=0, progress=True, log=None) -> history, one
+  {"step", "loss", "batch"} per step (including resumed steps). batches[i] is one forward call
+  (crucible.moe.routing.forward_batch). ValueError, naming the argument and the value, for steps < 0,
+  lr not finite > 0, an unknown `train`, temperature not finite > 0, no batches, a model without MoE
+  blocks, a dense model of another vocabulary, a non-finite loss (naming the step), or a checkpoint
+  written with other settings. steps=0 returns the (resumed) history unchanged.
+- trainable_parameters(moe, train) -> {name: parameter} of what `train` trains.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from crucible.device import model_device
+from crucible.moe.qat import _mask, _masked_mean, batch_order
+from crucible.moe.routing import forward_batch, moe_layers
+from crucible.progress import Progress
+
+__all__ = ["TRAIN", "recover", "trainable_parameters"]
+
+TRAIN = ("router", "experts")
+
+
+def trainable_parameters(moe: nn.Module, train: str = "router") -> dict[str, nn.Parameter]:
+    """name -> parameter of what `train` trains (see the module docstring)."""
+    if train not in TRAIN:
+        raise ValueError(f"recover: train={train!r} must be one of {TRAIN}")
+    blocks = moe_layers(moe)
+    out = {}
+    for name, block in blocks.items():
+        out[f"{name}.gate.weight"] = block.gate.weight
+        gate = getattr(block, "shared_expert_gate", None)
+        if gate is not None:
+            out[f"{name}.shared_expert_gate.weight"] = gate.weight
+        if train == "experts":
+            for sub in ("experts", "shared_expert"):
+                module = getattr(block, sub, None)
+                if module is not None:
+                    for pname, p in module.named_parameters():
+                        out[f"{name}.{sub}.{pname}"] = p
+    return out
+
+
+def _check(moe, dense, batches, steps, lr, temperature, checkpoint_every) -> None:
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
+        raise ValueError(f"recover: steps={steps!r} must be an int >= 0")
+    for name, value in (("lr", lr), ("temperature", temperature)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (math.isfinite(value) and value > 0):
+            raise ValueError(f"recover: {name}={value!r} must be finite and > 0")
+    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, numbers.Integral) or checkpoint_every < 0:
+        raise ValueError(f"recover: checkpoint_every={checkpoint_every!r} must be an int >= 0")
+    if not batches:
+        raise ValueError("recover: batches is empty; give at least one batch of calibration token ids")
+    vocab_moe, vocab_dense = moe.config.vocab_size, dense.config.vocab_size
+    if vocab_moe != vocab_dense:
+        raise ValueError(f"recover: the dense model's vocab_size={vocab_dense} differs from the MoE's {vocab_moe}; "
+                         "distil from the model the MoE was built from")
+
+
+def recover(moe: nn.Module, dense: nn.Module, batches: Sequence, steps: int, lr: float = 1e-3,
+            train: str = "router", temperature: float = 1.0, seed: int = 0,
+            checkpoint_dir: Path | str | None = None, checkpoint_every: int = 0, progress: bool = True,
+            log: Callable[[dict, int], None] | None = None) -> list[dict]:
+    """Distil `dense` into `moe`'s routers (and, with train="experts", its experts) for `steps`
+    AdamW steps in total; see the module docstring."""
+    from crucible.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+
+    batches = list(batches)
+    _check(moe, dense, batches, steps, lr, temperature, checkpoint_every)
+    params = trainable_parameters(moe, train)
+    settings = {"lr": float(lr), "train": train, "temperature": float(temperature), "seed": int(seed),
+                "batches": len(batches), "params": {k: list(p.shape) for k, p in params.items()}}
+    optimizer = torch.optim.AdamW(list(params.values()), lr=lr, weight_decay=0.0)
+    step, history = 0, []
+    latest = latest_checkpoint(checkpoint_dir) if checkpoint_dir is not None else None
+    if latest is not None:
+        ckpt = load_checkpoint(latest)
+        if ckpt["settings"] != settings:
+            diff = {k: (ckpt["settings"].get(k), v) for k, v in settings.items() if ckpt["settings"].get(k) != v}
+            raise ValueError(f"{latest}: the checkpoint was written with other settings (checkpoint, this run): {diff}")
+        if int(ckpt["step"]) > steps:
+            raise ValueError(f"{latest}: the checkpoint is at step {int(ckpt['step'])}, past steps={steps}; "
+                             f"pass steps >= {int(ckpt['step'])} or another checkpoint_dir")
+        with torch.no_grad():
+            for k, p in params.items():
+                p.copy_(ckpt["params"][k])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        step, history = int(ckpt["step"]), list(ckpt["history"])
+    flags = {p: p.requires_grad for p in moe.parameters()}
+    dense_flags = {p: p.requires_grad for p in dense.parameters()}
+    modes = (moe.training, dense.training)
+    targets: dict[int, torch.Tensor] = {}
+    bar = Progress(total=steps, initial=min(step, steps), desc=f"moe recovery ({train})", unit="step",
+                   disable=not progress)
+    try:
+        for p in moe.parameters():
+            p.requires_grad_(False)
+        for p in dense.parameters():
+            p.requires_grad_(False)
+        for p in params.values():
+            p.requires_grad_(True)
+        moe.eval()
+        dense.eval()
+        while step < steps:
+            b = batch_order(step, len(batches), seed, True)
+            batch, mask = batches[b], _mask(batches[b])
+            mask = None if mask is None else mask.to(model_device(moe))
+            if b not in targets:
+                with torch.no_grad():
+                    targets[b] = torch.log_softmax(forward_batch(dense, batch).logits.float() / temperature, dim=-1)
+            logq = torch.log_softmax(forward_batch(moe, batch).logits.float() / temperature, dim=-1)
+            per_token = F.kl_div(logq, targets[b].to(logq.device), log_target=True, reduction="none").sum(-1)
+            value = _masked_mean(per_token, mask) * temperature ** 2
+            if not torch.isfinite(value):
+                raise ValueError(f"recover: the loss is {float(value)} at step {step + 1} (batch {b})")
+            optimizer.zero_grad(set_to_none=True)
+            value.backward()
+            optimizer.step()
+            step += 1
+            history.append({"step": step, "loss": float(value.detach()), "batch": b})
+            bar.update(1)
+            bar.set_postfix(loss=f"{history[-1]['loss']:.4g}")
+            if checkpoint_dir is not None and ((checkpoint_every and step % checkpoint_every == 0) or step == steps):
+                save_checkpoint(checkpoint_dir, step, {
+                    "step": step, "settings": settings, "history": history, "optimizer": optimizer.state_dict(),
+                    "params": {k: p.detach() for k, p in params.items()}})
+            if log is not None:
+                log(dict(history[-1]), step)
+    finally:
+        bar.close()
+        for p, f in flags.items():
+            p.requires_grad_(f)
+        for p, f in dense_flags.items():
+            p.requires_grad_(f)
+        moe.train(modes[0])
+        dense.train(modes[1])
+    return history
