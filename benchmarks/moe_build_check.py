@@ -1,23 +1,30 @@
-"""MoEfication of the real dense model: SmolLM2-135M-Instruct (the packaged GGUF) -> a Mixtral MoE;
-perplexity of dense vs MoE on held-out text, router quality, expert loads and the time of each step.
+"""A usable MoE from SmolLM2-135M-Instruct (the packaged GGUF): perplexity against the dense model as a
+curve of the active FFN share, built (training-free), after the least-squares refit of the down
+projections, and after a short distillation recovery.
 
-    .venv/bin/python benchmarks/moe_build_check.py                         # E=8, k=2, bbc_news
-    .venv/bin/python benchmarks/moe_build_check.py --experts 8 --top-k 2 --calib 32 --eval 64 --seq-len 128
+    .venv/bin/python benchmarks/moe_build_check.py                      # the curve: 25, 37.5, 50, 75 % active
+    .venv/bin/python benchmarks/moe_build_check.py --points 0.25:6:2 --recover-steps 4 --eval 16
 
-The corpus's texts are split by a seeded permutation into a calibration half and a held-out half, so
-the perplexity is measured on texts the clustering and the routers never saw. The MoE is scored at
-its built expert_scale (default top_k) and, for comparison, at expert_scale 1 (the plain Mixtral
-combine: renormalised top-k weights times the unscaled experts), by rescaling down_proj in place.
-The unit-weight check compares the MoE with every expert selected at unit weight to the dense model.
+A point is shared_share:n_experts:top_k; a token uses shared_share + (1 - shared_share) * top_k /
+n_experts of the FFN. Points with the same shared_share and n_experts share one build (the same
+shared expert, experts and routers; crucible.moe.build.set_top_k changes k). Per point, on the
+held-out sequences: perplexity of the MoE as built, after refit_down (crucible.moe.refit), and after
+`--recover-steps` steps of crucible.moe.recover (`--recover-train`: router | experts) from the
+refitted model; the unit-weight check of each build (every expert selected at unit weight = dense).
+
+Data as the moe stages use it (tasks.data.moe_text): the texts of bbc_news and debates_party,
+deduplicated and split by content hash, `--eval-share` held out. Calibration: `--calib` sequences
+of `--seq-len` tokens from the calibration pool (the clustering, routers, refit and the recovery's
+batches); held-out: `--eval` sequences of `--seq-len` tokens. --threads 2 by default.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,112 +32,96 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
-
-
-@contextmanager
-def expert_counts(moe):
-    """Within the block, count per layer how many (token, slot) pairs each expert receives: [L, E]."""
-    counts = torch.zeros(len(moe.model.layers), moe.config.num_local_experts)
-
-    def count(i):
-        def hook(router, args, out):  # returns None: the router's output is left as it is
-            counts[i].add_(torch.bincount(out[2].flatten(), minlength=counts.shape[1]).float())
-        return hook
-
-    hooks = [layer.mlp.gate.register_forward_hook(count(i)) for i, layer in enumerate(moe.model.layers)]
-    try:
-        yield counts
-    finally:
-        for h in hooks:
-            h.remove()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--corpus", default="bbc_news")
-    ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--points", default="0.125:7:1,0.25:6:1,0.25:6:2,0.25:6:4",
+                    help="comma-separated shared_share:n_experts:top_k")
+    ap.add_argument("--corpora", default="bbc_news,debates_party")
+    ap.add_argument("--eval-share", type=float, default=0.3)
     ap.add_argument("--calib", type=int, default=32, help="calibration sequences")
     ap.add_argument("--eval", type=int, default=64, help="held-out sequences")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--ridge", type=float, default=1e-2, help="refit_down's ridge")
+    ap.add_argument("--recover-steps", type=int, default=16)
+    ap.add_argument("--recover-train", default="experts", choices=["router", "experts"])
+    ap.add_argument("--recover-lr", type=float, default=1e-4)
+    ap.add_argument("--recover-batch", type=int, default=4, help="sequences per recovery step")
+    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
 
-    from crucible.moe.build import all_experts_unit_weight, moefy
+    from crucible.moe.build import active_share, all_experts_unit_weight, moefy, set_top_k
     from crucible.moe.dense import load_dense
     from crucible.moe.lm import perplexity, token_sequences
-    from tasks.data.corpora import load_corpus
+    from crucible.moe.recover import recover
+    from crucible.moe.refit import refit_down
+    from tasks.data.moe_text import lm_texts
 
-    seconds: dict[str, float] = {}
-    t0 = time.perf_counter()
+    points = []
+    for spec in args.points.split(","):
+        share, e, k = spec.split(":")
+        points.append((float(share), int(e), int(k)))
+    t_start = time.perf_counter()
     dense, tokenizer = load_dense()
-    seconds["gguf load (config, tokenizer, dequantize)"] = time.perf_counter() - t0
-
-    texts = load_corpus(args.corpus)["text"].tolist()
-    order = np.random.default_rng(args.seed).permutation(len(texts))
-    half = len(texts) // 2
-    calib = token_sequences(tokenizer, [texts[i] for i in order[:half]], args.seq_len, args.calib, seed=args.seed)
-    held = token_sequences(tokenizer, [texts[i] for i in order[half:]], args.seq_len, args.eval, seed=args.seed)
-
+    pool, held_texts = lm_texts(args.corpora.split(","), args.eval_share)
+    calib = token_sequences(tokenizer, pool, args.seq_len, args.calib, seed=1000 + args.seed)
+    held = token_sequences(tokenizer, held_texts, args.seq_len, args.eval, seed=0)
+    print(f"# moe_build_check: SmolLM2-135M-Instruct, corpora={args.corpora}, calib={args.calib}x{args.seq_len}, "
+          f"held-out={args.eval}x{args.seq_len}, seed={args.seed}, ridge={args.ridge}, recovery "
+          f"{args.recover_steps} steps ({args.recover_train}, lr {args.recover_lr:g}, {args.recover_batch} sequences "
+          f"a step), threads={torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}", flush=True)
     t0 = time.perf_counter()
-    moe, report = moefy(dense, calib, n_experts=args.experts, top_k=args.top_k, seed=args.seed,
-                        batch_size=args.batch_size)
-    seconds["moefy total"] = time.perf_counter() - t0
-    for k, v in report.seconds.items():
-        seconds[f"  moefy {k}"] = v
-
-    print(f"# moe_build_check: corpus={args.corpus} E={args.experts} k={args.top_k} seed={args.seed} "
-          f"calib={args.calib}x{args.seq_len} held-out={args.eval}x{args.seq_len} threads={torch.get_num_threads()} "
-          f"load average {os.getloadavg()[0]:.1f} (timings assume an otherwise idle machine)")
+    ppl_dense = perplexity(dense, held, args.batch_size)
+    print(f"# dense perplexity {ppl_dense:.2f} ({time.perf_counter() - t0:.0f} s)", flush=True)
     print()
-    print(f"{'model':<48} {'perplexity':>10}")
-
-    def score(name: str, model, key: str | None = None) -> None:
+    header = (f"{'shared':>6} {'E':>2} {'k':>2} {'active':>6} {'built':>9} {'x dense':>7} {'refit':>9} {'x dense':>7} "
+              f"{'recovered':>9} {'x dense':>7} {'active mass':>11} {'seconds':>22}")
+    print(header, flush=True)
+    builds: dict[tuple, tuple] = {}
+    rows = []
+    for share, e, k in points:
+        key = (share, e)
+        if key not in builds:
+            t0 = time.perf_counter()
+            moe, report = moefy(dense, calib, n_experts=e, top_k=k, shared_share=share, seed=args.seed,
+                                batch_size=args.batch_size)
+            with torch.no_grad(), all_experts_unit_weight(moe):
+                unit = float((moe(input_ids=held[:2]).logits - dense(input_ids=held[:2]).logits).abs().max())
+            builds[key] = (moe, report, unit, time.perf_counter() - t0)
+            print(f"# build shared={share:g} E={e}: {time.perf_counter() - t0:.0f} s, all experts at unit weight vs "
+                  f"dense max |logit diff| {unit:.1e}", flush=True)
+        built, report, unit, build_s = builds[key]
+        moe = set_top_k(copy.deepcopy(built), k)
+        seconds = {}
         t0 = time.perf_counter()
-        ppl = perplexity(model, held, args.batch_size)
-        if key:
-            seconds[key] = time.perf_counter() - t0
-        print(f"{name:<48} {ppl:10.3f}", flush=True)
-
-    score("dense (GGUF Q4_1 dequantized, float32)", dense, "perplexity dense")
-    with expert_counts(moe) as counts:
-        score(f"MoE E={args.experts} k={args.top_k}, expert_scale={report.expert_scale:g}", moe, "perplexity MoE")
-    loads = (counts / counts.sum(1, keepdim=True)).numpy()
-    if report.expert_scale != 1.0:  # the plain Mixtral combine, for comparison
-        with torch.no_grad():
-            for layer in moe.model.layers:
-                layer.mlp.experts.down_proj.div_(report.expert_scale)
-        score(f"MoE E={args.experts} k={args.top_k}, expert_scale=1", moe)
-        with torch.no_grad():
-            for layer in moe.model.layers:
-                layer.mlp.experts.down_proj.mul_(report.expert_scale)
-
-    probe = held[:4]
-    with torch.no_grad():
-        ref = dense(input_ids=probe).logits
-        with all_experts_unit_weight(moe):
-            unit_err = float((moe(input_ids=probe).logits - ref).abs().max())
-    print(f"# all experts at unit weight vs dense: max |logit diff| = {unit_err:.2e} over {probe.numel()} tokens")
+        ppl_built = perplexity(moe, held, args.batch_size)
+        seconds["eval"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        refit = refit_down(moe, dense, calib, ridge=args.ridge)
+        seconds["refit"] = time.perf_counter() - t0
+        ppl_refit = perplexity(moe, held, args.batch_size)
+        t0 = time.perf_counter()
+        recover(moe, dense, list(calib.split(args.recover_batch)), args.recover_steps, lr=args.recover_lr,
+                train=args.recover_train, seed=args.seed, progress=False)
+        seconds["recover"] = time.perf_counter() - t0
+        ppl_rec = perplexity(moe, held, args.batch_size) if args.recover_steps else ppl_refit
+        mass = sum(r.active_mass for r in report.layers) / len(report.layers) if k == report.top_k else float("nan")
+        act = active_share(e, k, report.shared_share)
+        timing = f"ref {seconds['refit']:.0f} rec {seconds['recover']:.0f} ev {seconds['eval']:.0f}"
+        print(f"{share:6.3f} {e:2d} {k:2d} {act:6.3f} {ppl_built:9.2f} {ppl_built / ppl_dense:7.2f} {ppl_refit:9.2f} "
+              f"{ppl_refit / ppl_dense:7.2f} {ppl_rec:9.2f} {ppl_rec / ppl_dense:7.2f} {mass:11.3f} {timing:>22}",
+              flush=True)
+        rows.append((act, ppl_built, ppl_refit, ppl_rec, [r["after"] / max(r["before"], 1e-30) for r in refit]))
     print()
-    frame = report.frame()
-    frame["held_load_min"], frame["held_load_max"] = loads.min(1), loads.max(1)
-    print("# router quality on calibration tokens (chance recall = k/E = "
-          f"{args.top_k / args.experts:.3f}); loads on held-out tokens (uniform = {1 / args.experts:.3f})")
-    print(frame.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-    print(f"# mean: recall {frame.recall.mean():.3f}, mass covered {frame.mass_covered.mean():.3f} "
-          f"(oracle {frame.oracle_mass.mean():.3f}), r2 {frame.r2.mean():.3f}; held-out load max/min over all "
-          f"layers {loads.max():.3f} / {loads.min():.3f}")
-    print()
-    print(f"{'step':<44} {'seconds':>8}")
-    for k, v in seconds.items():
-        print(f"{k:<44} {v:8.1f}")
-    print(f"# load average at the end {os.getloadavg()[0]:.1f}")
+    for act, _, _, _, ratios in rows:
+        print(f"# active {act:.3f}: refit error after/before per layer min {min(ratios):.3f} "
+              f"median {sorted(ratios)[len(ratios) // 2]:.3f} max {max(ratios):.3f}")
+    print(f"# total {time.perf_counter() - t_start:.0f} s; load average at the end {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

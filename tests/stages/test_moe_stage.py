@@ -13,7 +13,7 @@ import yaml
 
 from tasks.stages import execute
 
-MOE = {"enabled": True, "n_experts": 4, "top_k": 2, "seq_len": 16, "build_sequences": 6, "calib_sequences": 6,
+MOE = {"enabled": True, "n_experts": 4, "top_k": 2, "shared_share": 0.25, "recover_steps": 3, "seq_len": 16, "build_sequences": 6, "calib_sequences": 6,
        "eval_sequences": 6, "batch_size": 3, "qat_steps": 6, "rank_budget": 24}
 
 
@@ -55,7 +55,7 @@ def _md5s(root: Path, folder: str) -> dict[str, str]:
     return {p.name: md5_file(p) for p in sorted((root / folder).iterdir()) if p.is_file()}
 
 
-def test_build_writes_a_mixtral_that_loads_offline(tmp_path, project_root, tiny_lm):
+def test_build_writes_a_qwen2_moe_with_a_shared_expert_that_loads_offline(tmp_path, project_root, tiny_lm):
     from transformers import AutoModelForCausalLM
 
     root = _workspace(tmp_path, project_root, tiny_lm)
@@ -65,10 +65,13 @@ def test_build_writes_a_mixtral_that_loads_offline(tmp_path, project_root, tiny_
     assert build["unit_weight_max_abs_diff"] < 1e-3
     ppl = build["perplexity"]
     assert 1 < ppl["dense"] < 2 * 30522 and 1 < ppl["moe_float"] < 2 * 30522
+    assert build["active_share"] == 0.25 + 0.75 * 2 / 4 and len(build["recover"]["loss"]) == 3
+    assert all(r["after"] <= r["before"] for r in build["refit_error"]) and len(build["shared_mass"]) == 2
     assert all(abs(sum(layer) - 1) < 1e-6 for layer in build["expert_load"])  # shares of the routed tokens
     moe = AutoModelForCausalLM.from_pretrained(root / "models/moe/build", local_files_only=True)
-    assert type(moe).__name__ == "MixtralForCausalLM"
-    assert tuple(moe.model.layers[0].mlp.experts.gate_up_proj.shape) == (4, 2 * 32, 64)
+    assert type(moe).__name__ == "Qwen2MoeForCausalLM"
+    assert tuple(moe.model.layers[0].mlp.experts.gate_up_proj.shape) == (4, 2 * 24, 64)
+    assert tuple(moe.model.layers[0].mlp.shared_expert.down_proj.weight.shape) == (64, 32)
     assert set(result.outputs) == {f"models/moe/build/{n}" for n in _md5s(root, "models/moe/build")}
     first = _md5s(root, "models/moe/build")
     execute("moe_build", None, root)
@@ -83,8 +86,8 @@ def test_switched_off_writes_only_a_note(tmp_path, project_root, tiny_lm):
 
 
 def test_a_bad_expert_count_is_refused_before_anything_is_written(tmp_path, project_root, tiny_lm):
-    root = _workspace(tmp_path, project_root, tiny_lm, n_experts=5)  # 128 neurons do not split in 5
-    with pytest.raises(ValueError, match="n_experts=5 must divide intermediate_size=128"):
+    root = _workspace(tmp_path, project_root, tiny_lm, n_experts=5)  # 96 routed neurons do not split in 5
+    with pytest.raises(ValueError, match="leaves 96 of intermediate_size=128 neurons for n_experts=5"):
         execute("moe_build", None, root)
     assert not (root / "models/moe/build").exists()
 
