@@ -27,7 +27,7 @@ FRAMES = {
     "finetune": ["task", "test_accuracy", "dev_accuracy", "steps", "n_train"],
 }
 FIGURE_HOME = {"merge": "curves", "quantize": "quantize", "curate": "curation", "pseudolabel": "pseudolabel",
-               "finetune": "finetune", "moe": "moe"}  # where a stage's own figure is inlined
+               "finetune": "finetune", "moe": "moe", "moe_curve": "moe"}  # where a stage's own figure is inlined
 
 
 # ---------------------------------------------------------------------------------------------------

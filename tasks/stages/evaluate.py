@@ -78,7 +78,7 @@ SPEC = StageSpec(
             "quantize kept; one self-contained HTML report.",
     deps=(*(str(MERGE / n) for n in ("features.safetensors", "heads.safetensors", "config.json")),
           *(str(QUANTIZE / n) for n in ("features.safetensors", "config.json")), "metrics/quantize.json",
-          "metrics/moe.json", str(MERGE / "accuracy.png"), str(QUANTIZE / "quantize.png"),
+          "metrics/moe.json", str(MERGE / "accuracy.png"), str(QUANTIZE / "quantize.png"), "models/moe/build",
           *(f"metrics/{{task}}/{s}.json" for s in ("ingest", "curate", "pseudolabel", "finetune"))),
     params=("pipeline.seed", "pipeline.tasks", "merge.order", "merge.methods", "merge.main", "evaluate"),
     uncached=(str(REPORTS / "index.html"), str(REPORTS / "plots")),
@@ -415,7 +415,8 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
         "moe": _read_json(root / METRICS / "moe.json"),
         "figures": {name: (root / path).read_bytes() for name, path in
                     (("merge", MERGE / "accuracy.png"), ("quantize", QUANTIZE / "quantize.png"),
-                     ("moe", Path("models") / "moe" / "quantize" / "moe.png"))
+                     ("moe", Path("models") / "moe" / "quantize" / "moe.png"),
+                     ("moe_curve", Path("models") / "moe" / "build" / "curve.png"))
                     if (root / path).is_file()},
         "meta": {"git_commit": git_commit(root), "params": {"evaluate": params.evaluate.model_dump()},
                  "n_test": n_test, "n_probe": n_probe},

@@ -18,8 +18,11 @@ that `AutoModelForCausalLM.from_pretrained(models/moe/build)` loads offline.
 
 Outputs (published together), all in models/moe/build/:
 - config.json, generation_config.json, model.safetensors, tokenizer files: the MoE checkpoint;
+- curve.png: perplexity over the dense model's against the active share (the MoE as built at every
+  top-k, then refitted and recovered at moe.top_k);
 - build.json: perplexity of the dense model and of the MoE before and after the recovery on the
-  held-out sequences, the active share of the FFN, the unit-weight check's max |logit
+  held-out sequences, `curve` (the built MoE's perplexity at every top-k from 1 to n_experts - 1,
+  with its active share), the active share of the FFN, the unit-weight check's max |logit
   difference|, per layer the shared expert's mass share, the routers' recall and the expert loads,
   the recovery's loss curve, the source model. Timings go to MLflow only.
 With moe.enabled false only build.json is written, saying so.
@@ -70,7 +73,9 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
                                                   "note": "moe.enabled is false: the MoE branch did not run"})
         return {"moe_enabled": 0}
 
-    from crucible.moe.build import all_experts_unit_weight, moefy
+    import copy
+
+    from crucible.moe.build import active_share, all_experts_unit_weight, moefy, set_top_k
     from crucible.moe.recover import recover
     from crucible.moe.refit import refit_down
     from crucible.moe.lm import perplexity
@@ -103,6 +108,11 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
                            f"vocabulary size {vocab}: it predicts uniformly, so its weights did not load; "
                            "nothing was written")
     ppl_built = perplexity(moe, seqs["eval"], batch_size=p.batch_size, progress=True)
+    curve = []  # the same experts and routers at every top-k: perplexity against the active share
+    for k in range(1, p.n_experts):
+        ppl = ppl_built if k == p.top_k else perplexity(set_top_k(copy.deepcopy(moe), k), seqs["eval"],
+                                                        batch_size=p.batch_size, progress=True)
+        curve.append({"top_k": k, "active_share": active_share(p.n_experts, k, report.shared_share), "perplexity": ppl})
     seconds["perplexity"] = time.perf_counter() - t
     t = time.perf_counter()
     refit = refit_down(moe, dense, seqs["build"]) if p.refit else []
@@ -122,6 +132,7 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
         "layers": len(layers), "seq_len": p.seq_len,
         "sequences": {k: int(v.shape[0]) for k, v in seqs.items()},
         "perplexity": {"dense": ppl_dense, "moe_built": ppl_built, "moe_refit": ppl_refit, "moe_float": ppl_moe},
+        "curve": curve,
         "refit_error": [{"before": r["before"], "after": r["after"]} for r in refit],
         "recover": {"steps": p.recover_steps, "train": p.recover_train, "lr": p.recover_lr,
                     "loss": [h["loss"] for h in history]},
@@ -137,6 +148,10 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     with scratch(root, "moe_build") as tmp:  # owner-tagged: a killed run's folder is swept later
         moe.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        from tasks.report.moe_curve import curve_figure
+        from tasks.runtime.io import figure_png
+
+        (Path(tmp) / "curve.png").write_bytes(figure_png(curve_figure(metrics)))
         files = {f.name: f for f in Path(tmp).iterdir() if f.is_file()}
         with AtomicOutputs() as out:
             _replace_folder(root / HOME, out, files, metrics)
