@@ -1,7 +1,10 @@
 """Mixture-of-Experts quantization (docs/methods.md, moe; issue: MoE quantization).
 
-- `crucible.moe.build`: a dense Llama-style model -> a transformers Mixtral MoE (MoEfication:
-  balanced clustering of FFN neurons into experts, a fitted router);
+- `crucible.moe.build`: a dense Llama / Qwen2 model -> a transformers Qwen2-MoE with a shared expert
+  (CMoE / MoEfication: the most active neurons shared, balanced clustering of the rest into
+  experts, a fitted router);
+- `crucible.moe.refit`: the training-free least-squares refit of the down projections;
+- `crucible.moe.recover`: the distillation recovery from the dense model;
 - `crucible.moe.lm`: perplexity and token sequences for causal LMs;
 - `crucible.moe.routing`: record / replay the router's top-k choices, routing consistency,
   expert load, hidden-state drift;

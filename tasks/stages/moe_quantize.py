@@ -3,7 +3,7 @@ and trained with limited routing replay (docs/methods.md, moe; crucible.moe.vari
 
     crucible stage moe_quantize
 
-Reads the Mixtral checkpoint in models/moe/build/ (offline) and compares, on the held-out
+Reads the Qwen2-MoE checkpoint in models/moe/build/ (offline) and compares, on the held-out
 sequences (tasks/data/moe_text.py), at one total adapter rank (`moe.rank_budget`; null = 8 per matrix):
 - float: the MoE as built; mxfp4: every expert's slices of the fused 3-D expert parameters (and
   q/k/v/o with `moe.attention`) in MXFP4, the router in float;
