@@ -41,7 +41,8 @@ from crucible.hooks import forward_hooks
 from crucible.moe.mx_storage import moe_nbytes
 from crucible.moe.routing import Routes, consistency, expert_load, forward_batch, record_routes
 
-__all__ = ["FloatReference", "float_reference", "evaluate_variant", "reference_metrics", "calibration_fit"]
+__all__ = ["FloatReference", "float_reference", "evaluate_variant", "reference_metrics", "calibration_fit",
+           "float_log_probs"]
 
 
 def _check_int(value, name: str, low: int, high: int | None = None) -> int:
@@ -177,25 +178,40 @@ def evaluate_variant(model: nn.Module, eval_ids: torch.Tensor, reference: FloatR
 
 
 @torch.no_grad()
-def calibration_fit(model: nn.Module, float_model: nn.Module, batches) -> dict:
-    """{"kl", "perplexity"} of `model` on calibration `batches` (tensors of input ids [B, T]), each
-    model routing by itself: kl = the mean over predicted positions of KL(p_float || p_model) of the
-    next-token distributions (float32 log-softmax), perplexity = exp(mean -log p_model(next token))."""
-    kl, nll, count = 0.0, 0.0, 0
-    modes = (model.training, float_model.training)
-    model.eval()
+def float_log_probs(float_model: nn.Module, batches) -> list[torch.Tensor]:
+    """Per batch, the float model's next-token log-probabilities [B, T - 1, V] (float32), for
+    calibration_fit's `reference` (computed once when several candidates are scored)."""
+    was_training = float_model.training
     float_model.eval()
     try:
-        for batch in batches:
-            ref = torch.log_softmax(forward_batch(float_model, batch).logits[:, :-1].float(), dim=-1)
+        return [torch.log_softmax(forward_batch(float_model, b).logits[:, :-1].float(), dim=-1) for b in batches]
+    finally:
+        float_model.train(was_training)
+
+
+@torch.no_grad()
+def calibration_fit(model: nn.Module, float_model: nn.Module, batches, reference: list | None = None) -> dict:
+    """{"kl", "perplexity"} of `model` on calibration `batches` (tensors of input ids [B, T]), each
+    model routing by itself: kl = the mean over predicted positions of KL(p_float || p_model) of the
+    next-token distributions (float32 log-softmax), perplexity = exp(mean -log p_model(next token)).
+    `reference`: float_log_probs(float_model, batches), if already computed."""
+    kl, nll, count = 0.0, 0.0, 0
+    batches = list(batches)
+    if reference is None:
+        reference = float_log_probs(float_model, batches)
+    if len(reference) != len(batches):
+        raise ValueError(f"calibration_fit: {len(reference)} reference batches for {len(batches)} batches")
+    was_training = model.training
+    model.eval()
+    try:
+        for batch, ref in zip(batches, reference):
             logq = torch.log_softmax(forward_batch(model, batch).logits[:, :-1].float(), dim=-1)
             ids = batch[:, 1:].to(logq.device).unsqueeze(-1)
             kl += float((ref.exp() * (ref - logq)).sum(-1).double().sum())
             nll += float(-logq.gather(-1, ids).double().sum())
             count += ids.numel()
     finally:
-        model.train(modes[0])
-        float_model.train(modes[1])
+        model.train(was_training)
     if not count or not (math.isfinite(kl) and math.isfinite(nll)):
         raise ValueError(f"calibration_fit: no calibration token or a non-finite score (kl {kl}, nll {nll})")
     return {"kl": kl / count, "perplexity": math.exp(nll / count)}

@@ -34,7 +34,9 @@ Every variant is evaluated by crucible.moe.variant_eval.evaluate_variant against
 reference ("float" is the reference pass itself); "dense" (perplexity only) when `dense` is given.
 
 At most four models are alive at once (the float MoE, the quantized base, one compensated candidate,
-the best candidate so far); the plan (float64 SVDs) is dropped before QAT. Deterministic given
+the best candidate so far), and while candidates are scored the float MoE's calibration log-probs
+(calibration tokens x vocabulary floats); the plan (float64 SVDs) is dropped before QAT unless kept
+(keep_calibration). Deterministic given
 `seed` (torch.manual_seed; the QAT batch order is seeded; nothing else draws random numbers); only
 metrics["seconds"] varies between runs.
 
@@ -68,13 +70,14 @@ from crucible.moe.compensate import compensate_moe, expert_stats, moe_plan, plan
 from crucible.moe.mx_experts import cache_moe_dequantized, quantize_moe
 from crucible.moe.qat import LOSSES, replay_qat
 from crucible.moe.rank_report import compensated_matrices, default_rank_budget, max_rank_budget, rank_metrics
-from crucible.moe.routing import moe_layers, record_routes
+from crucible.moe.routing import Routes, moe_layers, record_routes
 from crucible.moe.sensitivity import output_sensitivity
 from crucible.moe.variant_eval import (FloatReference, _check_ids, _check_int, _rows, calibration_fit,
-                                       evaluate_variant, float_reference, reference_metrics)
+                                       evaluate_variant, float_log_probs, float_reference, reference_metrics)
 from crucible.quant import mxfp4
+from crucible.quant.compensate import CompensationPlan
 
-__all__ = ["VARIANTS", "COMPENSATED", "MoEVariants", "quantize_variants", "compensated_matrices", "max_rank_budget",
+__all__ = ["VARIANTS", "COMPENSATED", "MoEVariants", "Calibration", "quantize_variants", "compensated_matrices", "max_rank_budget",
            "default_rank_budget"]
 
 VARIANTS = ("dense", "float", "mxfp4", "uniform", "load_aware", "load_aware_prop", "qat")
@@ -85,12 +88,46 @@ _EXPERT_KEY = re.compile(r"^(?P<module>.+)\.(?P<kind>gate_up|down)_proj\.(?P<e>\
 # --------------------------------------------------------------------------- the comparison
 
 @dataclass
+class Calibration:
+    """What steps 2-3 derive from the float MoE and one calibration draw: the routes, the plan and the
+    propagation-aware loads. Every matrix's SVD and load is its own, so the plan of a setting that
+    quantizes fewer linears (shared or attention off) is a subset of this one's: quantize_variants
+    (keep_calibration=True) returns it, and a call with `calibration=` on the same calib_ids, batch
+    size and mode reuses it instead of recomputing (the same numbers, less time)."""
+
+    calib_ids: torch.Tensor
+    batch_size: int
+    mode: str
+    routes: Routes
+    plan: CompensationPlan
+    prop: dict[str, float] | None
+
+
+@dataclass
 class MoEVariants:
     metrics: dict
     model: nn.Module | None                     # the QAT model (without QAT: the best compensated one)
     reference: FloatReference                   # reusable for another call on the same eval_ids
     ranks: dict[str, dict[str, int]] = field(default_factory=dict)   # allocation -> key -> rank
     qat_history: list[dict] = field(default_factory=list)
+    calibration: Calibration | None = None      # with keep_calibration
+
+
+def _reuse(calibration: Calibration, moe_float, calib_ids, batch_size, mode, attention, shared, propagation):
+    """(routes, plan, prop) of this setting from a kept Calibration; ValueError if it does not fit."""
+    if (tuple(calibration.calib_ids.shape) != tuple(calib_ids.shape) or not torch.equal(calibration.calib_ids, calib_ids)
+            or calibration.batch_size != batch_size or calibration.mode != mode):
+        raise ValueError("quantize_variants: the calibration was kept for other calib_ids, batch_size or mode")
+    need = compensated_matrices(moe_float, attention, shared)
+    missing = [k for k in need if k not in calibration.plan.layers]
+    if missing:
+        raise ValueError(f"quantize_variants: the kept calibration has no plan for {missing[:3]} (keep it from the "
+                         f"setting that compensates the most matrices)")
+    if propagation and calibration.prop is None:
+        raise ValueError("quantize_variants: the kept calibration has no propagation-aware loads (propagation=False)")
+    old = calibration.plan
+    plan = CompensationPlan({k: v for k, v in old.layers.items() if k in need}, old.mode, old.scaling, old.load)
+    return calibration.routes, plan, ({k: calibration.prop[k] for k in plan.layers} if propagation else None)
 
 
 @contextlib.contextmanager
@@ -151,7 +188,8 @@ def quantize_variants(moe_float: nn.Module, calib_ids: torch.Tensor, eval_ids: t
                       checkpoint_dir=None, checkpoint_every: int = 0, reference: FloatReference | None = None,
                       include_float: bool = True, include_mxfp4: bool = True, qat_max_grad_norm: float | None = None,
                       svd_threads: int | None = 1, shared: bool = True, propagation: bool = True,
-                      qat_start: str = "best") -> MoEVariants:
+                      qat_start: str = "best", keep_calibration: bool = False,
+                      calibration: Calibration | None = None) -> MoEVariants:
     """Quantize `moe_float` (a transformers MoE, float, not modified) into the variants of the module
     docstring and evaluate each on eval_ids.
 
@@ -169,7 +207,9 @@ def quantize_variants(moe_float: nn.Module, calib_ids: torch.Tensor, eval_ids: t
     include_float / include_mxfp4: evaluate those variants (they do not depend on the calibration
     draw; skip them when repeating over seeds); "float" is the reference itself. svd_threads: torch
     threads for the plan's SVDs (None: unchanged; LAPACK on these small matrices is fastest on one
-    thread: 384 x 576 float64 0.06 s on 1 thread, 0.6-1.0 s on 2 busy cores).
+    thread: 384 x 576 float64 0.06 s on 1 thread, 0.6-1.0 s on 2 busy cores). keep_calibration:
+    return the routes, plan and loads (MoEVariants.calibration; it holds the plan's SVDs in RAM);
+    calibration: such a kept one, reused for this call (see Calibration).
     ValueError for bad arguments, before any forward pass."""
     calib_ids, eval_ids, batch_size, qat_steps, rank_budget = _check_args(
         moe_float, calib_ids, eval_ids, rank_budget, attention, shared, batch_size, qat_steps, seed, checkpoint_every,
@@ -199,17 +239,23 @@ def quantize_variants(moe_float: nn.Module, calib_ids: torch.Tensor, eval_ids: t
         variants["float"] = timed("float metrics (the reference pass)", reference_metrics, moe_float, reference)
 
     calib_batches = _rows(calib_ids, batch_size)
-    routes = timed("record routes (calib)", record_routes, moe_float, calib_batches)
-    stats = timed("expert stats (calib)", expert_stats, moe_float, calib_batches, routes, linears=attention or shared)
-    with _threads(svd_threads):
-        plan = timed("plan (quantization error SVD)", moe_plan, moe_float, stats, mode=mode, attention=attention,
-                     shared=shared)
-    del stats
-    prop = None
-    if propagation:
-        sens = timed("output sensitivity (calib)", output_sensitivity, moe_float, calib_batches, routes,
-                     attention=attention, shared=shared)
-        prop = {k: sens[k].load for k in plan.layers}
+    if calibration is not None:
+        routes, plan, prop = timed("calibration (reused)", _reuse, calibration, moe_float, calib_ids, batch_size, mode,
+                                   attention, shared, propagation)
+    else:
+        routes = timed("record routes (calib)", record_routes, moe_float, calib_batches)
+        stats = timed("expert stats (calib)", expert_stats, moe_float, calib_batches, routes,
+                      linears=attention or shared)
+        with _threads(svd_threads):
+            plan = timed("plan (quantization error SVD)", moe_plan, moe_float, stats, mode=mode, attention=attention,
+                         shared=shared)
+        del stats
+        prop = None
+        if propagation:
+            sens = timed("output sensitivity (calib)", output_sensitivity, moe_float, calib_batches, routes,
+                         attention=attention, shared=shared)
+            prop = {k: sens[k].load for k in plan.layers}
+    kept = Calibration(calib_ids, batch_size, mode, routes, plan, prop) if keep_calibration else None
     calib_load: dict[str, list[float]] = {}
     for key, layer in plan.layers.items():
         m = _EXPERT_KEY.match(key)
@@ -235,7 +281,7 @@ def quantize_variants(moe_float: nn.Module, calib_ids: torch.Tensor, eval_ids: t
     ranks_metrics = rank_metrics(plan, ranks, prop)
 
     candidates: dict[str, dict] = {}
-    best, best_name = None, None
+    best, best_name, float_logp = None, None, None
     names = list(ranks)
     for i, name in enumerate(names):
         # the last allocation compensates the quantized base itself: it is not needed afterwards
@@ -243,14 +289,17 @@ def quantize_variants(moe_float: nn.Module, calib_ids: torch.Tensor, eval_ids: t
         timed(f"compensate {name}", compensate_moe, model, plan, ranks[name])
         variants[name] = timed(f"eval {name}", evaluate_variant, model, eval_ids, reference, batch_size, progress, name)
         if qat_steps and qat_start == "best":
-            candidates[name] = timed(f"calibration fit {name}", calibration_fit, model, moe_float, calib_batches)
+            if float_logp is None:
+                float_logp = timed("float log-probs (calib)", float_log_probs, moe_float, calib_batches)
+            candidates[name] = timed(f"calibration fit {name}", calibration_fit, model, moe_float, calib_batches,
+                                     float_logp)
             better = best is None or candidates[name]["kl"] < candidates[best_name]["kl"]
         else:
             better = name == (names[-1] if qat_start == "best" else qat_start)
         if better:
             best, best_name = model, name
         del model
-    del base, plan
+    del base, plan, float_logp
     selection, qat_info, history = None, None, []
     if qat_steps:
         selection = {"by": "calibration kl" if qat_start == "best" else "named", "candidates": candidates,
@@ -279,4 +328,4 @@ def quantize_variants(moe_float: nn.Module, calib_ids: torch.Tensor, eval_ids: t
                      "qat_steps": qat_steps, "qat_lr": float(qat_lr), "qat_loss": qat_loss},
         "seconds": seconds,
     }
-    return MoEVariants(metrics, best, reference, ranks, history)
+    return MoEVariants(metrics, best, reference, ranks, history, kept)

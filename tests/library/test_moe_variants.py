@@ -204,3 +204,25 @@ def test_shared_expert_quantized_or_kept_float(shared):
     assert (float_shared == 0) == shared
     v = out.metrics["variants"]["mxfp4"]
     assert v["bytes"]["total"] == size["total"] - sum(size[k] for k in ("expert_adapters", "linear_adapters"))
+
+
+def test_a_kept_calibration_gives_the_shared_float_setting_the_same_numbers():
+    model = tiny_qwen2moe(seed=2, init=0.1)
+    calib, held = _ids(6, 16, 3), _ids(4, 16, 4)
+    kw = dict(qat_steps=2, qat_lr=3e-3, seed=0, batch_size=2)
+    full = quantize_variants(model, calib, held, rank_budget=default_rank_budget(model), keep_calibration=True, **kw)
+    budget = default_rank_budget(model, shared=False)
+    reused = quantize_variants(model, calib, held, rank_budget=budget, shared=False, calibration=full.calibration, **kw)
+    fresh = quantize_variants(model, calib, held, rank_budget=budget, shared=False, **kw)
+    assert fresh.calibration is None and "calibration (reused)" in reused.metrics["seconds"]
+    assert _without_seconds(reused.metrics) == _without_seconds(fresh.metrics)
+    with pytest.raises(ValueError, match="kept for other calib_ids"):
+        quantize_variants(model, calib[:4], held, rank_budget=budget, shared=False, calibration=full.calibration, **kw)
+    with pytest.raises(ValueError, match="has no plan for"):
+        quantize_variants(model, calib, held, rank_budget=default_rank_budget(model), calibration=_kept_without_shared(
+            model, calib, held, budget, kw), **kw)
+
+
+def _kept_without_shared(model, calib, held, budget, kw):
+    return quantize_variants(model, calib, held, rank_budget=budget, shared=False, keep_calibration=True,
+                             **kw).calibration
