@@ -12,6 +12,8 @@
   quantize_moe;
 - `crucible.moe.compensate`: calibration statistics, the error SVDs, load-aware or uniform ranks, the
   adapters;
+- `crucible.moe.sensitivity`: propagation-aware loads (routed share x output-gradient sensitivity);
+- `crucible.moe.rank_report`: the rank budget and where each allocation puts it;
 - `crucible.moe.mx_storage`: the quantized MoE's size in bytes, its safetensors file;
 - `crucible.moe.qat`: limited routing replay QAT (frozen router and quantized weights, adapters train).
 """

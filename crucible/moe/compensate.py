@@ -15,6 +15,8 @@ MLP layers, Qwen2-MoE's shared expert) processes every token: load 1. With "qera
 inputs the matrix actually receives) a singular value squared is then the output error per routed
 token, and load x sigma^2 the error per token of the whole layer: one scale across experts and
 attention. An expert no calibration token reached has load 0 and an unscaled spectrum.
+plan_ranks(..., loads=...) allocates with other loads over the same spectra: the propagation-aware
+ones (routed share x output-gradient sensitivity, crucible.moe.sensitivity).
 """
 
 from __future__ import annotations
@@ -164,14 +166,21 @@ def moe_plan(float_model: nn.Module, stats: MoEStats, mode: str = "floor", scali
 
 
 def plan_ranks(plan: CompensationPlan | Mapping[str, LayerError], budget: int,
-               allocation: str = "load_aware") -> dict[str, int]:
+               allocation: str = "load_aware", loads: Mapping[str, float] | None = None) -> dict[str, int]:
     """key -> rank, summing to `budget`: "load_aware" gives rank units by the largest marginal gain
     load * sigma^2 (allocate_ranks, optimal for the load-weighted discarded energy), "uniform"
-    spreads the same budget evenly (uniform_ranks). ValueError for an unknown allocation or a
-    budget that is not an int in [0, total rank]."""
+    spreads the same budget evenly (uniform_ranks). `loads` (key -> load, one for every matrix of
+    the plan) replaces the plan's routed loads, e.g. the propagation-aware ones of
+    crucible.moe.sensitivity. ValueError for an unknown allocation, missing loads or a budget that
+    is not an int in [0, total rank]."""
     layers = plan.layers if isinstance(plan, CompensationPlan) else dict(plan)
     if allocation not in ALLOCATIONS:
         raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
+    if loads is not None:
+        missing = [n for n in layers if n not in loads]
+        if missing:
+            raise ValueError(f"plan_ranks: loads for {len(layers) - len(missing)} of the {len(layers)} matrices; "
+                             f"none for {missing[:3]}")
     total = sum(lay.max_rank for lay in layers.values())
     if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or not 0 <= budget <= total:
         raise ValueError(f"rank budget must be an int in [0, {total}] (the summed rank of the {len(layers)} "
@@ -180,8 +189,8 @@ def plan_ranks(plan: CompensationPlan | Mapping[str, LayerError], budget: int,
     if allocation == "uniform":
         r = rank_allocation.uniform_ranks([layers[n].max_rank for n in names], int(budget))
     else:
-        r = rank_allocation.allocate_ranks([layers[n].spectrum for n in names], [layers[n].load for n in names],
-                                           int(budget))
+        weights = [float(loads[n]) if loads is not None else layers[n].load for n in names]
+        r = rank_allocation.allocate_ranks([layers[n].spectrum for n in names], weights, int(budget))
     return dict(zip(names, (int(x) for x in r)))
 
 

@@ -18,6 +18,11 @@ metrics of one variant (JSON-serialisable; quantize_variants' metrics["variants"
      under the variant's own routing]}, bytes: moe_nbytes(model) (without bits_per_weight),
      bits_per_weight: moe_nbytes(model)["bits_per_weight"]["model"], bits_per_weight_detail}
 
+calibration_fit(model, float_model, batches) scores a candidate on the calibration batches (never the
+eval ids): the mean over predicted tokens of KL(p_float || p_model) of the next-token distributions
+(replay QAT's "kl" loss at temperature 1, but each model routing by itself, as at inference) and
+the model's own perplexity there; quantize_variants picks the start of replay QAT by that KL.
+
 The checks of eval_ids and of integer arguments are shared with crucible.moe.variants (whose
 quantize_variants calls these for every variant); their messages name quantize_variants.
 """
@@ -34,9 +39,10 @@ from torch import nn
 
 from crucible.hooks import forward_hooks
 from crucible.moe.mx_storage import moe_nbytes
-from crucible.moe.routing import Routes, consistency, expert_load, record_routes
+from crucible.moe.routing import Routes, consistency, expert_load, forward_batch, record_routes
 
-__all__ = ["FloatReference", "float_reference", "evaluate_variant", "reference_metrics"]
+__all__ = ["FloatReference", "float_reference", "evaluate_variant", "reference_metrics", "calibration_fit",
+           "float_log_probs"]
 
 
 def _check_int(value, name: str, low: int, high: int | None = None) -> int:
@@ -169,3 +175,43 @@ def evaluate_variant(model: nn.Module, eval_ids: torch.Tensor, reference: FloatR
                          f"was taken on {list(reference.eval_shape)} in batches of {reference.batch_size}")
     ppl, routes, drift, _, _, agree = _eval_pass(model, eval_ids, batch_size, reference, False, progress, name)
     return _metrics(ppl, reference, routes, drift, model, agree)
+
+
+@torch.no_grad()
+def float_log_probs(float_model: nn.Module, batches) -> list[torch.Tensor]:
+    """Per batch, the float model's next-token log-probabilities [B, T - 1, V] (float32), for
+    calibration_fit's `reference` (computed once when several candidates are scored)."""
+    was_training = float_model.training
+    float_model.eval()
+    try:
+        return [torch.log_softmax(forward_batch(float_model, b).logits[:, :-1].float(), dim=-1) for b in batches]
+    finally:
+        float_model.train(was_training)
+
+
+@torch.no_grad()
+def calibration_fit(model: nn.Module, float_model: nn.Module, batches, reference: list | None = None) -> dict:
+    """{"kl", "perplexity"} of `model` on calibration `batches` (tensors of input ids [B, T]), each
+    model routing by itself: kl = the mean over predicted positions of KL(p_float || p_model) of the
+    next-token distributions (float32 log-softmax), perplexity = exp(mean -log p_model(next token)).
+    `reference`: float_log_probs(float_model, batches), if already computed."""
+    kl, nll, count = 0.0, 0.0, 0
+    batches = list(batches)
+    if reference is None:
+        reference = float_log_probs(float_model, batches)
+    if len(reference) != len(batches):
+        raise ValueError(f"calibration_fit: {len(reference)} reference batches for {len(batches)} batches")
+    was_training = model.training
+    model.eval()
+    try:
+        for batch, ref in zip(batches, reference):
+            logq = torch.log_softmax(forward_batch(model, batch).logits[:, :-1].float(), dim=-1)
+            ids = batch[:, 1:].to(logq.device).unsqueeze(-1)
+            kl += float((ref.exp() * (ref - logq)).sum(-1).double().sum())
+            nll += float(-logq.gather(-1, ids).double().sum())
+            count += ids.numel()
+    finally:
+        model.train(was_training)
+    if not count or not (math.isfinite(kl) and math.isfinite(nll)):
+        raise ValueError(f"calibration_fit: no calibration token or a non-finite score (kl {kl}, nll {nll})")
+    return {"kl": kl / count, "perplexity": math.exp(nll / count)}

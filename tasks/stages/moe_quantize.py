@@ -10,7 +10,10 @@ sequences (tasks/data/moe_text.py), at one total adapter rank (`moe.rank_budget`
 - uniform: + low-rank compensation, the same rank for every matrix;
 - load_aware: + compensation with ranks from allocate_ranks weighted by each expert's measured
   load (attention matrices load 1), the same total;
-- qat: load_aware + routing replay QAT: the float MoE's calibration routes replayed, router and
+- load_aware_prop: the same with propagation-aware loads (routed share x the mean squared gradient
+  of the next-token loss w.r.t. the matrix's output, crucible.moe.sensitivity), the same total;
+- qat: the compensated variant with the lowest calibration KL to the float MoE + routing replay
+  QAT: the float MoE's calibration routes replayed, router and
   MXFP4 codes frozen, only the expert adapters trained to match the float MoE's next-token
   distributions (`moe.qat_loss`: kl, or hidden-state MSE) for `moe.qat_steps` steps (resumable from
   .crucible/checkpoints/moe_quantize/ after a kill).
@@ -19,10 +22,10 @@ against the float MoE's routes on the same tokens (share of tokens with the same
 agreement), hidden-state drift per layer, bytes and bits per weight.
 
 Outputs (published together):
-- models/moe/quantize/model.safetensors: the qat model (load_aware without QAT), packed MXFP4 +
+- models/moe/quantize/model.safetensors: the qat model (its start without QAT), packed MXFP4 +
   adapters (crucible.moe.mx_storage.save_quantized_moe; loads onto the build's architecture);
 - models/moe/quantize/{consistency,drift,ranks}.csv and moe.png: per layer consistency and drift
-  of every variant, and every matrix's rank (uniform, load-aware) against its expert's load;
+  of every variant, and every matrix's rank (uniform, load-aware, propagation-aware) against its expert's load;
 - metrics/moe.json (DVC metrics; the report's MoE section): the figures above, the build's
   dense and float perplexity, the allocation, the QAT loss curve. Timings go to MLflow only.
 With moe.enabled false only metrics/moe.json (saying so) and a note in models/moe/quantize/.

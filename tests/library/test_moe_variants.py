@@ -1,6 +1,7 @@
-"""crucible.moe.variants.quantize_variants on a tiny random Mixtral: the whole comparison (float, MXFP4,
-uniform and load-aware compensation at the same total rank, replay QAT) end to end, its metrics,
-determinism, and argument errors."""
+"""crucible.moe.variants.quantize_variants on a tiny random Mixtral (and a Qwen2-MoE with a shared
+expert): the whole comparison (float, MXFP4, uniform, load-aware and propagation-aware load-aware
+compensation at the same total rank, replay QAT from the best by calibration KL) end to end, its
+metrics, determinism, the shared expert quantized or kept float, and argument errors."""
 
 import json
 import math
@@ -10,13 +11,16 @@ import torch
 
 from crucible.moe.lm import perplexity
 from crucible.moe.mx_experts import MXExperts
-from crucible.moe.variant_eval import evaluate_variant, float_reference
+from crucible.moe.mx_storage import moe_nbytes
+from crucible.moe.variant_eval import calibration_fit, evaluate_variant, float_reference
 from crucible.moe.variants import compensated_matrices, default_rank_budget, max_rank_budget, quantize_variants
-from support.moe_models import VOCAB, tiny_mixtral
+from crucible.quant.linear import MXLinear
+from support.moe_models import VOCAB, tiny_mixtral, tiny_qwen2moe
 
 torch.set_num_threads(1)
 
-QUANTIZED = ("mxfp4", "uniform", "load_aware", "qat")
+QUANTIZED = ("mxfp4", "uniform", "load_aware", "load_aware_prop", "qat")
+COMPENSATED = ("uniform", "load_aware", "load_aware_prop")
 
 
 def _ids(n, t, seed):
@@ -74,19 +78,32 @@ def test_end_to_end_metrics(case):
     assert m["variants"]["mxfp4"]["bytes"]["expert_adapters"] == 0
     assert m["variants"]["uniform"]["bytes"]["expert_adapters"] > 0
     assert m["variants"]["qat"]["perplexity"] != m["variants"]["load_aware"]["perplexity"]  # the adapters trained
-    assert m["qat"]["start"] == "load_aware" and len(m["qat"]["history"]) == 6
-    assert {"plan (quantization error SVD)", "qat (from load_aware)", "eval qat"} <= set(m["seconds"])
+    sel = m["selection"]
+    assert sel["by"] == "calibration kl" and set(sel["candidates"]) == set(COMPENSATED)
+    kl = {k: c["kl"] for k, c in sel["candidates"].items()}
+    assert sel["start"] == min(kl, key=kl.get) == m["qat"]["start"] and all(v > 0 for v in kl.values())
+    assert len(m["qat"]["history"]) == 6
+    assert {"plan (quantization error SVD)", "output sensitivity (calib)", f"qat (from {sel['start']})",
+            "eval qat"} <= set(m["seconds"])
 
 
 def test_equal_total_rank_and_rank_table(case):
     model, _, _, budget, out = case
     r = out.metrics["ranks"]
     assert budget == 8 * len(compensated_matrices(model)) and budget <= max_rank_budget(model)
-    assert r["total"] == {"uniform": budget, "load_aware": budget}
-    assert sum(out.ranks["uniform"].values()) == sum(out.ranks["load_aware"].values()) == budget
-    assert out.ranks["uniform"] != out.ranks["load_aware"]
-    assert r["weighted_error"]["load_aware"] <= r["weighted_error"]["uniform"] < r["weighted_error"]["none"]
+    assert r["total"] == {a: budget for a in COMPENSATED}
+    assert all(sum(out.ranks[a].values()) == budget for a in COMPENSATED)
+    assert out.ranks["uniform"] != out.ranks["load_aware"] != out.ranks["load_aware_prop"] != out.ranks["uniform"]
+    for a in COMPENSATED:  # where the rank went: by group and by layer, each summing to the budget
+        assert sum(r["groups"][a].values()) == budget and sum(r["layers"][a]) == budget
+        assert len(r["layers"][a]) == model.config.num_hidden_layers
+    assert r["groups"]["uniform"]["shared"] == 0 and r["groups"]["uniform"]["attention"] > 0
+    we, wp = r["weighted_error"], r["weighted_error_prop"]  # each greedy allocation minimises its own objective
+    assert we["load_aware"] <= min(we["uniform"], we["load_aware_prop"]) and we["uniform"] < we["none"]
+    assert wp["load_aware_prop"] <= min(wp["uniform"], wp["load_aware"]) and wp["uniform"] < wp["none"]
     rows = r["matrices"]
+    assert all(row["load_prop"] > 0 and row["load_aware_prop"] == out.ranks["load_aware_prop"][row["name"]]
+               for row in rows)
     assert [row["name"] for row in rows] == list(out.ranks["uniform"])
     experts = [row for row in rows if row["expert"] is not None]
     assert len(experts) == 2 * 2 * 4 and {row["kind"] for row in experts} == {"gate_up", "down"}
@@ -95,10 +112,11 @@ def test_equal_total_rank_and_rank_table(case):
     load = out.metrics["load_calib"]["model.layers.1.mlp"]
     assert [row["load"] for row in experts if row["module"] == "model.layers.1.mlp.experts"
             and row["kind"] == "down"] == load
-    # the returned model is the trained load-aware one, with those ranks
+    # the returned model is the trained QAT start, with its ranks
+    start = out.metrics["qat"]["start"]
     q = out.model.get_submodule("model.layers.1.mlp.experts")
     assert isinstance(q, MXExperts)
-    assert q.ranks["down"] == [out.ranks["load_aware"][f"model.layers.1.mlp.experts.down_proj.{e}"] for e in range(4)]
+    assert q.ranks["down"] == [out.ranks[start][f"model.layers.1.mlp.experts.down_proj.{e}"] for e in range(4)]
 
 
 def test_same_seed_same_metrics_and_reference_reuse(case):
@@ -108,8 +126,8 @@ def test_same_seed_same_metrics_and_reference_reuse(case):
     ref = float_reference(model, held, batch_size=2)
     reused = quantize_variants(model, calib, held, rank_budget=budget, qat_steps=6, qat_lr=3e-3, seed=0, batch_size=2,
                                reference=ref, include_float=False, include_mxfp4=False)
-    assert set(reused.metrics["variants"]) == {"uniform", "load_aware", "qat"}
-    for name in ("uniform", "load_aware", "qat"):
+    assert set(reused.metrics["variants"]) == {*COMPENSATED, "qat"}
+    for name in (*COMPENSATED, "qat"):
         assert reused.metrics["variants"][name] == out.metrics["variants"][name]
     other = quantize_variants(model, calib, held, rank_budget=budget, qat_steps=6, qat_lr=3e-3, seed=1, batch_size=2,
                               reference=ref, include_float=False, include_mxfp4=False)
@@ -130,6 +148,8 @@ def test_bad_arguments_raise_before_any_work(case):
         quantize_variants(model, calib, held, rank_budget=8, qat_loss="mse")
     with pytest.raises(ValueError, match="qat_lr must be a finite number > 0"):
         quantize_variants(model, calib, held, rank_budget=8, qat_lr=0.0)
+    with pytest.raises(ValueError, match=r"qat_start must be one of \('best', 'uniform', 'load_aware'\)"):
+        quantize_variants(model, calib, held, rank_budget=8, qat_start="load_aware_prop", propagation=False)
     ref = float_reference(model, held[:4], batch_size=2)
     with pytest.raises(ValueError, match=r"the reference was taken on eval_ids \[4, 16\]"):
         quantize_variants(model, calib, held, rank_budget=8, batch_size=2, reference=ref)
@@ -144,3 +164,65 @@ def test_qat_checkpoints_resume(case, tmp_path):
     resumed = quantize_variants(model, calib, held, qat_steps=6, **kw)  # continues from step 4
     assert resumed.metrics["qat"]["history"][:4] == first.metrics["qat"]["history"]
     assert resumed.metrics["variants"]["qat"] == out.metrics["variants"]["qat"]  # = an uninterrupted 6-step run
+
+
+def test_the_best_start_is_the_lowest_calibration_kl_and_a_named_start_is_honoured(case):
+    model, calib, held, budget, out = case
+    kw = dict(rank_budget=budget, qat_steps=2, qat_lr=3e-3, seed=0, batch_size=2, include_float=False,
+              include_mxfp4=False)
+    named = quantize_variants(model, calib, held, qat_start="uniform", **kw)
+    assert named.metrics["qat"]["start"] == "uniform" and named.metrics["selection"]["by"] == "named"
+    assert named.model.get_submodule("model.layers.0.mlp.experts").ranks["gate_up"] == \
+        [named.ranks["uniform"][f"model.layers.0.mlp.experts.gate_up_proj.{e}"] for e in range(4)]
+    none = quantize_variants(model, calib, held, qat_steps=0, propagation=False, **{k: v for k, v in kw.items()
+                                                                                    if k != "qat_steps"})
+    assert set(none.metrics["variants"]) == {"uniform", "load_aware"} and none.metrics["qat"] is None
+    assert "weighted_error_prop" not in none.metrics["ranks"]
+    # calibration_fit: the float MoE against itself has KL 0 and its own calibration perplexity
+    fit = calibration_fit(model, model, list(calib.split(2)))
+    assert fit["kl"] == pytest.approx(0.0, abs=1e-6) and fit["perplexity"] > 1
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_shared_expert_quantized_or_kept_float(shared):
+    model = tiny_qwen2moe(seed=2, init=0.1)
+    calib, held = _ids(6, 16, 3), _ids(4, 16, 4)
+    budget = default_rank_budget(model, shared=shared)
+    out = quantize_variants(model, calib, held, rank_budget=budget, qat_steps=2, qat_lr=3e-3, seed=0, batch_size=2,
+                            shared=shared)
+    r = out.metrics["ranks"]
+    assert all(r["total"][a] == budget for a in COMPENSATED)
+    shared_rows = [row for row in r["matrices"] if row["group"] == "shared"]
+    assert len(shared_rows) == (3 * 2 if shared else 0)
+    assert all(row["load"] == 1.0 for row in shared_rows)
+    lin = out.model.get_submodule("model.layers.0.mlp.shared_expert.up_proj")
+    assert isinstance(lin, MXLinear) == shared
+    assert isinstance(out.model.get_submodule("model.layers.0.mlp.shared_expert_gate"), torch.nn.Linear)
+    size = moe_nbytes(out.model)
+    float_shared = sum(p.numel() for n, p in out.model.named_parameters()
+                       if ".shared_expert." in n and n.endswith(".weight"))
+    assert (float_shared == 0) == shared
+    v = out.metrics["variants"]["mxfp4"]
+    assert v["bytes"]["total"] == size["total"] - sum(size[k] for k in ("expert_adapters", "linear_adapters"))
+
+
+def test_a_kept_calibration_gives_the_shared_float_setting_the_same_numbers():
+    model = tiny_qwen2moe(seed=2, init=0.1)
+    calib, held = _ids(6, 16, 3), _ids(4, 16, 4)
+    kw = dict(qat_steps=2, qat_lr=3e-3, seed=0, batch_size=2)
+    full = quantize_variants(model, calib, held, rank_budget=default_rank_budget(model), keep_calibration=True, **kw)
+    budget = default_rank_budget(model, shared=False)
+    reused = quantize_variants(model, calib, held, rank_budget=budget, shared=False, calibration=full.calibration, **kw)
+    fresh = quantize_variants(model, calib, held, rank_budget=budget, shared=False, **kw)
+    assert fresh.calibration is None and "calibration (reused)" in reused.metrics["seconds"]
+    assert _without_seconds(reused.metrics) == _without_seconds(fresh.metrics)
+    with pytest.raises(ValueError, match="kept for other calib_ids"):
+        quantize_variants(model, calib[:4], held, rank_budget=budget, shared=False, calibration=full.calibration, **kw)
+    with pytest.raises(ValueError, match="has no plan for"):
+        quantize_variants(model, calib, held, rank_budget=default_rank_budget(model), calibration=_kept_without_shared(
+            model, calib, held, budget, kw), **kw)
+
+
+def _kept_without_shared(model, calib, held, budget, kw):
+    return quantize_variants(model, calib, held, rank_budget=budget, shared=False, keep_calibration=True,
+                             **kw).calibration
