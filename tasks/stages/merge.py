@@ -225,7 +225,8 @@ def merge_method(method: str, kwargs: dict, theta0_file: Path, specs: list[dict]
     """One method over the sequence `specs` (arrival order): its worker's time/memory records and, with
     a feature store, the accuracy matrix R[j, i] (task i after arrival j, i <= j) and its summaries;
     the features of every arrival's merged model on the arrived tasks go into the store (variant
-    `<method>@<j>`). Returns (summary entry, accuracy rows, rank rows); the merged weights stay in
+    `<method>@<j>`; an arrival whose weights the store has scored already is not encoded again).
+    Returns (summary entry, accuracy rows, rank rows); the merged weights stay in
     `out_dir`."""
     from crucible.continual import accuracy_curve, average_accuracy, backward_transfer, normalised_accuracy
 
@@ -248,9 +249,8 @@ def merge_method(method: str, kwargs: dict, theta0_file: Path, specs: list[dict]
     if store is not None:
         R = np.full((len(specs), len(specs)), np.nan)
         for j in range(len(specs)):
-            store.scorer.load(read_merged_state(out_dir / f"{j}.safetensors", f"{method} after arrival {j}",
-                                                store.scorer.theta_0))
-            acc = store.add(f"{method}@{j}", "merge", method, j, order[:j + 1])
+            state = read_merged_state(out_dir / f"{j}.safetensors", f"{method} after arrival {j}", store.scorer.theta_0)
+            acc = store.add(f"{method}@{j}", "merge", method, j, order[:j + 1], state=state)
             for i in range(j + 1):
                 R[j, i] = acc[order[i]]
                 rows.append({"method": method, "arrival": j, "task": order[i], "accuracy": R[j, i]})
@@ -268,16 +268,14 @@ def reference_accuracy(store: FeatureStore, specs: list[dict]) -> tuple[dict, di
     from tasks.runtime.io import read_safetensors
 
     order = [s["task"] for s in specs]
-    store.scorer.load(store.scorer.theta_0)
-    base = store.add("base", "base", "base", -1, order)
+    base = store.add("base", "base", "base", -1, order, state=store.scorer.theta_0)
     finetuned = {}
     for j, spec in enumerate(specs):
         t = spec["task"]
         state, _ = read_safetensors(spec["model"], f"fine-tuned encoder of task {t!r}",
                                     f"rebuild it with `crucible stage finetune --task {t}`",
                                     shapes=_shapes(store.scorer.theta_0))
-        store.scorer.load(state)
-        finetuned[t] = store.add(f"finetune:{t}", "finetune", "finetune", j, order[:j + 1])[t]
+        finetuned[t] = store.add(f"finetune:{t}", "finetune", "finetune", j, order[:j + 1], state=state)[t]
     return base, finetuned
 
 
