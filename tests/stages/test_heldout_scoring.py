@@ -1,6 +1,7 @@
 """The held-out scoring the merge stage runs: the feature store encodes each distinct set of weights
 once (weights already scored are copied, byte for byte what an encode gives; other weights are
-encoded)."""
+encoded), and the merge workers run in the background (a failing one names its method, a stopped
+one is gone)."""
 
 import json
 
@@ -89,3 +90,19 @@ def _metadata(data: bytes) -> dict:
     (n,) = struct.unpack("<Q", data[:8])
     return json.loads(data[8:8 + n])["__metadata__"]
 
+
+def test_a_failing_worker_names_its_method_and_a_stopped_one_is_gone(tmp_path, base_state):
+    from safetensors.torch import save_file
+
+    from tasks.data.merge_worker import start_method
+
+    theta0 = tmp_path / "theta0.safetensors"
+    save_file({k: v.contiguous() for k, v in base_state.items()}, str(theta0))
+    missing = tmp_path / "no-such-model.safetensors"
+    failing = start_method("task_arithmetic", {"lam": 0.5}, theta0, [missing], tmp_path / "ta", "each", 1)
+    with pytest.raises(RuntimeError, match=r"merge method 'task_arithmetic' failed \(exit 1\)"
+                                           r"(.|\n)*no-such-model.safetensors"):
+        failing.result()
+    running = start_method("weight_average", {}, theta0, [theta0], tmp_path / "wa", "each", 1)
+    running.stop()
+    assert running.proc.poll() is not None and not (tmp_path / "wa" / "result.json").exists()
