@@ -160,6 +160,11 @@ class FeatureStore:
     """Frozen features of model variants, for the evaluate stage: the stage that runs an encoder over
     the texts keeps what it computed, so no encoder runs twice over the same texts.
 
+    Variants given as weights (`add(..., state=...)`) share work: the features of weights already
+    scored (the same state_digest) on the same rows are copied, not encoded again, e.g. three merge
+    methods whose first arrival is the same model. A copy holds the bytes an encode would give: the
+    same weights, rows, batches and threads give the same features (the CPU path is deterministic).
+
     On disk (safetensors): `<variant>/<task>/<split>` (n, hidden) float32 and `labels/<task>/<split>`
     (n,) int64; metadata `variants` (JSON list of {name, family, method, arrival}), `classes` and
     `tasks`. Variant names: `base`, `finetune:<task>`, `<method>@<arrival>`, `quantize:<variant>`."""
@@ -168,17 +173,39 @@ class FeatureStore:
         self.scorer = scorer
         self.tensors: dict[str, object] = {}
         self.variants: list[dict] = []
+        self.known: dict[tuple[str, str, str], object] = {}  # (state digest, task, split) -> features
+        self.encoded = self.copied = 0  # (task, split) feature sets computed / copied from a known state
         for (t, split), (_, labels) in scorer.data.items():
             self.tensors[f"labels/{t}/{split}"] = labels
 
-    def add(self, name: str, family: str, method: str, arrival: int, tasks: list[str]) -> dict[str, float]:
-        """Features of the scorer's current encoder on `tasks` (test and, if any, probe rows) under
-        variant `name`; returns the head's test accuracy per task."""
+    def add(self, name: str, family: str, method: str, arrival: int, tasks: list[str],
+            state: dict | None = None) -> dict[str, float]:
+        """Features on `tasks` (test and, if any, probe rows) under variant `name`; returns the head's
+        test accuracy per task. With `state`, of those weights: loaded into the scorer's encoder only
+        when some of the features are not known yet. Without it, of the scorer's current encoder (e.g.
+        a quantized copy), nothing shared."""
+        from crucible.serialize import state_digest
+
+        digest = state_digest(state) if state is not None else None
+        loaded = state is None
         acc = {}
         for t in tasks:
             for split in ("test", "probe"):
-                if (t, split) in self.scorer.data:
-                    self.tensors[f"{name}/{t}/{split}"] = self.scorer.features(t, split)
+                if (t, split) not in self.scorer.data:
+                    continue
+                known = self.known.get((digest, t, split)) if digest else None
+                if known is not None:
+                    features = known.clone()  # a file cannot hold two names for one memory
+                    self.copied += 1
+                else:
+                    if not loaded:
+                        self.scorer.load(state)
+                        loaded = True
+                    features = self.scorer.features(t, split)
+                    self.encoded += 1
+                    if digest:
+                        self.known[digest, t, split] = features
+                self.tensors[f"{name}/{t}/{split}"] = features
             logits = self.scorer.head_logits(t, self.tensors[f"{name}/{t}/test"])
             acc[t] = self.scorer.accuracy(t, logits)
         self.variants.append({"name": name, "family": family, "method": method, "arrival": arrival, "tasks": list(tasks)})

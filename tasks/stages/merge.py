@@ -9,16 +9,20 @@ base model is `model.name`; every task model must have been fine-tuned from it, 
 content (its config.json's `base_model_hash` equals models/base/manifest.json's hash), or the stage
 stops naming the fine-tune to rebuild.
 
-Per method, in a fresh process (so that its time and peak memory are its own): load theta_0; for
-each arriving task, load theta_t, turn it into its task vector in place, `merger.add` it and drop
-it, then build the merged weights. Recorded per arrival: seconds in add and in merged(), the peak
-RSS above the RSS with theta_0 loaded (sampled every 5 ms over load + add + merged, saving
-excluded), the bytes of the merger's state, and the rank held per matrix (GS3R). When
-`merge.evaluate`, the parent then scores each arrival's merged model on every task arrived so far
-(keeping its features for the evaluate stage),
-each task with its own head (heads are kept per task, never merged), beside the base model and
-each task's own fine-tune; crucible.continual turns the accuracy matrix into average accuracy,
-accuracy normalised by the fine-tunes, and backward transfer.
+Per method, in a fresh process (tasks/data/merge_worker.py; its peak memory is its own): load
+theta_0; for each arriving task, load theta_t, turn it into its task vector in place, `merger.add`
+it and drop it, then build the merged weights. Recorded per arrival: seconds in add and in
+merged(), the peak RSS above the RSS with theta_0 loaded (sampled every 5 ms over load + add +
+merged, saving excluded), the bytes of the merger's state, and the rank held per matrix (GS3R).
+When `merge.evaluate`, the parent then scores each arrival's merged model on every task arrived so
+far (keeping its features for the evaluate stage), each task with its own head (heads are kept per
+task, never merged), beside the base model and each task's own fine-tune; crucible.continual turns
+the accuracy matrix into average accuracy, accuracy normalised by the fine-tunes, and backward
+transfer. The parent scores while the next method's worker merges (one worker ahead: the first
+during the base model's and the fine-tunes' scoring), so a worker's seconds include that
+contention; and weights it has scored already (the same state_digest: weight average, MagMax at
+lam 1 and OPCM all give theta_0 + tau_1 at the first arrival) are not encoded again, their features
+copied (tasks.data.heldout_scoring.FeatureStore). Neither changes a byte of the outputs.
 
 Outputs (all published together) under models/merge/:
 - model.safetensors: the `merge.main` method's final merged encoder (the base model's keys);
@@ -39,10 +43,6 @@ Outputs (all published together) under models/merge/:
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +56,7 @@ from tasks.data.models import MANIFEST, base_model
 from tasks.runtime.params_schema import Params
 from tasks.runtime.scratch import scratch
 from tasks.data.heldout_scoring import FeatureStore, Scorer, read_probe_rows, read_task_model, read_tests
+from tasks.data.merge_worker import SCRATCH_HINT, MethodRun, start_method
 
 OUT = Path("models") / "merge"
 METRICS = Path("metrics")  # small files git can commit: `dvc metrics diff` / `dvc plots diff` against HEAD
@@ -78,52 +79,7 @@ SPEC = StageSpec(
 
 
 # ---------------------------------------------------------------------------------------------------
-# the merging worker: one fresh process per method
-
-
-def _rss() -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
-
-
-class _PeakSampler:
-    """Peak RSS over a window, sampled by a thread every 5 ms."""
-
-    def __init__(self):
-        import threading
-
-        self.peak, self.active, self.stop = 0, False, False
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self):
-        while not self.stop:
-            if self.active:
-                self.peak = max(self.peak, _rss())
-            time.sleep(0.005)
-
-    def window(self):
-        sampler = self
-
-        class _Window:
-            def __enter__(self):
-                sampler.peak, sampler.active = _rss(), True
-                return sampler
-
-            def __exit__(self, *exc):
-                sampler.active = False
-                sampler.peak = max(sampler.peak, _rss())
-
-        return _Window()
-
-    def close(self):
-        self.stop = True
-        self.thread.join()
-
-
-_SCRATCH = "a merge worker's scratch file; rerun `crucible stage merge`"
-_FINETUNE = "rebuild it with `crucible stage finetune` for its task"
+# the merged weights (written by tasks/data/merge_worker.py, one fresh process per method)
 
 
 def _shapes(state: dict) -> dict:
@@ -135,84 +91,8 @@ def read_merged_state(path: Path, what: str, theta_0: dict) -> dict:
     """A merged encoder a worker wrote: theta_0's tensor names and shapes, every value finite."""
     from tasks.runtime.io import read_safetensors
 
-    state, _ = read_safetensors(path, f"merged encoder of {what}", _SCRATCH, shapes=_shapes(theta_0))
+    state, _ = read_safetensors(path, f"merged encoder of {what}", SCRATCH_HINT, shapes=_shapes(theta_0))
     return state
-
-
-def merge_worker(spec: dict) -> dict:
-    """Run one method over the sequence (in this process); write merged weights; return records.
-
-    spec: method, kwargs, theta0 (safetensors path), models (paths in arrival order), out_dir,
-    save ("each" | "final"), device (where the task vectors, the merger's state and its SVDs live;
-    the CPU when absent).
-    """
-    import torch
-    from safetensors.torch import save_file
-
-    from crucible.device import make_deterministic, resolve_device
-    from crucible.merge import make_merger, task_vector
-    from tasks.runtime.io import read_safetensors
-
-    torch.set_grad_enabled(False)
-    device = resolve_device(spec.get("device", "cpu"), what="merge worker device")
-    make_deterministic(device)
-    theta_0, _ = read_safetensors(spec["theta0"], "base encoder (theta_0)", _SCRATCH)
-    theta_0 = {k: v.to(device) for k, v in theta_0.items()}
-    merger = make_merger(spec["method"], **spec["kwargs"])
-    sampler = _PeakSampler()
-    base = _rss()
-    records, ranks = [], []
-    last = len(spec["models"]) - 1
-    for j, path in enumerate(spec["models"]):
-        with sampler.window():
-            t0 = time.perf_counter()
-            # finite=False: the parent checked each task model (read_task_model); task_vector checks
-            # names, shapes and dtypes against theta_0
-            theta_t = {k: v.to(device) for k, v in read_safetensors(path, "task model", _FINETUNE, finite=False)[0].items()}
-            tau = task_vector(theta_t, theta_0, inplace=True, source=str(path), base_source=spec["theta0"])
-            del theta_t
-            t1 = time.perf_counter()
-            merger.add(tau, source=str(path))
-            del tau
-            t2 = time.perf_counter()
-            merged = merger.merged(theta_0, source=spec["theta0"])
-            t3 = time.perf_counter()
-        records.append({"arrival": j, "load_seconds": t1 - t0, "add_seconds": t2 - t1, "merged_seconds": t3 - t2,
-                        "peak_rss_mb": (sampler.peak - base) / 2**20, "state_mb": merger.state_bytes() / 2**20})
-        if hasattr(merger, "ranks_used"):
-            ranks += [{"arrival": j, "param": k, "rank": r, "budget": merger.budget(k)}
-                      for k, r in merger.ranks_used().items()]
-        if spec["save"] == "each" or j == last:
-            save_file({k: v.cpu().contiguous() for k, v in merged.items()}, str(Path(spec["out_dir"]) / f"{j}.safetensors"))
-        del merged
-    sampler.close()
-    return {"records": records, "ranks": ranks}
-
-
-def _worker_main() -> None:
-    spec = json.loads(sys.stdin.read())
-    result = merge_worker(spec)
-    Path(spec["out_dir"], "result.json").write_text(json.dumps(result))
-
-
-def run_method(method: str, kwargs: dict, theta0: Path, models: list[Path], out_dir: Path, save: str,
-               threads: int, device: str = "cpu") -> dict:
-    """merge_worker in a fresh Python process (its own peak memory), on `device`; raises
-    RuntimeError with its stderr."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    spec = {"method": method, "kwargs": kwargs, "theta0": str(theta0), "models": [str(m) for m in models],
-            "out_dir": str(out_dir), "save": save, "device": device}
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-           # a fixed mmap threshold: freed model-sized tensors go back to the OS, so RSS tracks live memory
-           "MALLOC_MMAP_THRESHOLD_": "65536",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
-    # quiet first (tasks/runtime/quiet.py): its stderr is the error message when it fails
-    code = "from tasks.runtime import quiet; quiet.install(); from tasks.stages.merge import _worker_main; _worker_main()"
-    proc = subprocess.run([sys.executable, "-c", code],
-                          input=json.dumps(spec), text=True, capture_output=True, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"merge method {method!r} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads((out_dir / "result.json").read_text())
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -221,17 +101,21 @@ def run_method(method: str, kwargs: dict, theta0: Path, models: list[Path], out_
 
 def merge_method(method: str, kwargs: dict, theta0_file: Path, specs: list[dict], out_dir: Path,
                  store: FeatureStore | None, finetuned: dict[str, float], threads: int,
-                 device: str = "cpu") -> tuple[dict, list, list]:
+                 device: str = "cpu", started: MethodRun | None = None) -> tuple[dict, list, list]:
     """One method over the sequence `specs` (arrival order): its worker's time/memory records and, with
     a feature store, the accuracy matrix R[j, i] (task i after arrival j, i <= j) and its summaries;
     the features of every arrival's merged model on the arrived tasks go into the store (variant
-    `<method>@<j>`). Returns (summary entry, accuracy rows, rank rows); the merged weights stay in
+    `<method>@<j>`; an arrival whose weights the store has scored already is not encoded again).
+    `started`: the method's worker, already started (start_method with these arguments); else it
+    is started here. Returns (summary entry, accuracy rows, rank rows); the merged weights stay in
     `out_dir`."""
     from crucible.continual import accuracy_curve, average_accuracy, backward_transfer, normalised_accuracy
 
     order = [s["task"] for s in specs]
-    result = run_method(method, kwargs, theta0_file, [s["model"] for s in specs], out_dir,
-                        "each" if store is not None else "final", threads, device)
+    if started is None:
+        started = start_method(method, kwargs, theta0_file, [s["model"] for s in specs], out_dir,
+                               "each" if store is not None else "final", threads, device)
+    result = started.result()
     recs = result["records"]
     ranks = [{"method": method, **r} for r in result["ranks"]]
     entry = {"merge_seconds": sum(r["add_seconds"] + r["merged_seconds"] for r in recs),
@@ -248,9 +132,8 @@ def merge_method(method: str, kwargs: dict, theta0_file: Path, specs: list[dict]
     if store is not None:
         R = np.full((len(specs), len(specs)), np.nan)
         for j in range(len(specs)):
-            store.scorer.load(read_merged_state(out_dir / f"{j}.safetensors", f"{method} after arrival {j}",
-                                                store.scorer.theta_0))
-            acc = store.add(f"{method}@{j}", "merge", method, j, order[:j + 1])
+            state = read_merged_state(out_dir / f"{j}.safetensors", f"{method} after arrival {j}", store.scorer.theta_0)
+            acc = store.add(f"{method}@{j}", "merge", method, j, order[:j + 1], state=state)
             for i in range(j + 1):
                 R[j, i] = acc[order[i]]
                 rows.append({"method": method, "arrival": j, "task": order[i], "accuracy": R[j, i]})
@@ -268,16 +151,14 @@ def reference_accuracy(store: FeatureStore, specs: list[dict]) -> tuple[dict, di
     from tasks.runtime.io import read_safetensors
 
     order = [s["task"] for s in specs]
-    store.scorer.load(store.scorer.theta_0)
-    base = store.add("base", "base", "base", -1, order)
+    base = store.add("base", "base", "base", -1, order, state=store.scorer.theta_0)
     finetuned = {}
     for j, spec in enumerate(specs):
         t = spec["task"]
         state, _ = read_safetensors(spec["model"], f"fine-tuned encoder of task {t!r}",
                                     f"rebuild it with `crucible stage finetune --task {t}`",
                                     shapes=_shapes(store.scorer.theta_0))
-        store.scorer.load(state)
-        finetuned[t] = store.add(f"finetune:{t}", "finetune", "finetune", j, order[:j + 1])[t]
+        finetuned[t] = store.add(f"finetune:{t}", "finetune", "finetune", j, order[:j + 1], state=state)[t]
     return base, finetuned
 
 
@@ -334,18 +215,36 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
         theta0_file = tmp / "theta0.safetensors"
         save_file({k: v.cpu().contiguous() for k, v in scorer.theta_0.items()}, str(theta0_file))
         device = worker_device(scorer.theta_0, cfg.methods)
-        if cfg.evaluate:
-            base_acc, finetuned = reference_accuracy(store, specs)
-            rows += [{"method": ref, "arrival": None, "task": t, "accuracy": acc[t]}
-                     for t in order for ref, acc in (("base", base_acc), ("finetuned", finetuned))]
-        for method, kwargs in Progress(cfg.methods.items(), desc="merge: methods", unit="method",
-                                       total=len(cfg.methods)):
-            entry, method_rows, method_ranks = merge_method(method, kwargs or {}, theta0_file, specs, tmp / method,
-                                                            store if cfg.evaluate else None, finetuned, threads,
-                                                            device)
-            summary[method] = entry
-            rows += method_rows
-            ranks += method_ranks
+        methods = [(m, kwargs or {}) for m, kwargs in cfg.methods.items()]
+
+        def start(i: int) -> MethodRun | None:
+            if i == len(methods):
+                return None
+            return start_method(*methods[i], theta0_file, [s["model"] for s in specs], tmp / methods[i][0],
+                                "each" if cfg.evaluate else "final", threads, device)
+
+        # one worker ahead: the first merges while the base model and the fine-tunes are scored, each
+        # next one while the previous method's arrivals are (a worker is mostly one core's SVDs and
+        # element-wise passes); the scoring itself keeps its order, so the outputs are the same bytes
+        ahead = start(0)
+        try:
+            if cfg.evaluate:
+                base_acc, finetuned = reference_accuracy(store, specs)
+                rows += [{"method": ref, "arrival": None, "task": t, "accuracy": acc[t]}
+                         for t in order for ref, acc in (("base", base_acc), ("finetuned", finetuned))]
+            for i, (method, kwargs) in Progress(list(enumerate(methods)), desc="merge: methods", unit="method"):
+                started = ahead
+                started.result()  # wait for this method's worker before starting the next
+                ahead = start(i + 1)
+                entry, method_rows, method_ranks = merge_method(method, kwargs, theta0_file, specs, tmp / method,
+                                                                store if cfg.evaluate else None, finetuned,
+                                                                threads, device, started=started)
+                summary[method] = entry
+                rows += method_rows
+                ranks += method_ranks
+        finally:
+            if ahead is not None:
+                ahead.stop()  # a failure: no worker outlives the stage
         main_state = read_merged_state(tmp / cfg.main / f"{len(specs) - 1}.safetensors",
                                        f"{cfg.main} after the last arrival", scorer.theta_0)
 

@@ -48,3 +48,24 @@ def test_nonfinite_finds_every_nan_and_inf_in_every_float_dtype():
     with pytest.raises(NotImplementedError):  # as before: torch has no finiteness test for this dtype
         nonfinite(torch.zeros(2).to(torch.float8_e4m3fn))
 
+
+
+def test_state_digest_names_the_content_not_the_dict():
+    """The same weights in another dict (copied, keys in another order, a non-contiguous view) have
+    one digest; a flipped bit, a renamed key, another dtype or shape over the same bytes do not."""
+    from crucible.serialize import state_digest
+
+    g = torch.Generator().manual_seed(0)
+    state = {"b.weight": torch.randn(4, 3, generator=g), "a.bias": torch.randn(3, generator=g),
+             "ids": torch.arange(5)}
+    same = {k: state[k].clone() for k in reversed(list(state))}
+    same["b.weight"] = state["b.weight"].T.contiguous().T  # same values, column-major memory
+    assert not same["b.weight"].is_contiguous()
+    assert state_digest(same) == state_digest(state)
+    flipped = dict(state, **{"a.bias": state["a.bias"].clone()})
+    flipped["a.bias"].view(torch.int32)[1] ^= 1  # the lowest mantissa bit of one value
+    renamed = {("c.bias" if k == "a.bias" else k): v for k, v in state.items()}
+    reshaped = dict(state, **{"b.weight": state["b.weight"].reshape(3, 4)})
+    retyped = dict(state, **{"a.bias": state["a.bias"].view(torch.int32)})
+    digests = {state_digest(s) for s in (state, flipped, renamed, reshaped, retyped)}
+    assert len(digests) == 5
