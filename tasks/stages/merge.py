@@ -18,11 +18,10 @@ When `merge.evaluate`, the parent then scores each arrival's merged model on eve
 far (keeping its features for the evaluate stage), each task with its own head (heads are kept per
 task, never merged), beside the base model and each task's own fine-tune; crucible.continual turns
 the accuracy matrix into average accuracy, accuracy normalised by the fine-tunes, and backward
-transfer. The parent scores while the next method's worker merges (one worker ahead: the first
-during the base model's and the fine-tunes' scoring), so a worker's seconds include that
-contention; and weights it has scored already (the same state_digest: weight average, MagMax at
+transfer. Weights the parent has scored already (the same state_digest: weight average, MagMax at
 lam 1 and OPCM all give theta_0 + tau_1 at the first arrival) are not encoded again, their features
-copied (tasks.data.heldout_scoring.FeatureStore). Neither changes a byte of the outputs.
+copied (tasks.data.heldout_scoring.FeatureStore), which changes no byte of the outputs. Methods run
+one after another: a worker merging beside the parent's scoring was slower on 2 cores.
 
 Outputs (all published together) under models/merge/:
 - model.safetensors: the `merge.main` method's final merged encoder (the base model's keys);
@@ -217,34 +216,27 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
         device = worker_device(scorer.theta_0, cfg.methods)
         methods = [(m, kwargs or {}) for m, kwargs in cfg.methods.items()]
 
-        def start(i: int) -> MethodRun | None:
-            if i == len(methods):
-                return None
-            return start_method(*methods[i], theta0_file, [s["model"] for s in specs], tmp / methods[i][0],
-                                "each" if cfg.evaluate else "final", threads, device)
-
-        # one worker ahead: the first merges while the base model and the fine-tunes are scored, each
-        # next one while the previous method's arrivals are (a worker is mostly one core's SVDs and
-        # element-wise passes); the scoring itself keeps its order, so the outputs are the same bytes
-        ahead = start(0)
+        running: MethodRun | None = None
         try:
             if cfg.evaluate:
                 base_acc, finetuned = reference_accuracy(store, specs)
                 rows += [{"method": ref, "arrival": None, "task": t, "accuracy": acc[t]}
                          for t in order for ref, acc in (("base", base_acc), ("finetuned", finetuned))]
-            for i, (method, kwargs) in Progress(list(enumerate(methods)), desc="merge: methods", unit="method"):
-                started = ahead
-                started.result()  # wait for this method's worker before starting the next
-                ahead = start(i + 1)
+            # one method at a time: a worker merging beside the parent's scoring (one ahead) measured
+            # slower on 2 cores (both processes want every core: the stage took 490 s against 305 s)
+            for method, kwargs in Progress(methods, desc="merge: methods", unit="method"):
+                running = start_method(method, kwargs, theta0_file, [s["model"] for s in specs], tmp / method,
+                                       "each" if cfg.evaluate else "final", threads, device)
                 entry, method_rows, method_ranks = merge_method(method, kwargs, theta0_file, specs, tmp / method,
                                                                 store if cfg.evaluate else None, finetuned,
-                                                                threads, device, started=started)
+                                                                threads, device, started=running)
+                running = None
                 summary[method] = entry
                 rows += method_rows
                 ranks += method_ranks
         finally:
-            if ahead is not None:
-                ahead.stop()  # a failure: no worker outlives the stage
+            if running is not None:
+                running.stop()  # a failure: no worker outlives the stage
         main_state = read_merged_state(tmp / cfg.main / f"{len(specs) - 1}.safetensors",
                                        f"{cfg.main} after the last arrival", scorer.theta_0)
 
