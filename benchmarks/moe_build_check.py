@@ -46,13 +46,17 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--ridge", type=float, default=1e-2, help="refit_down's ridge")
+    ap.add_argument("--ridge", type=float, default=None, help="refit_down's ridge (default: params.yaml's moe.refit_ridge)")
     ap.add_argument("--recover-steps", type=int, default=16)
     ap.add_argument("--recover-train", default="experts", choices=["router", "experts"])
     ap.add_argument("--recover-lr", type=float, default=1e-4)
     ap.add_argument("--recover-batch", type=int, default=4, help="sequences per recovery step")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    if args.ridge is None:
+        from tasks.runtime.params import load_params
+
+        args.ridge = load_params(ROOT / "params.yaml").moe.refit_ridge
     torch.set_num_threads(args.threads)
 
     from crucible.moe.build import active_share, all_experts_unit_weight, moefy, set_top_k

@@ -143,7 +143,7 @@ def build(args, log):
     eval_ids = token_sequences(tokenizer, held, p.seq_len, args.eval_seqs, seed=0)  # the stage's first rows
     seconds["load dense, texts, tokens"] = time.perf_counter() - t
     info = {"source": source, "n_experts": p.n_experts, "top_k": p.top_k, "shared_share": p.shared_share,
-            "refit": p.refit, "recover": [p.recover_steps, p.recover_train, p.recover_lr], "seq_len": p.seq_len,
+            "refit": p.refit, "refit_ridge": p.refit_ridge, "recover": [p.recover_steps, p.recover_train, p.recover_lr], "seq_len": p.seq_len,
             "build_sequences": p.build_sequences, "eval_sequences": args.eval_seqs, "pipeline_seed": seed}
     if args.load_moe:
         from transformers import AutoModelForCausalLM
@@ -162,7 +162,7 @@ def build(args, log):
         seconds["moefy"] = time.perf_counter() - t
         t = time.perf_counter()
         if p.refit:
-            refit_down(moe, dense, build_ids)
+            refit_down(moe, dense, build_ids, ridge=p.refit_ridge)
         seconds["refit_down"] = time.perf_counter() - t
         t = time.perf_counter()
         hist = recover(moe, dense, list(build_ids.split(p.batch_size)), p.recover_steps, lr=p.recover_lr,

@@ -50,7 +50,7 @@ SPEC = StageSpec(
     comment="The MoE branch (moe.enabled; off by default, on in profiles/moe.yaml): a dense LM split into "
             "an MoE. Switched off, it writes only a note, so the DAG is the same either way.",
     params=("pipeline.seed", "moe.enabled", "moe.model", "moe.n_experts", "moe.top_k", "moe.shared_share",
-            "moe.refit", "moe.recover_steps", "moe.recover_train", "moe.recover_lr", "moe.corpora",
+            "moe.refit", "moe.refit_ridge", "moe.recover_steps", "moe.recover_train", "moe.recover_lr", "moe.corpora",
             "moe.eval_share", "moe.seq_len", "moe.build_sequences", "moe.calib_sequences", "moe.eval_sequences",
             "moe.batch_size"),
     outs=(str(HOME),),
@@ -115,7 +115,7 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
         curve.append({"top_k": k, "active_share": active_share(p.n_experts, k, report.shared_share), "perplexity": ppl})
     seconds["perplexity"] = time.perf_counter() - t
     t = time.perf_counter()
-    refit = refit_down(moe, dense, seqs["build"]) if p.refit else []
+    refit = refit_down(moe, dense, seqs["build"], ridge=p.refit_ridge) if p.refit else []
     ppl_refit = perplexity(moe, seqs["eval"], batch_size=p.batch_size, progress=True) if p.refit else ppl_built
     seconds["refit"] = time.perf_counter() - t
     t = time.perf_counter()
