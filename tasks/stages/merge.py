@@ -55,7 +55,7 @@ from tasks.data.models import MANIFEST, base_model
 from tasks.runtime.params_schema import Params
 from tasks.runtime.scratch import scratch
 from tasks.data.heldout_scoring import FeatureStore, Scorer, read_probe_rows, read_task_model, read_tests
-from tasks.data.merge_worker import SCRATCH_HINT, MethodRun, start_method
+from tasks.data.merge_worker import SCRATCH_HINT, start_method
 
 OUT = Path("models") / "merge"
 METRICS = Path("metrics")  # small files git can commit: `dvc metrics diff` / `dvc plots diff` against HEAD
@@ -100,21 +100,24 @@ def read_merged_state(path: Path, what: str, theta_0: dict) -> dict:
 
 def merge_method(method: str, kwargs: dict, theta0_file: Path, specs: list[dict], out_dir: Path,
                  store: FeatureStore | None, finetuned: dict[str, float], threads: int,
-                 device: str = "cpu", started: MethodRun | None = None) -> tuple[dict, list, list]:
+                 device: str = "cpu") -> tuple[dict, list, list]:
     """One method over the sequence `specs` (arrival order): its worker's time/memory records and, with
     a feature store, the accuracy matrix R[j, i] (task i after arrival j, i <= j) and its summaries;
     the features of every arrival's merged model on the arrived tasks go into the store (variant
     `<method>@<j>`; an arrival whose weights the store has scored already is not encoded again).
-    `started`: the method's worker, already started (start_method with these arguments); else it
-    is started here. Returns (summary entry, accuracy rows, rank rows); the merged weights stay in
+    The worker runs in its own process (tasks.data.merge_worker); interrupted while waiting for it,
+    it is killed, so none outlives the stage. Returns (summary entry, accuracy rows, rank rows); the merged weights stay in
     `out_dir`."""
     from crucible.continual import accuracy_curve, average_accuracy, backward_transfer, normalised_accuracy
 
     order = [s["task"] for s in specs]
-    if started is None:
-        started = start_method(method, kwargs, theta0_file, [s["model"] for s in specs], out_dir,
-                               "each" if store is not None else "final", threads, device)
-    result = started.result()
+    worker = start_method(method, kwargs, theta0_file, [s["model"] for s in specs], out_dir,
+                          "each" if store is not None else "final", threads, device)
+    try:
+        result = worker.result()
+    except BaseException:
+        worker.stop()
+        raise
     recs = result["records"]
     ranks = [{"method": method, **r} for r in result["ranks"]]
     entry = {"merge_seconds": sum(r["add_seconds"] + r["merged_seconds"] for r in recs),
@@ -216,27 +219,19 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
         device = worker_device(scorer.theta_0, cfg.methods)
         methods = [(m, kwargs or {}) for m, kwargs in cfg.methods.items()]
 
-        running: MethodRun | None = None
-        try:
-            if cfg.evaluate:
-                base_acc, finetuned = reference_accuracy(store, specs)
-                rows += [{"method": ref, "arrival": None, "task": t, "accuracy": acc[t]}
-                         for t in order for ref, acc in (("base", base_acc), ("finetuned", finetuned))]
-            # one method at a time: a worker merging beside the parent's scoring (one ahead) measured
-            # slower on 2 cores (both processes want every core: the stage took 490 s against 305 s)
-            for method, kwargs in Progress(methods, desc="merge: methods", unit="method"):
-                running = start_method(method, kwargs, theta0_file, [s["model"] for s in specs], tmp / method,
-                                       "each" if cfg.evaluate else "final", threads, device)
-                entry, method_rows, method_ranks = merge_method(method, kwargs, theta0_file, specs, tmp / method,
-                                                                store if cfg.evaluate else None, finetuned,
-                                                                threads, device, started=running)
-                running = None
-                summary[method] = entry
-                rows += method_rows
-                ranks += method_ranks
-        finally:
-            if running is not None:
-                running.stop()  # a failure: no worker outlives the stage
+        if cfg.evaluate:
+            base_acc, finetuned = reference_accuracy(store, specs)
+            rows += [{"method": ref, "arrival": None, "task": t, "accuracy": acc[t]}
+                     for t in order for ref, acc in (("base", base_acc), ("finetuned", finetuned))]
+        # one method at a time: a worker merging beside the parent's scoring (one ahead) measured
+        # slower on 2 cores (both processes want every core: the stage took 490 s against 305 s)
+        for method, kwargs in Progress(methods, desc="merge: methods", unit="method"):
+            entry, method_rows, method_ranks = merge_method(method, kwargs, theta0_file, specs, tmp / method,
+                                                            store if cfg.evaluate else None, finetuned,
+                                                            threads, device)
+            summary[method] = entry
+            rows += method_rows
+            ranks += method_ranks
         main_state = read_merged_state(tmp / cfg.main / f"{len(specs) - 1}.safetensors",
                                        f"{cfg.main} after the last arrival", scorer.theta_0)
 
