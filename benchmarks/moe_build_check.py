@@ -10,7 +10,9 @@ n_experts of the FFN. Points with the same shared_share and n_experts share one 
 shared expert, experts and routers; crucible.moe.build.set_top_k changes k). Per point, on the
 held-out sequences: perplexity of the MoE as built, after refit_down (crucible.moe.refit), and after
 `--recover-steps` steps of crucible.moe.recover (`--recover-train`: router | experts) from the
-refitted model; the unit-weight check of each build (every expert selected at unit weight = dense).
+refitted model (its batches from `--recover-seqs` sequences of their own; `--recover-eval-every N`
+adds the held-out perplexity every N steps, the recovery curve); the unit-weight check of each build
+(every expert selected at unit weight = dense).
 
 Data as the moe stages use it (tasks.data.moe_text): the texts of bbc_news and debates_party,
 deduplicated and split by content hash, `--eval-share` held out. Calibration: `--calib` sequences
@@ -47,16 +49,22 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--ridge", type=float, default=None, help="refit_down's ridge (default: params.yaml's moe.refit_ridge)")
-    ap.add_argument("--recover-steps", type=int, default=16)
+    ap.add_argument("--recover-steps", type=int, default=None, help="default: params.yaml's moe.recover_steps")
+    ap.add_argument("--recover-seqs", type=int, default=None,
+                    help="sequences the recovery's batches come from (default: params.yaml's moe.recover_sequences)")
+    ap.add_argument("--recover-eval-every", type=int, default=0, help="held-out perplexity every N recovery steps")
     ap.add_argument("--recover-train", default="experts", choices=["router", "experts"])
-    ap.add_argument("--recover-lr", type=float, default=1e-4)
+    ap.add_argument("--recover-lr", type=float, default=None, help="default: params.yaml's moe.recover_lr")
     ap.add_argument("--recover-batch", type=int, default=4, help="sequences per recovery step")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    if args.ridge is None:
-        from tasks.runtime.params import load_params
+    from tasks.runtime.params import load_params
 
-        args.ridge = load_params(ROOT / "params.yaml").moe.refit_ridge
+    defaults = load_params(ROOT / "params.yaml").moe
+    for arg, name in (("ridge", "refit_ridge"), ("recover_steps", "recover_steps"), ("recover_seqs", "recover_sequences"),
+                      ("recover_lr", "recover_lr")):
+        if getattr(args, arg) is None:
+            setattr(args, arg, getattr(defaults, name))
     torch.set_num_threads(args.threads)
 
     from crucible.moe.build import active_share, all_experts_unit_weight, moefy, set_top_k
@@ -75,10 +83,11 @@ def main() -> None:
     pool, held_texts = lm_texts(args.corpora.split(","), args.eval_share)
     calib = token_sequences(tokenizer, pool, args.seq_len, args.calib, seed=1000 + args.seed)
     held = token_sequences(tokenizer, held_texts, args.seq_len, args.eval, seed=0)
+    rec_ids = token_sequences(tokenizer, pool, args.seq_len, args.recover_seqs, seed=2000 + args.seed)
     print(f"# moe_build_check: SmolLM2-135M-Instruct, corpora={args.corpora}, calib={args.calib}x{args.seq_len}, "
           f"held-out={args.eval}x{args.seq_len}, seed={args.seed}, ridge={args.ridge}, recovery "
           f"{args.recover_steps} steps ({args.recover_train}, lr {args.recover_lr:g}, {args.recover_batch} sequences "
-          f"a step), threads={torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}", flush=True)
+          f"a step, from {args.recover_seqs} sequences), threads={torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}", flush=True)
     t0 = time.perf_counter()
     ppl_dense = perplexity(dense, held, args.batch_size)
     print(f"# dense perplexity {ppl_dense:.2f} ({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -110,9 +119,17 @@ def main() -> None:
         seconds["refit"] = time.perf_counter() - t0
         ppl_refit = perplexity(moe, held, args.batch_size)
         t0 = time.perf_counter()
-        recover(moe, dense, list(calib.split(args.recover_batch)), args.recover_steps, lr=args.recover_lr,
-                train=args.recover_train, seed=args.seed, progress=False)
-        seconds["recover"] = time.perf_counter() - t0
+        curve, paused = [], [0.0]
+
+        def at_step(record, step, moe=moe, curve=curve, paused=paused):
+            if args.recover_eval_every and step % args.recover_eval_every == 0 and step < args.recover_steps:
+                t_eval = time.perf_counter()
+                curve.append((step, perplexity(moe, held, args.batch_size)))
+                paused[0] += time.perf_counter() - t_eval
+
+        recover(moe, dense, list(rec_ids.split(args.recover_batch)), args.recover_steps, lr=args.recover_lr,
+                train=args.recover_train, seed=args.seed, progress=False, log=at_step)
+        seconds["recover"] = time.perf_counter() - t0 - paused[0]
         ppl_rec = perplexity(moe, held, args.batch_size) if args.recover_steps else ppl_refit
         mass = sum(r.active_mass for r in report.layers) / len(report.layers) if k == report.top_k else float("nan")
         act = active_share(e, k, report.shared_share)
@@ -120,6 +137,10 @@ def main() -> None:
         print(f"{share:6.3f} {e:2d} {k:2d} {act:6.3f} {ppl_built:9.2f} {ppl_built / ppl_dense:7.2f} {ppl_refit:9.2f} "
               f"{ppl_refit / ppl_dense:7.2f} {ppl_rec:9.2f} {ppl_rec / ppl_dense:7.2f} {mass:11.3f} {timing:>22}",
               flush=True)
+        if curve:
+            print(f"#   recovery curve (step: perplexity, x dense): 0: {ppl_refit:.2f} ({ppl_refit / ppl_dense:.2f}x), "
+                  + ", ".join(f"{s}: {v:.2f} ({v / ppl_dense:.2f}x)" for s, v in curve)
+                  + f", {args.recover_steps}: {ppl_rec:.2f} ({ppl_rec / ppl_dense:.2f}x)", flush=True)
         rows.append((act, ppl_built, ppl_refit, ppl_rec, [r["after"] / max(r["before"], 1e-30) for r in refit]))
     print()
     for act, _, _, _, ratios in rows:

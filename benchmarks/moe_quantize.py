@@ -129,8 +129,7 @@ def build(args, log):
     from crucible.moe.lm import perplexity, token_sequences
     from crucible.moe.recover import recover
     from crucible.moe.refit import refit_down
-    from crucible.seeding import derive_seed
-    from tasks.data.moe_text import lm_texts, source_model
+    from tasks.data.moe_text import lm_texts, sequences, source_model
     from tasks.runtime.params import load_params
 
     params = load_params(ROOT / "params.yaml")
@@ -139,12 +138,13 @@ def build(args, log):
     t = time.perf_counter()
     dense, tokenizer, source = source_model(p)
     pool, held = lm_texts(p.corpora, p.eval_share)
-    build_ids = token_sequences(tokenizer, pool, p.seq_len, p.build_sequences, seed=derive_seed(seed, "moe", "build"))
+    stage_seqs = sequences(tokenizer, p, seed)  # the stage's draws
+    build_ids, recover_ids = stage_seqs["build"], stage_seqs["recover"]
     eval_ids = token_sequences(tokenizer, held, p.seq_len, args.eval_seqs, seed=0)  # the stage's first rows
     seconds["load dense, texts, tokens"] = time.perf_counter() - t
     info = {"source": source, "n_experts": p.n_experts, "top_k": p.top_k, "shared_share": p.shared_share,
             "refit": p.refit, "refit_ridge": p.refit_ridge, "recover": [p.recover_steps, p.recover_train, p.recover_lr], "seq_len": p.seq_len,
-            "build_sequences": p.build_sequences, "eval_sequences": args.eval_seqs, "pipeline_seed": seed}
+            "build_sequences": p.build_sequences, "recover_sequences": p.recover_sequences, "eval_sequences": args.eval_seqs, "pipeline_seed": seed}
     if args.load_moe:
         from transformers import AutoModelForCausalLM
 
@@ -165,7 +165,7 @@ def build(args, log):
             refit_down(moe, dense, build_ids, ridge=p.refit_ridge)
         seconds["refit_down"] = time.perf_counter() - t
         t = time.perf_counter()
-        hist = recover(moe, dense, list(build_ids.split(p.batch_size)), p.recover_steps, lr=p.recover_lr,
+        hist = recover(moe, dense, list(recover_ids.split(p.batch_size)), p.recover_steps, lr=p.recover_lr,
                        train=p.recover_train, seed=seed, progress=args.progress)
         seconds["recover"] = time.perf_counter() - t
         info["recover_loss"] = [h["loss"] for h in hist]

@@ -25,12 +25,12 @@ model (an earlier build) is refused, never loaded into this one.
 
 Contract
 - recover(moe, dense, batches, steps, lr=1e-3, train="router", temperature=1.0, seed=0,
-  checkpoint_dir=None, checkpoint_every=0, progress=True, log=None) -> history, one
+  checkpoint_dir=None, checkpoint_every=0, progress=True, log=None, cache_bytes=2**30) -> history, one
   {"step", "loss", "batch"} per step (including resumed steps). batches[i] is one forward call
   (crucible.moe.routing.forward_batch). ValueError, naming the argument and the value, for steps < 0,
   lr not finite > 0, an unknown `train`, temperature not finite > 0, no batches, a model without MoE
-  blocks, a dense model of another vocabulary, a non-finite loss (naming the step), or a checkpoint
-  written with other settings. steps=0 returns the (resumed) history unchanged.
+  blocks, a dense model of another vocabulary, a non-finite loss (naming the step), cache_bytes
+  < 0, or a checkpoint written with other settings. steps=0 returns the (resumed) history unchanged.
 - trainable_parameters(moe, train) -> {name: parameter} of what `train` trains.
 """
 
@@ -87,7 +87,7 @@ def _digest(params: dict[str, nn.Parameter]) -> str:
     return h.hexdigest()
 
 
-def _check(moe, dense, batches, steps, lr, temperature, checkpoint_every) -> None:
+def _check(moe, dense, batches, steps, lr, temperature, checkpoint_every, cache_bytes) -> None:
     if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
         raise ValueError(f"recover: steps={steps!r} must be an int >= 0")
     for name, value in (("lr", lr), ("temperature", temperature)):
@@ -95,6 +95,8 @@ def _check(moe, dense, batches, steps, lr, temperature, checkpoint_every) -> Non
             raise ValueError(f"recover: {name}={value!r} must be finite and > 0")
     if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, numbers.Integral) or checkpoint_every < 0:
         raise ValueError(f"recover: checkpoint_every={checkpoint_every!r} must be an int >= 0")
+    if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, numbers.Integral) or cache_bytes < 0:
+        raise ValueError(f"recover: cache_bytes={cache_bytes!r} must be an int >= 0")
     if not batches:
         raise ValueError("recover: batches is empty; give at least one batch of calibration token ids")
     vocab_moe, vocab_dense = moe.config.vocab_size, dense.config.vocab_size
@@ -106,13 +108,13 @@ def _check(moe, dense, batches, steps, lr, temperature, checkpoint_every) -> Non
 def recover(moe: nn.Module, dense: nn.Module, batches: Sequence, steps: int, lr: float = 1e-3,
             train: str = "router", temperature: float = 1.0, seed: int = 0,
             checkpoint_dir: Path | str | None = None, checkpoint_every: int = 0, progress: bool = True,
-            log: Callable[[dict, int], None] | None = None) -> list[dict]:
+            log: Callable[[dict, int], None] | None = None, cache_bytes: int = 2**30) -> list[dict]:
     """Distil `dense` into `moe`'s routers (and, with train="experts", its experts) for `steps`
     AdamW steps in total; see the module docstring."""
     from crucible.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
     batches = list(batches)
-    _check(moe, dense, batches, steps, lr, temperature, checkpoint_every)
+    _check(moe, dense, batches, steps, lr, temperature, checkpoint_every, cache_bytes)
     params = trainable_parameters(moe, train)
     settings = {"lr": float(lr), "train": train, "temperature": float(temperature), "seed": int(seed),
                 "batches": len(batches), "params": {k: list(p.shape) for k, p in params.items()},
@@ -137,6 +139,7 @@ def recover(moe: nn.Module, dense: nn.Module, batches: Sequence, steps: int, lr:
     dense_flags = {p: p.requires_grad for p in dense.parameters()}
     modes = (moe.training, dense.training)
     targets: dict[int, torch.Tensor] = {}
+    cached = 0  # bytes held in targets
     bar = Progress(total=steps, initial=min(step, steps), desc=f"moe recovery ({train})", unit="step",
                    disable=not progress)
     try:
@@ -152,11 +155,15 @@ def recover(moe: nn.Module, dense: nn.Module, batches: Sequence, steps: int, lr:
             b = batch_order(step, len(batches), seed, True)
             batch, mask = batches[b], _mask(batches[b])
             mask = None if mask is None else mask.to(model_device(moe))
-            if b not in targets:
+            target = targets.get(b)
+            if target is None:
                 with torch.no_grad():
-                    targets[b] = torch.log_softmax(forward_batch(dense, batch).logits.float() / temperature, dim=-1)
+                    target = torch.log_softmax(forward_batch(dense, batch).logits.float() / temperature, dim=-1)
+                size = target.numel() * target.element_size()
+                if cached + size <= cache_bytes:
+                    targets[b], cached = target, cached + size
             logq = torch.log_softmax(forward_batch(moe, batch).logits.float() / temperature, dim=-1)
-            per_token = F.kl_div(logq, targets[b].to(logq.device), log_target=True, reduction="none").sum(-1)
+            per_token = F.kl_div(logq, target.to(logq.device), log_target=True, reduction="none").sum(-1)
             value = _masked_mean(per_token, mask) * temperature ** 2
             if not torch.isfinite(value):
                 raise ValueError(f"recover: the loss is {float(value)} at step {step + 1} (batch {b})")

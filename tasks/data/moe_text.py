@@ -36,7 +36,8 @@ def lm_texts(corpora: list[str], eval_share: float) -> tuple[list[str], list[str
 
 
 def sequences(tokenizer, p: MoeParams, seed: int) -> dict[str, torch.Tensor]:
-    """The branch's token sequences: build (moe_build's calibration), calib (quantization's), each
+    """The branch's token sequences: build (moe_build's calibration), recover (its recovery's batches),
+    calib (quantization's), each
     drawn in the order of its own seed derived from `seed`, and eval (seed 0 whatever `seed`: the
     same held-out sequences for every run)."""
     from crucible.moe.lm import token_sequences
@@ -45,6 +46,8 @@ def sequences(tokenizer, p: MoeParams, seed: int) -> dict[str, torch.Tensor]:
     calib, held = lm_texts(p.corpora, p.eval_share)
     return {"build": token_sequences(tokenizer, calib, p.seq_len, p.build_sequences, seed=derive_seed(seed, "moe", "build")),
             "calib": token_sequences(tokenizer, calib, p.seq_len, p.calib_sequences, seed=derive_seed(seed, "moe", "calib")),
+            "recover": token_sequences(tokenizer, calib, p.seq_len, p.recover_sequences,
+                                       seed=derive_seed(seed, "moe", "recover")),
             "eval": token_sequences(tokenizer, held, p.seq_len, p.eval_sequences, seed=0)}
 
 

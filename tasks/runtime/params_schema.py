@@ -459,17 +459,20 @@ class MoeParams(_Section):
     refit_ridge: float = Field(1.0, gt=0, allow_inf_nan=False, description=(
         "the refit's shrinkage toward the built weights, relative to the mean feature energy: 0.01 "
         "overfits 32 sequences of 64 tokens (perplexity 303 -> 352), 1.0 gives 204"))
-    recover_steps: int = Field(16, ge=0, description=(
+    recover_steps: int = Field(200, ge=0, description=(
         "distillation steps after the build (0: none): the MoE learns the dense model's next-token "
-        "distribution on the build sequences"))
+        "distribution on the recovery sequences, batch_size of them a step"))
     recover_train: Literal["router", "experts"] = Field("experts", description=(
         "router: only the routers and the shared-expert gates train (cheapest); experts: the experts too"))
-    recover_lr: float = Field(1.0e-4, gt=0, description="AdamW learning rate of the recovery")
+    recover_lr: float = Field(5.0e-4, gt=0, description="AdamW learning rate of the recovery")
     corpora: list[Literal["bbc_news", "rotten_tomatoes", "tweet_sentiment", "debates_party"]] = Field(
         ["bbc_news", "debates_party"], min_length=1, description="packaged corpora whose texts are the LM data")
     eval_share: float = Field(0.3, gt=0, lt=1, description="share of the texts held out for perplexity (by text hash)")
     seq_len: int = Field(64, ge=8, le=4096, description="tokens per sequence")
     build_sequences: int = Field(32, ge=1, description="calibration sequences for the neuron clustering and routers")
+    recover_sequences: int = Field(256, ge=1, description=(
+        "calibration sequences the recovery's batches come from (their own draw from the calibration texts): "
+        "a long recovery on a few sequences overfits them"))
     calib_sequences: int = Field(32, ge=1, description="calibration sequences for quantization, ranks and QAT")
     eval_sequences: int = Field(64, ge=1, description="held-out sequences for perplexity, consistency and drift")
     batch_size: int = Field(8, ge=1, le=1024)

@@ -50,9 +50,9 @@ SPEC = StageSpec(
     comment="The MoE branch (moe.enabled; off by default, on in profiles/moe.yaml): a dense LM split into "
             "an MoE. Switched off, it writes only a note, so the DAG is the same either way.",
     params=("pipeline.seed", "moe.enabled", "moe.model", "moe.n_experts", "moe.top_k", "moe.shared_share",
-            "moe.refit", "moe.refit_ridge", "moe.recover_steps", "moe.recover_train", "moe.recover_lr", "moe.corpora",
-            "moe.eval_share", "moe.seq_len", "moe.build_sequences", "moe.calib_sequences", "moe.eval_sequences",
-            "moe.batch_size"),
+            "moe.refit", "moe.refit_ridge", "moe.recover_steps", "moe.recover_train", "moe.recover_lr",
+            "moe.recover_sequences", "moe.corpora", "moe.eval_share", "moe.seq_len", "moe.build_sequences",
+            "moe.calib_sequences", "moe.eval_sequences", "moe.batch_size"),
     outs=(str(HOME),),
 )
 
@@ -119,7 +119,7 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     ppl_refit = perplexity(moe, seqs["eval"], batch_size=p.batch_size, progress=True) if p.refit else ppl_built
     seconds["refit"] = time.perf_counter() - t
     t = time.perf_counter()
-    history = recover(moe, dense, list(seqs["build"].split(p.batch_size)), p.recover_steps, lr=p.recover_lr,
+    history = recover(moe, dense, list(seqs["recover"].split(p.batch_size)), p.recover_steps, lr=p.recover_lr,
                       train=p.recover_train, seed=params.pipeline.seed, checkpoint_dir=checkpoint_dir(root),
                       checkpoint_every=max(1, p.recover_steps // 4) if p.recover_steps else 0, progress=True,
                       log=lambda m, step: log.log_metrics({"recover_loss": m["loss"]}, step=step))

@@ -73,7 +73,20 @@ def test_resumed_recovery_ends_where_an_uninterrupted_one_does(pair, tmp_path):
         recover(straight, dense, batches(), steps=6, lr=1e-2, progress=False, seed=5, checkpoint_dir=tmp_path)
 
 
+def test_a_recovery_past_its_teacher_cache_recomputes_the_same_targets(pair):
+    dense, built = pair
+    cached, bounded, uncached = (copy.deepcopy(built) for _ in range(3))
+    one_batch = 4 * 24 * dense.config.vocab_size * 4  # bytes of one batch's float32 log-probabilities
+    h_cached = recover(cached, dense, batches(), steps=5, lr=1e-2, progress=False, seed=3)
+    h_bounded = recover(bounded, dense, batches(), steps=5, lr=1e-2, progress=False, seed=3, cache_bytes=one_batch)
+    h_uncached = recover(uncached, dense, batches(), steps=5, lr=1e-2, progress=False, seed=3, cache_bytes=0)
+    assert h_cached == h_bounded == h_uncached
+    for (k, a), b, c in zip(cached.state_dict().items(), bounded.state_dict().values(), uncached.state_dict().values()):
+        assert torch.equal(a, b) and torch.equal(a, c), k
+
+
 @pytest.mark.parametrize("kwargs, match", [
+    (dict(cache_bytes=-1), r"cache_bytes=-1"),
     (dict(steps=-1), r"steps=-1"), (dict(lr=float("nan")), r"lr=nan"), (dict(train="all"), r"train='all'"),
     (dict(temperature=0), r"temperature=0"), (dict(batches=[]), r"batches is empty"),
 ])
