@@ -2,7 +2,8 @@
 curve of the active FFN share, built (training-free), after the least-squares refit of the down
 projections, and after a short distillation recovery.
 
-    .venv/bin/python benchmarks/moe_build_check.py                      # the curve: 25, 37.5, 50, 75 % active
+    .venv/bin/python benchmarks/moe_build_check.py --recover-eval-every 50   # 25 and 50 % active: ~30 min
+    .venv/bin/python benchmarks/moe_build_check.py --points 0.125:7:1,0.25:6:1,0.25:6:2,0.25:6:4   # + 37.5, 75 %: ~1 h
     .venv/bin/python benchmarks/moe_build_check.py --points 0.25:6:2 --recover-steps 4 --eval 16
 
 A point is shared_share:n_experts:top_k; a token uses shared_share + (1 - shared_share) * top_k /
@@ -39,7 +40,7 @@ import torch  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--points", default="0.125:7:1,0.25:6:1,0.25:6:2,0.25:6:4",
+    ap.add_argument("--points", default="0.125:7:1,0.25:6:2",
                     help="comma-separated shared_share:n_experts:top_k")
     ap.add_argument("--corpora", default="bbc_news,debates_party")
     ap.add_argument("--eval-share", type=float, default=0.3)

@@ -7,9 +7,11 @@ expert in MXFP4 and kept float, both measured; over 3 calibration seeds.
     .venv/bin/python benchmarks/moe_quantize.py --seeds 0 --qat-steps 4 --shared quantized   # a quick look
 
 Build (once, fixed): exactly the moe_build stage's steps with params.yaml's `moe:` values and
-`pipeline.seed` (shared_share 0.25, 6 experts, top-2, refit_down, 16 recovery steps of the experts
-at lr 1e-4 on the build sequences): crucible.moe.build.moefy, crucible.moe.refit.refit_down,
-crucible.moe.recover.recover. Data as the stages draw it (tasks.data.moe_text): the texts of
+`pipeline.seed` (shared_share 0.25, 6 experts, top-2, refit_down, moe.recover_steps (200) recovery
+steps of the experts at moe.recover_lr on the stage's recovery sequences): crucible.moe.build.moefy,
+crucible.moe.refit.refit_down, crucible.moe.recover.recover. The 200 recovery steps take about 11
+minutes on 2 cores; `--load-moe DIR` takes the moe_build stage's output instead (after `crucible run
+--profile moe`: build/moe/models/moe/build), which keeps the run under 30 minutes. Data as the stages draw it (tasks.data.moe_text): the texts of
 moe.corpora deduplicated and split by content hash (moe.eval_share held out); the build sequences are
 the stage's, the held-out sequences the first `--eval-seqs` of the stage's (seed 0). Calibration seed s
 draws moe.calib_sequences (`--calib-seqs`) sequences from the calibration pool in the order of derive_seed(s, "moe",
@@ -191,7 +193,7 @@ def main() -> None:
     ap.add_argument("--rank-per-matrix", type=int, default=8, help="budget = this x the compensated matrices")
     ap.add_argument("--worst", type=int, default=6, help="layers in the worst-layer table")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
-    ap.add_argument("--load-moe", default=None, help="a save_pretrained folder of the build (development only)")
+    ap.add_argument("--load-moe", default=None, help="the moe_build stage's output folder (models/moe/build) instead of building; it must be built with params.yaml's moe values")
     ap.add_argument("--save-moe", default=None, help="save the built MoE to this folder")
     ap.add_argument("--progress", action="store_true")
     ap.add_argument("--json", default=None, help="write every metric to this file")
