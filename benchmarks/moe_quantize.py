@@ -7,9 +7,9 @@ expert in MXFP4 and kept float, both measured; over 3 calibration seeds.
     .venv/bin/python benchmarks/moe_quantize.py --seeds 0 --qat-steps 4 --shared quantized   # a quick look
 
 Build (once, fixed): exactly the moe_build stage's steps with params.yaml's `moe:` values and
-`pipeline.seed` (shared_share 0.25, 6 experts, top-2, refit_down, moe.recover_steps (200) recovery
+`pipeline.seed` (shared_share 0.25, 6 experts, top-2, refit_down, moe.recover_steps (100) recovery
 steps of the experts at moe.recover_lr on the stage's recovery sequences): crucible.moe.build.moefy,
-crucible.moe.refit.refit_down, crucible.moe.recover.recover. The 200 recovery steps take about 11
+crucible.moe.refit.refit_down, crucible.moe.recover.recover. The 100 recovery steps take 6 to 12
 minutes on 2 cores; `--load-moe DIR` takes the moe_build stage's output instead (after `crucible run
 --profile moe`: build/moe/models/moe/build), which keeps the run under 30 minutes. Data as the stages draw it (tasks.data.moe_text): the texts of
 moe.corpora deduplicated and split by content hash (moe.eval_share held out); the build sequences are

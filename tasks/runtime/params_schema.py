@@ -459,7 +459,7 @@ class MoeParams(_Section):
     refit_ridge: float = Field(1.0, gt=0, allow_inf_nan=False, description=(
         "the refit's shrinkage toward the built weights, relative to the mean feature energy: 0.01 "
         "overfits 32 sequences of 64 tokens (perplexity 303 -> 352), 1.0 gives 204"))
-    recover_steps: int = Field(200, ge=0, description=(
+    recover_steps: int = Field(100, ge=0, description=(
         "distillation steps after the build (0: none): the MoE learns the dense model's next-token "
         "distribution on the recovery sequences, batch_size of them a step"))
     recover_train: Literal["router", "experts"] = Field("experts", description=(
