@@ -2,7 +2,7 @@
 curve of the active FFN share, built (training-free), after the least-squares refit of the down
 projections, and after a short distillation recovery.
 
-    .venv/bin/python benchmarks/moe_build_check.py --recover-eval-every 50   # 25 and 50 % active: ~30 min
+    .venv/bin/python benchmarks/moe_build_check.py --recover-eval-every 50   # 25 and 50 % active: ~20 min at 100 steps
     .venv/bin/python benchmarks/moe_build_check.py --points 0.125:7:1,0.25:6:1,0.25:6:2,0.25:6:4   # + 37.5, 75 %: ~1 h
     .venv/bin/python benchmarks/moe_build_check.py --points 0.25:6:2 --recover-steps 4 --eval 16
 
