@@ -140,7 +140,7 @@ def build(args, log):
     t = time.perf_counter()
     dense, tokenizer, source = source_model(p)
     pool, held = lm_texts(p.corpora, p.eval_share)
-    stage_seqs = sequences(tokenizer, p, seed)  # the stage's draws
+    stage_seqs = sequences(tokenizer, p, seed, parts=("build", "recover"))  # the stage's draws
     build_ids, recover_ids = stage_seqs["build"], stage_seqs["recover"]
     eval_ids = token_sequences(tokenizer, held, p.seq_len, args.eval_seqs, seed=0)  # the stage's first rows
     seconds["load dense, texts, tokens"] = time.perf_counter() - t

@@ -52,7 +52,7 @@ SPEC = StageSpec(
     params=("pipeline.seed", "moe.enabled", "moe.model", "moe.n_experts", "moe.top_k", "moe.shared_share",
             "moe.refit", "moe.refit_ridge", "moe.recover_steps", "moe.recover_train", "moe.recover_lr",
             "moe.recover_sequences", "moe.corpora", "moe.eval_share", "moe.seq_len", "moe.build_sequences",
-            "moe.calib_sequences", "moe.eval_sequences", "moe.batch_size"),
+            "moe.eval_sequences", "moe.batch_size"),
     outs=(str(HOME),),
 )
 
@@ -86,7 +86,7 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     dense, tokenizer, source = source_model(p)
     dense = dense.to(current().device)  # moefy builds the MoE on the dense model's device
     seconds["load_dense"] = time.perf_counter() - t
-    seqs = sequences(tokenizer, p, params.pipeline.seed)
+    seqs = sequences(tokenizer, p, params.pipeline.seed, parts=("build", "recover", "eval"))
     t = time.perf_counter()
     moe, report = moefy(dense, seqs["build"], n_experts=p.n_experts, top_k=p.top_k, shared_share=p.shared_share,
                         seed=params.pipeline.seed, batch_size=p.batch_size, progress=True)

@@ -98,7 +98,7 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     if not hasattr(moe.model.layers[0].mlp, "experts"):
         raise ValueError(f"{folder}: {type(moe).__name__} has no MoE layers (mlp.experts); rebuild with moe_build")
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    seqs = sequences(tokenizer, p, params.pipeline.seed)
+    seqs = sequences(tokenizer, p, params.pipeline.seed, parts=("calib", "eval"))
     budget = p.rank_budget if p.rank_budget is not None else default_rank_budget(moe, p.attention)
     ckpt = checkpoint_dir(root)
     result = quantize_variants(

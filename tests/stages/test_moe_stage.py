@@ -152,3 +152,25 @@ def test_quantize_switched_off_and_a_missing_build(tmp_path, project_root, tiny_
     assert json.loads((root / "metrics/moe.json").read_text()) == {
         "enabled": False, "note": "moe.enabled is false: the MoE branch did not run"}
     assert sorted(p.name for p in (root / "models/moe/quantize").iterdir()) == ["disabled.json"]
+
+
+def test_sequences_draws_only_the_parts_asked_and_the_same_draw_each_time(tiny_lm):
+    """A stage asks for the parts it uses (it declares only their counts); a part is the same tensor
+    whether asked alone or with the others, and an unknown part is refused by name."""
+    from transformers import AutoTokenizer
+
+    from tasks.data.moe_text import sequences
+    from tasks.runtime.params import load_params
+
+    p = load_params(Path(__file__).resolve().parents[2] / "params.yaml").moe.model_copy(
+        update={"seq_len": 16, "build_sequences": 3, "recover_sequences": 4, "calib_sequences": 5, "eval_sequences": 2})
+    tok = AutoTokenizer.from_pretrained(tiny_lm)
+    every = sequences(tok, p, seed=7)
+    assert {k: tuple(v.shape) for k, v in every.items()} == {
+        "build": (3, 16), "recover": (4, 16), "calib": (5, 16), "eval": (2, 16)}
+    some = sequences(tok, p, seed=7, parts=("calib", "eval"))
+    assert sorted(some) == ["calib", "eval"]
+    assert all(torch.equal(some[k], every[k]) for k in some)
+    assert not torch.equal(every["build"][:3], every["calib"][:3])  # each part its own seed
+    with pytest.raises(ValueError, match=r"parts \['train'\]"):
+        sequences(tok, p, seed=7, parts=("build", "train"))
