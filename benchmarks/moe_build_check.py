@@ -54,7 +54,7 @@ def main() -> None:
     ap.add_argument("--recover-seqs", type=int, default=None,
                     help="sequences the recovery's batches come from (default: params.yaml's moe.recover_sequences)")
     ap.add_argument("--recover-eval-every", type=int, default=0, help="held-out perplexity every N recovery steps")
-    ap.add_argument("--recover-train", default="experts", choices=["router", "experts"])
+    ap.add_argument("--recover-train", default="experts", choices=["router", "experts", "layers"])
     ap.add_argument("--recover-lr", type=float, default=None, help="default: params.yaml's moe.recover_lr")
     ap.add_argument("--recover-batch", type=int, default=4, help="sequences per recovery step")
     ap.add_argument("--threads", type=int, default=2)

@@ -12,9 +12,10 @@ and kept. What trains, cheapest first:
 - train="router": every MoE block's router weight (`mlp.gate.weight`, which sets both the top-k
   choice and the combine weights, its scale included) and the shared expert's gate
   (`mlp.shared_expert_gate.weight`, the shared expert's per-token scale);
-- train="experts": those and every expert's weights (routed `experts.*`, `shared_expert.*`).
-Everything else (attention, embeddings, norms, lm_head) has requires_grad off for the run
-(restored afterwards). Both models run in eval mode. AdamW without weight decay, constant lr.
+- train="experts": those and every expert's weights (routed `experts.*`, `shared_expert.*`);
+- train="layers": every parameter of the decoder layers that hold the MoE blocks (attention and
+  norms too), so attention can adapt to the sparser FFNs; embeddings, the final norm and lm_head stay.
+What is not trained has requires_grad off for the run (restored afterwards). Both models run in eval mode. AdamW without weight decay, constant lr.
 
 Deterministic given `seed`. Resumable as replay QAT is: every `checkpoint_every` steps (and at the
 last) the trained tensors, the AdamW state, the step and the history go to
@@ -52,7 +53,7 @@ from crucible.progress import Progress
 
 __all__ = ["TRAIN", "recover", "trainable_parameters"]
 
-TRAIN = ("router", "experts")
+TRAIN = ("router", "experts", "layers")
 
 
 def trainable_parameters(moe: nn.Module, train: str = "router") -> dict[str, nn.Parameter]:
@@ -61,6 +62,12 @@ def trainable_parameters(moe: nn.Module, train: str = "router") -> dict[str, nn.
         raise ValueError(f"recover: train={train!r} must be one of {TRAIN}")
     blocks = moe_layers(moe)
     out = {}
+    if train == "layers":  # the decoder layer holding each block: its parent module
+        for name in blocks:
+            parent = name.rsplit(".", 1)[0]
+            for pname, p in moe.get_submodule(parent).named_parameters():
+                out[f"{parent}.{pname}"] = p
+        return out
     for name, block in blocks.items():
         out[f"{name}.gate.weight"] = block.gate.weight
         gate = getattr(block, "shared_expert_gate", None)

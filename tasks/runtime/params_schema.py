@@ -462,8 +462,9 @@ class MoeParams(_Section):
     recover_steps: int = Field(100, ge=0, description=(
         "distillation steps after the build (0: none): the MoE learns the dense model's next-token "
         "distribution on the recovery sequences, batch_size of them a step"))
-    recover_train: Literal["router", "experts"] = Field("experts", description=(
-        "router: only the routers and the shared-expert gates train (cheapest); experts: the experts too"))
+    recover_train: Literal["router", "experts", "layers"] = Field("experts", description=(
+        "router: only the routers and the shared-expert gates train (cheapest); experts: the experts too; "
+        "layers: every parameter of the MoE's decoder layers, attention and norms too"))
     recover_lr: float = Field(5.0e-4, gt=0, description="AdamW learning rate of the recovery")
     corpora: list[Literal["bbc_news", "rotten_tomatoes", "tweet_sentiment", "debates_party"]] = Field(
         ["bbc_news", "debates_party"], min_length=1, description="packaged corpora whose texts are the LM data")

@@ -36,7 +36,7 @@ def kl(moe, dense, batch):
     return float(torch.nn.functional.kl_div(q, p, log_target=True, reduction="none").sum(-1).mean())
 
 
-@pytest.mark.parametrize("train", ["router", "experts"])
+@pytest.mark.parametrize("train", ["router", "experts", "layers"])
 def test_recovery_lowers_the_kl_and_trains_only_its_parameters(pair, train):
     dense, built = pair
     moe = copy.deepcopy(built)
@@ -55,6 +55,10 @@ def test_recovery_lowers_the_kl_and_trains_only_its_parameters(pair, train):
     assert all(p.requires_grad for p in moe.parameters()) and not moe.training  # flags restored
     if train == "router":
         assert names == {f"model.layers.{i}.mlp.{n}.weight" for i in range(2) for n in ("gate", "shared_expert_gate")}
+    if train == "layers":  # attention and norms of the MoE's decoder layers, not embeddings or the head
+        assert {f"model.layers.{i}.{n}.weight" for i in range(2)
+                for n in ("self_attn.q_proj", "self_attn.o_proj", "input_layernorm", "mlp.gate")} <= names
+        assert not any(n.startswith(("model.embed_tokens", "model.norm", "lm_head")) for n in names)
 
 
 def test_resumed_recovery_ends_where_an_uninterrupted_one_does(pair, tmp_path):
