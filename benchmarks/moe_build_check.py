@@ -37,6 +37,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from crucible.moe.recover import TRAIN  # noqa: E402
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -54,7 +56,7 @@ def main() -> None:
     ap.add_argument("--recover-seqs", type=int, default=None,
                     help="sequences the recovery's batches come from (default: params.yaml's moe.recover_sequences)")
     ap.add_argument("--recover-eval-every", type=int, default=0, help="held-out perplexity every N recovery steps")
-    ap.add_argument("--recover-train", default="experts", choices=["router", "experts", "layers"])
+    ap.add_argument("--recover-train", default=None, choices=TRAIN, help="default: params.yaml's moe.recover_train")
     ap.add_argument("--recover-lr", type=float, default=None, help="default: params.yaml's moe.recover_lr")
     ap.add_argument("--recover-batch", type=int, default=4, help="sequences per recovery step")
     ap.add_argument("--threads", type=int, default=2)
@@ -63,7 +65,7 @@ def main() -> None:
 
     defaults = load_params(ROOT / "params.yaml").moe
     for arg, name in (("ridge", "refit_ridge"), ("recover_steps", "recover_steps"), ("recover_seqs", "recover_sequences"),
-                      ("recover_lr", "recover_lr")):
+                      ("recover_lr", "recover_lr"), ("recover_train", "recover_train")):
         if getattr(args, arg) is None:
             setattr(args, arg, getattr(defaults, name))
     torch.set_num_threads(args.threads)

@@ -11,7 +11,8 @@ Build (once, fixed): exactly the moe_build stage's steps with params.yaml's `moe
 steps of the experts at moe.recover_lr on the stage's recovery sequences): crucible.moe.build.moefy,
 crucible.moe.refit.refit_down, crucible.moe.recover.recover. The 100 recovery steps take 6 to 12
 minutes on 2 cores; `--load-moe DIR` takes the moe_build stage's output instead (after `crucible run
---profile moe`: build/moe/models/moe/build), which keeps the run under 30 minutes. Data as the stages draw it (tasks.data.moe_text): the texts of
+--profile moe`: build/moe/models/moe/build), which keeps the run under 30 minutes (11 on 2 cores).
+Data as the stages draw it (tasks.data.moe_text): the texts of
 moe.corpora deduplicated and split by content hash (moe.eval_share held out); the build sequences are
 the stage's, the held-out sequences the first `--eval-seqs` of the stage's (seed 0). Calibration seed s
 draws moe.calib_sequences (`--calib-seqs`) sequences from the calibration pool in the order of derive_seed(s, "moe",

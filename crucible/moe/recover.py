@@ -15,7 +15,8 @@ and kept. What trains, cheapest first:
 - train="experts": those and every expert's weights (routed `experts.*`, `shared_expert.*`);
 - train="layers": every parameter of the decoder layers that hold the MoE blocks (attention and
   norms too), so attention can adapt to the sparser FFNs; embeddings, the final norm and lm_head stay.
-What is not trained has requires_grad off for the run (restored afterwards). Both models run in eval mode. AdamW without weight decay, constant lr.
+What is not trained has requires_grad off for the run (restored afterwards). Both models run in
+eval mode. AdamW without weight decay, constant lr.
 
 Deterministic given `seed`. Resumable as replay QAT is: every `checkpoint_every` steps (and at the
 last) the trained tensors, the AdamW state, the step and the history go to

@@ -35,18 +35,19 @@ def lm_texts(corpora: list[str], eval_share: float) -> tuple[list[str], list[str
     return calib, held
 
 
-def sequences(tokenizer, p: MoeParams, seed: int, parts: tuple[str, ...] = ("build", "recover", "calib", "eval")
-              ) -> dict[str, torch.Tensor]:
+PARTS = ("build", "recover", "calib", "eval")
+
+
+def sequences(tokenizer, p: MoeParams, seed: int, parts: tuple[str, ...] = PARTS) -> dict[str, torch.Tensor]:
     """The branch's token sequences, only the `parts` asked for: build (moe_build's calibration),
     recover (its recovery's batches), calib (quantization's), each drawn in the order of its own seed
     derived from `seed`, and eval (seed 0 whatever `seed`: the same held-out sequences for every run)."""
     from crucible.moe.lm import token_sequences
     from crucible.seeding import derive_seed
 
-    known = ("build", "recover", "calib", "eval")
-    unknown = [part for part in parts if part not in known]
+    unknown = [part for part in parts if part not in PARTS]
     if unknown:
-        raise ValueError(f"sequences: parts {unknown} must be among {list(known)}")
+        raise ValueError(f"sequences: parts {unknown} must be among {list(PARTS)}")
     calib, held = lm_texts(p.corpora, p.eval_share)
     # only the asked parts' counts are read: a stage declares the params it reads (tasks/runtime/params_access.py)
     return {part: token_sequences(tokenizer, held, p.seq_len, p.eval_sequences, seed=0) if part == "eval" else
