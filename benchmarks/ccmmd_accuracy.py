@@ -33,6 +33,7 @@ def load(path: str) -> np.ndarray:
     if path.endswith(".npy"):
         return np.load(path).astype(np.float32)
     import pandas as pd
+
     df = pd.read_parquet(path)
     col = df.columns[0] if len(df.columns) == 1 else None
     if col is not None and df[col].dtype == object:  # a list-valued embedding column
@@ -50,7 +51,7 @@ def make_pool(eps, args, rng, real=None, contam=None):
         y[:, 1] += np.where(member == 1, 0.0, 0.5)
     else:
         idx = rng.permutation(len(real))
-        x, clean = real[idx[:m]], real[idx[m:m + n]]
+        x, clean = real[idx[:m]], real[idx[m : m + n]]
         if contam is None:
             src = real[rng.integers(0, len(real), size=(n, real.shape[1])), np.arange(real.shape[1])]
         else:
@@ -86,8 +87,10 @@ def make_task_pool(eps, args, rng, task):
     member = (rng.random(n) >= eps).astype(float)
     k_clean, k_cont = int(member.sum()), int(n - member.sum())
     if k_clean > len(clean) or k_cont > len(contam):
-        raise SystemExit(f"--n {n} at eps {eps} needs {k_clean} clean and {k_cont} contaminant items; the task "
-                         f"has {len(clean)} and {len(contam)}: lower --n")
+        raise SystemExit(
+            f"--n {n} at eps {eps} needs {k_clean} clean and {k_cont} contaminant items; the task "
+            f"has {len(clean)} and {len(contam)}: lower --n"
+        )
     y = np.empty((n, x.shape[1]), dtype=np.float32)
     y[member == 1] = clean[rng.permutation(len(clean))[:k_clean]]
     y[member == 0] = contam[rng.permutation(len(contam))[:k_cont]]
@@ -117,12 +120,19 @@ def main() -> None:
         args.m = len(task[0])
     if real is not None:
         args.n = min(args.n, len(real) - args.m)
-    print(f"pool n={args.n} reference m={args.m} pi={args.pi} draws={args.draws} "
-          + ("proxy=cross-fitted domain classifier " if task is not None else
-             f"proxy=sigmoid({args.signal}(2M-1) + N(0,{args.noise}^2)) ") +
-          f"data={args.task_dir or args.embeddings or 'synthetic d=%d' % args.dim}")
-    print(f"{'eps':>4} {'oracle':>8} | {'naive bias':>10} {'rmse':>8} | {'audit bias':>10} {'rmse':>8} | "
-          f"{'ccmmd bias':>10} {'rmse':>8} | {'cover':>5} {'mean se':>8} {'sd':>8} | {'eps_hat':>7}")
+    print(
+        f"pool n={args.n} reference m={args.m} pi={args.pi} draws={args.draws} "
+        + (
+            "proxy=cross-fitted domain classifier "
+            if task is not None
+            else f"proxy=sigmoid({args.signal}(2M-1) + N(0,{args.noise}^2)) "
+        )
+        + f"data={args.task_dir or args.embeddings or 'synthetic d=%d' % args.dim}"
+    )
+    print(
+        f"{'eps':>4} {'oracle':>8} | {'naive bias':>10} {'rmse':>8} | {'audit bias':>10} {'rmse':>8} | "
+        f"{'ccmmd bias':>10} {'rmse':>8} | {'cover':>5} {'mean se':>8} {'sd':>8} | {'eps_hat':>7}"
+    )
     t0 = time.time()
     for eps in [float(e) for e in args.eps.split(",")]:
         rng = np.random.default_rng([args.seed, int(eps * 1000)])
@@ -138,8 +148,7 @@ def main() -> None:
             if not (i * member).any():
                 continue
             r = cc_mmd(x, y, s, i, np.where(i == 1, member, np.nan), pi, truth=member, kernel=kernel)
-            rows.append((r.naive, r.audit_only, r.value, r.se, r.ci_low <= r.oracle <= r.ci_high,
-                         r.eps_hat))
+            rows.append((r.naive, r.audit_only, r.value, r.se, r.ci_low <= r.oracle <= r.ci_high, r.eps_hat))
         a = np.array(rows, dtype=float)
         o = r.oracle
 
@@ -148,15 +157,21 @@ def main() -> None:
             return np.nanmean(e), np.sqrt(np.nanmean(e**2))
 
         (nb, nr), (ab, ar), (cb, cr) = br(0), br(1), br(2)
-        print(f"{eps:>4.1f} {o:>8.5f} | {nb:>10.5f} {nr:>8.5f} | {ab:>10.5f} {ar:>8.5f} | "
-              f"{cb:>10.5f} {cr:>8.5f} | {a[:, 4].mean():>5.3f} {a[:, 3].mean():>8.5f} "
-              f"{a[:, 2].std():>8.5f} | {a[:, 5].mean():>7.3f}", flush=True)
-    print(f"({time.time() - t0:.0f} s; bias and rmse against the oracle MMD^2 of each fixed pool; "
-          "cover = share of draws whose 95 % interval contains the oracle; sd = sd of CC-MMD over draws)")
+        print(
+            f"{eps:>4.1f} {o:>8.5f} | {nb:>10.5f} {nr:>8.5f} | {ab:>10.5f} {ar:>8.5f} | "
+            f"{cb:>10.5f} {cr:>8.5f} | {a[:, 4].mean():>5.3f} {a[:, 3].mean():>8.5f} "
+            f"{a[:, 2].std():>8.5f} | {a[:, 5].mean():>7.3f}",
+            flush=True,
+        )
+    print(
+        f"({time.time() - t0:.0f} s; bias and rmse against the oracle MMD^2 of each fixed pool; "
+        "cover = share of draws whose 95 % interval contains the oracle; sd = sd of CC-MMD over draws)"
+    )
 
 
 def _t(a):
     import torch
+
     return torch.as_tensor(a)
 
 

@@ -23,8 +23,7 @@ import time
 import numpy as np
 import torch
 
-from crucible.ccmmd import (contaminated_regression, fit_min_ccmmd, linear_gaussian_sampler,
-                            median_bandwidth)
+from crucible.ccmmd import contaminated_regression, fit_min_ccmmd, linear_gaussian_sampler, median_bandwidth
 from crucible.design import corrected_membership
 
 
@@ -47,12 +46,27 @@ def run(eps, rep, args):
     err = {"ols": np.linalg.norm(start[:3] - beta)}
     trusted = (i * member) == 1
     err["trust-ols"] = np.linalg.norm(ols(x[trusted], y[trusted])[:3] - beta)
-    for name, w in (("naive", torch.ones(n, dtype=torch.float64)),
-                    ("trusted", torch.as_tensor(i * member / pi)), ("ccmmd", m)):
-        params = {"beta": torch.tensor(start[:3]), "intercept": torch.tensor(start[3]),
-                  "log_sigma": torch.tensor(0.0, dtype=torch.float64)}
-        fit = fit_min_ccmmd(linear_gaussian_sampler(x), params, z, w, (0.5 * h, h, 2 * h),
-                            noise_shape=(n,), steps=args.steps, lr=args.lr, seed=rep)
+    for name, w in (
+        ("naive", torch.ones(n, dtype=torch.float64)),
+        ("trusted", torch.as_tensor(i * member / pi)),
+        ("ccmmd", m),
+    ):
+        params = {
+            "beta": torch.tensor(start[:3]),
+            "intercept": torch.tensor(start[3]),
+            "log_sigma": torch.tensor(0.0, dtype=torch.float64),
+        }
+        fit = fit_min_ccmmd(
+            linear_gaussian_sampler(x),
+            params,
+            z,
+            w,
+            (0.5 * h, h, 2 * h),
+            noise_shape=(n,),
+            steps=args.steps,
+            lr=args.lr,
+            seed=rep,
+        )
         err[name] = np.linalg.norm(fit.params["beta"].numpy() - beta)
     return err
 
@@ -67,14 +81,12 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=0.03)
     args = ap.parse_args()
     names = ("ols", "naive", "trusted", "ccmmd", "trust-ols")
-    print(f"n={args.n} pi={args.pi} reps={args.reps} steps={args.steps}; "
-          "|beta_hat - beta|_2, mean (sd) over reps")
+    print(f"n={args.n} pi={args.pi} reps={args.reps} steps={args.steps}; |beta_hat - beta|_2, mean (sd) over reps")
     print(f"{'eps':>4} " + " ".join(f"{k:>15}" for k in names))
     t0 = time.time()
     for eps in [float(e) for e in args.eps.split(",")]:
         errs = [run(eps, r, args) for r in range(args.reps)]
-        cells = [f"{np.mean([e[k] for e in errs]):>7.3f} ({np.std([e[k] for e in errs]):.3f})"
-                 for k in names]
+        cells = [f"{np.mean([e[k] for e in errs]):>7.3f} ({np.std([e[k] for e in errs]):.3f})" for k in names]
         print(f"{eps:>4.1f} " + " ".join(f"{c:>15}" for c in cells), flush=True)
     print(f"({time.time() - t0:.0f} s)")
 

@@ -43,7 +43,7 @@ def run_case(case: str, n: int, d: int, device: str, block: int | None) -> dict:
     h = 1.0
     b = block or DEFAULT_BLOCK
     # Warm up: thread pools, MKL dispatch, Triton compilation.
-    kernel_matvec(x[:2 * b], y[:2 * b], w[:2 * b], h, block_size=block)
+    kernel_matvec(x[: 2 * b], y[: 2 * b], w[: 2 * b], h, block_size=block)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     sync(device)
@@ -69,15 +69,17 @@ def run_case(case: str, n: int, d: int, device: str, block: int | None) -> dict:
         out = o
         entries = reps * b * b
     elif case == "full":
-        out = torch.exp(-torch.cdist(x, y) ** 2 / (2 * h * h)) @ w
+        out = torch.exp(-(torch.cdist(x, y) ** 2) / (2 * h * h)) @ w
         entries = n * n
     sync(device)
     dt = time.perf_counter() - t0
     assert torch.isfinite(out).all()
-    peak = (torch.cuda.max_memory_allocated() if device == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    return {"case": case, "n": n, "seconds": dt, "gflops": 2 * d * entries / dt / 1e9,
-            "peak_gb": peak / 1e9}
+    peak = (
+        torch.cuda.max_memory_allocated()
+        if device == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )
+    return {"case": case, "n": n, "seconds": dt, "gflops": 2 * d * entries / dt / 1e9, "peak_gb": peak / 1e9}
 
 
 def main() -> None:
@@ -105,8 +107,16 @@ def main() -> None:
                 why = f"needs ~{need_gb:.0f} GB > {args.mem_gb:.0f} GB" if need_gb > args.mem_gb else "skipped by flag"
                 print(f"{n:>7} {'full':>7} {'infeasible: ' + why:>40}")
                 continue
-            cmd = [sys.executable, __file__, "--case", f"{case}:{n}", "--device", args.device,
-                   "--dim", str(args.dim)] + (["--block", str(args.block)] if args.block else [])
+            cmd = [
+                sys.executable,
+                __file__,
+                "--case",
+                f"{case}:{n}",
+                "--device",
+                args.device,
+                "--dim",
+                str(args.dim),
+            ] + (["--block", str(args.block)] if args.block else [])
             p = subprocess.run(cmd, capture_output=True, text=True)
             if p.returncode != 0:
                 print(f"{n:>7} {case:>7} failed: {p.stderr.strip().splitlines()[-1:]}")
@@ -118,10 +128,15 @@ def main() -> None:
                 for c in ("cross", "within"):
                     if c in res:
                         vs_full += f"{c}:{r['seconds'] / res[c]['seconds']:.1f}x "
-            print(f"{n:>7} {case:>7} {r['seconds']:>9.3f} {r['gflops']:>9.1f} {r['peak_gb']:>8.2f} "
-                  f"{vs_mm:>6} {vs_full:>8}", flush=True)
-    print("vs mm: kernel-sum GFLOP/s / torch.mm GFLOP/s on the same block shapes (2 d flops per "
-          "entry evaluated).\nvs full: full-matrix seconds / blockwise seconds (>1 = blockwise faster).")
+            print(
+                f"{n:>7} {case:>7} {r['seconds']:>9.3f} {r['gflops']:>9.1f} {r['peak_gb']:>8.2f} "
+                f"{vs_mm:>6} {vs_full:>8}",
+                flush=True,
+            )
+    print(
+        "vs mm: kernel-sum GFLOP/s / torch.mm GFLOP/s on the same block shapes (2 d flops per "
+        "entry evaluated).\nvs full: full-matrix seconds / blockwise seconds (>1 = blockwise faster)."
+    )
 
 
 if __name__ == "__main__":

@@ -39,7 +39,11 @@ RUNNERS = {"sequential": ("threads", 1), "threads": ("threads", 2), "dask": ("da
 
 def sh(root: Path, *cmd: str) -> float:
     # dvc.yaml's commands call `crucible`: the project virtualenv first on PATH
-    env = {**os.environ, "PREFECT_HOME": str(root / ".prefect"), "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(root / ".prefect"),
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
     start = time.perf_counter()
     proc = subprocess.run(list(cmd), cwd=root, capture_output=True, text=True, env=env)
     seconds = time.perf_counter() - start

@@ -78,8 +78,11 @@ class PeakRSS:
 
 def to_examples(tokenizer, texts, labels, classes, weights, max_length) -> Examples:
     index = {c: i for i, c in enumerate(classes)}
-    return Examples(tokenize(tokenizer, list(texts), max_length), np.array([index[x] for x in labels], dtype=np.int64),
-                    np.asarray(weights, dtype=np.float32).copy())
+    return Examples(
+        tokenize(tokenizer, list(texts), max_length),
+        np.array([index[x] for x in labels], dtype=np.int64),
+        np.asarray(weights, dtype=np.float32).copy(),
+    )
 
 
 def load_task(task: str, args, tokenizer):
@@ -87,15 +90,19 @@ def load_task(task: str, args, tokenizer):
     labeled = read_labeled(base / "labeled.parquet")
     test = pd.read_parquet(base / "test.parquet").head(args.n_test)
     classes = sorted(labeled.loc[labeled["source"] == "reference", "label"].unique())
-    data = {"labeled": labeled, "classes": classes,
-            "test": to_examples(tokenizer, test["text"], test["label"], classes, np.ones(len(test)), args.max_length)}
+    data = {
+        "labeled": labeled,
+        "classes": classes,
+        "test": to_examples(tokenizer, test["text"], test["label"], classes, np.ones(len(test)), args.max_length),
+    }
     if task in SHIFT:
         other, mapping = SHIFT[task]
         shifted = pd.read_parquet(ROOT / "data" / other / "test.parquet")
         inverse = {v: k for k, v in mapping.items()}
         shifted = shifted[shifted["label"].isin(inverse)].head(args.n_test)
-        data["shift"] = to_examples(tokenizer, shifted["text"], shifted["label"].map(inverse), classes,
-                                    np.ones(len(shifted)), args.max_length)
+        data["shift"] = to_examples(
+            tokenizer, shifted["text"], shifted["label"].map(inverse), classes, np.ones(len(shifted)), args.max_length
+        )
     return data
 
 
@@ -130,9 +137,15 @@ def mixout_for(method: str, cfg: FinetuneParams, seed: int) -> GMixoutConfig | N
         return None
     if method == "mixout":
         return GMixoutConfig.mixout(p=cfg.mixout.p, modules=cfg.modules, seed=seed)
-    return GMixoutConfig(p=cfg.gmixout.p, anchor=cfg.gmixout.anchor, ema_beta=cfg.gmixout.ema_beta,
-                         period=cfg.gmixout.period, sparse=cfg.gmixout.sparse,
-                         modules=cfg.modules, seed=seed)
+    return GMixoutConfig(
+        p=cfg.gmixout.p,
+        anchor=cfg.gmixout.anchor,
+        ema_beta=cfg.gmixout.ema_beta,
+        period=cfg.gmixout.period,
+        sparse=cfg.gmixout.sparse,
+        modules=cfg.modules,
+        seed=seed,
+    )
 
 
 def run_one(task, data, method, variant, seed, args, encoder_path, tokenizer, base_state):
@@ -143,25 +156,49 @@ def run_one(task, data, method, variant, seed, args, encoder_path, tokenizer, ba
     rows = training_rows(labeled, dev_mask, variant)
     train_set = to_examples(tokenizer, rows["text"], rows["label"], data["classes"], rows["weight"], args.max_length)
     dev_df = labeled[dev_mask]
-    dev_set = to_examples(tokenizer, dev_df["text"], dev_df["label"], data["classes"], np.ones(len(dev_df)),
-                          args.max_length)
+    dev_set = to_examples(
+        tokenizer, dev_df["text"], dev_df["label"], data["classes"], np.ones(len(dev_df)), args.max_length
+    )
     encoder, _ = load_encoder(encoder_path)
     torch.manual_seed(s)
     model = EncoderClassifier(encoder, len(data["classes"]))
     mix = mixout_for(method, cfg, s)
     gm = GMixout.wrap(model.encoder, mix) if mix else None
-    tcfg = TrainConfig(lr=cfg.lr, head_lr=cfg.head_lr, max_steps=args.steps, batch_size=args.batch_size,
-                       warmup=cfg.warmup, weight_decay=cfg.weight_decay, clip=cfg.clip, eval_every=args.steps,
-                       seed=s, progress=False, pad_id=tokenizer.pad_token_id or 0)
+    tcfg = TrainConfig(
+        lr=cfg.lr,
+        head_lr=cfg.head_lr,
+        max_steps=args.steps,
+        batch_size=args.batch_size,
+        warmup=cfg.warmup,
+        weight_decay=cfg.weight_decay,
+        clip=cfg.clip,
+        eval_every=args.steps,
+        seed=s,
+        progress=False,
+        pad_id=tokenizer.pad_token_id or 0,
+    )
     stamps = {}
     with PeakRSS() as mem:
-        train(model, train_set, dev_set, tcfg, mixout=gm,
-              log=lambda m, step: stamps.setdefault(step, time.perf_counter()) if "train_loss" in m else None)
+        train(
+            model,
+            train_set,
+            dev_set,
+            tcfg,
+            mixout=gm,
+            log=lambda m, step: stamps.setdefault(step, time.perf_counter()) if "train_loss" in m else None,
+        )
     steps_per_s = (args.steps - 1) / (stamps[args.steps] - stamps[1])
     if gm:
         gm.unwrap()
-    out = {"task": task, "method": method, "variant": variant, "seed": seed, "steps_per_s": steps_per_s,
-           "peak_mb": mem.delta_mb, "id": evaluate(model, data["test"])["accuracy"]}
+    out = {
+        "task": task,
+        "method": method,
+        "variant": variant,
+        "seed": seed,
+        "steps_per_s": steps_per_s,
+        "peak_mb": mem.delta_mb,
+        "id": evaluate(model, data["test"])["accuracy"],
+    }
     if "shift" in data:
         out["shift"] = evaluate(model, data["shift"])["accuracy"]
     results = [out]
@@ -188,8 +225,9 @@ def speed(task, data, args, encoder_path, tokenizer) -> None:
     rows = training_rows(labeled, dev_mask, "weighted")
     train_set = to_examples(tokenizer, rows["text"], rows["label"], data["classes"], rows["weight"], args.max_length)
     dev_df = labeled[dev_mask].head(40)
-    dev_set = to_examples(tokenizer, dev_df["text"], dev_df["label"], data["classes"], np.ones(len(dev_df)),
-                          args.max_length)
+    dev_set = to_examples(
+        tokenizer, dev_df["text"], dev_df["label"], data["classes"], np.ones(len(dev_df)), args.max_length
+    )
     methods = [m for m in args.methods.split(",") if m]
     runs = {}
     for method in methods:
@@ -198,19 +236,31 @@ def speed(task, data, args, encoder_path, tokenizer) -> None:
         model = EncoderClassifier(encoder, len(data["classes"]))
         mix = mixout_for(method, cfg, s)
         runs[method] = (model, GMixout.wrap(model.encoder, mix) if mix else None)
-    tcfg = TrainConfig(lr=cfg.lr, head_lr=cfg.head_lr, max_steps=args.speed_block, batch_size=args.batch_size,
-                       warmup=cfg.warmup, weight_decay=cfg.weight_decay, clip=cfg.clip, eval_every=args.speed_block,
-                       seed=s, progress=False, pad_id=tokenizer.pad_token_id or 0)
+    tcfg = TrainConfig(
+        lr=cfg.lr,
+        head_lr=cfg.head_lr,
+        max_steps=args.speed_block,
+        batch_size=args.batch_size,
+        warmup=cfg.warmup,
+        weight_decay=cfg.weight_decay,
+        clip=cfg.clip,
+        eval_every=args.speed_block,
+        seed=s,
+        progress=False,
+        pad_id=tokenizer.pad_token_id or 0,
+    )
     seconds = {m: [] for m in methods}
     for r in range(args.speed_rounds):
-        for method in (methods if r % 2 == 0 else methods[::-1]):
+        for method in methods if r % 2 == 0 else methods[::-1]:
             model, gm = runs[method]
             start = time.perf_counter()
             train(model, train_set, dev_set, tcfg, mixout=gm)
             seconds[method].append(time.perf_counter() - start)
     base = sum(seconds["plain"]) if "plain" in seconds else None
-    print(f"\n## speed ({task}, {args.speed_rounds} rounds x {args.speed_block} steps per method, taking turns, "
-          f"threads={args.threads})")
+    print(
+        f"\n## speed ({task}, {args.speed_rounds} rounds x {args.speed_block} steps per method, taking turns, "
+        f"threads={args.threads})"
+    )
     print(f"{'method':10s} {'steps/s':>8s} {'x plain':>8s} {'slowdown':>9s}")
     for method in methods:
         total = sum(seconds[method])
@@ -239,10 +289,19 @@ def main(argv=None) -> None:
     ap.add_argument("--curation-task", default="rotten", help="task of the curation ablation ('' = skip)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--methods", default="plain,mixout,gmixout", help="methods compared (WiSE-FT comes with plain)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a finetune param for this run (e.g. --set p=0.5 --set ema_beta=0.9)")
-    ap.add_argument("--speed-rounds", type=int, default=0,
-                    help="only the speed comparison: methods take turns for this many rounds (on the first task)")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a finetune param for this run (e.g. --set p=0.5 --set ema_beta=0.9)",
+    )
+    ap.add_argument(
+        "--speed-rounds",
+        type=int,
+        default=0,
+        help="only the speed comparison: methods take turns for this many rounds (on the first task)",
+    )
     ap.add_argument("--speed-block", type=int, default=10, help="optimizer steps per turn in the speed comparison")
     args = ap.parse_args(argv)
     args.cfg = finetune_params(args.set)
@@ -254,11 +313,14 @@ def main(argv=None) -> None:
     encoder, tokenizer = load_encoder(encoder_path)
     base_state = {k: v.clone() for k, v in encoder.state_dict().items()}
     cfg = args.cfg
-    print(f"# finetune_methods: tasks={tasks} seeds={seeds} steps={args.steps} batch={args.batch_size} "
-          f"max_length={args.max_length} n_test={args.n_test} threads={args.threads}; "
-          f"GMixout p={cfg.gmixout.p} anchor={cfg.gmixout.anchor} beta={cfg.gmixout.ema_beta} "
-          f"period={cfg.gmixout.period} sparse={cfg.gmixout.sparse}; "
-          f"Mixout p={cfg.p}; lr={cfg.lr} head_lr={cfg.head_lr}", flush=True)
+    print(
+        f"# finetune_methods: tasks={tasks} seeds={seeds} steps={args.steps} batch={args.batch_size} "
+        f"max_length={args.max_length} n_test={args.n_test} threads={args.threads}; "
+        f"GMixout p={cfg.gmixout.p} anchor={cfg.gmixout.anchor} beta={cfg.gmixout.ema_beta} "
+        f"period={cfg.gmixout.period} sparse={cfg.gmixout.sparse}; "
+        f"Mixout p={cfg.p}; lr={cfg.lr} head_lr={cfg.head_lr}",
+        flush=True,
+    )
 
     if args.speed_rounds:
         speed(tasks[0], load_task(tasks[0], args, tokenizer), args, encoder_path, tokenizer)
@@ -275,8 +337,12 @@ def main(argv=None) -> None:
         for task, method, variant in jobs:
             rows += run_one(task, data[task], method, variant, seed, args, encoder_path, tokenizer, base_state)
             r = rows[-1] if not rows[-1]["method"].startswith("wise") else rows[-1 - len(args.alphas)]
-            print(f"  seed {seed} {task:8s} {method:8s} {variant:10s} id={r['id']:.3f} shift={r.get('shift', float('nan')):.3f} "
-                  f"steps/s={r['steps_per_s']:.2f} [{time.perf_counter() - start:.0f}s]", file=sys.stderr, flush=True)
+            print(
+                f"  seed {seed} {task:8s} {method:8s} {variant:10s} id={r['id']:.3f} shift={r.get('shift', float('nan')):.3f} "
+                f"steps/s={r['steps_per_s']:.2f} [{time.perf_counter() - start:.0f}s]",
+                file=sys.stderr,
+                flush=True,
+            )
     df = pd.DataFrame(rows)
     plain = df[df["method"] == "plain"].set_index(["task", "variant", "seed"])["steps_per_s"]
     df["speed_vs_plain"] = [r.steps_per_s / plain.get((r.task, "weighted", r.seed), np.nan) for r in df.itertuples()]
@@ -284,17 +350,24 @@ def main(argv=None) -> None:
         df["shift"] = np.nan
 
     print("\n## methods (reference + weighted pseudo-labels), mean±sd over seeds")
-    print(f"{'task':8s} {'method':16s} {'id acc':>12s} {'shift acc':>12s} {'steps/s':>12s} {'x plain':>8s} {'peak MB':>8s}")
+    print(
+        f"{'task':8s} {'method':16s} {'id acc':>12s} {'shift acc':>12s} {'steps/s':>12s} {'x plain':>8s} {'peak MB':>8s}"
+    )
     for (task, method), g in df[df["variant"] == "weighted"].groupby(["task", "method"], sort=False):
         wise = method.startswith("wise")
-        print(f"{task:8s} {method:16s} {fmt(g['id']):>12s} {fmt(g['shift']):>12s} "
-              f"{'(= plain)' if wise else fmt(g['steps_per_s']):>12s} "
-              f"{'' if wise else format(g['speed_vs_plain'].mean(), '.2f'):>8s} {'' if wise else format(g['peak_mb'].mean(), '.0f'):>8s}")
+        print(
+            f"{task:8s} {method:16s} {fmt(g['id']):>12s} {fmt(g['shift']):>12s} "
+            f"{'(= plain)' if wise else fmt(g['steps_per_s']):>12s} "
+            f"{'' if wise else format(g['speed_vs_plain'].mean(), '.2f'):>8s} {'' if wise else format(g['peak_mb'].mean(), '.0f'):>8s}"
+        )
     if args.curation_task:
         print(f"\n## curation ({args.curation_task}, GMixout), mean±sd over seeds")
         print(f"{'training rows':34s} {'id acc':>12s} {'shift acc':>12s}")
-        names = {"reference": "reference only", "unweighted": "reference + pseudo, weight 1",
-                 "weighted": "reference + pseudo, weighted"}
+        names = {
+            "reference": "reference only",
+            "unweighted": "reference + pseudo, weight 1",
+            "weighted": "reference + pseudo, weighted",
+        }
         sub = df[(df["task"] == args.curation_task) & (df["method"] == "gmixout")]
         for variant in ("reference", "unweighted", "weighted"):
             g = sub[sub["variant"] == variant]

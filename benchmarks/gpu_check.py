@@ -77,18 +77,29 @@ def pipeline_row(device) -> None:
         except ImportError:
             missing.append(name)
     if missing or SMOKE:
-        row("pipeline: tiny profile, CPU fp32 vs CUDA bf16", "not run: " + (
-            f"this Python lacks {', '.join(missing)} (run `make install` here)" if missing else "--smoke"),
-            "every metric within 0.05 of the CPU run's", None)
+        row(
+            "pipeline: tiny profile, CPU fp32 vs CUDA bf16",
+            "not run: "
+            + (f"this Python lacks {', '.join(missing)} (run `make install` here)" if missing else "--smoke"),
+            "every metric within 0.05 of the CPU run's",
+            None,
+        )
         return
     metrics, seconds = {}, {}
     crucible = [sys.executable, "-m", "flows.cli"]
-    for name, env in (("cpu", {"CRUCIBLE_DEVICE": "cpu", "CRUCIBLE_PRECISION": "fp32"}),
-                      ("cuda", {"CRUCIBLE_DEVICE": str(device), "CRUCIBLE_PRECISION": "bf16"})):
+    for name, env in (
+        ("cpu", {"CRUCIBLE_DEVICE": "cpu", "CRUCIBLE_PRECISION": "fp32"}),
+        ("cuda", {"CRUCIBLE_DEVICE": str(device), "CRUCIBLE_PRECISION": "bf16"}),
+    ):
         ws = Path(tempfile.mkdtemp(prefix=f"gpucheck-{name}-"))
         t = time.perf_counter()
-        proc = subprocess.run([*crucible, "run", "--profile", "tiny", "--workspace", str(ws)], cwd=ROOT,
-                              env={**os.environ, **env}, capture_output=True, text=True)
+        proc = subprocess.run(
+            [*crucible, "run", "--profile", "tiny", "--workspace", str(ws)],
+            cwd=ROOT,
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+        )
         seconds[name] = time.perf_counter() - t
         if proc.returncode != 0:
             row(f"pipeline: tiny profile on {name}", f"failed: {proc.stderr.strip().splitlines()[-1:]}", "runs", False)
@@ -99,10 +110,13 @@ def pipeline_row(device) -> None:
         diff = abs(metrics["cuda"].get(key, float("nan")) - cpu)
         if not diff <= worst:
             worst, where = diff, key
-    row("pipeline: tiny profile, CPU fp32 vs CUDA bf16",
+    row(
+        "pipeline: tiny profile, CPU fp32 vs CUDA bf16",
         f"{len(metrics['cpu'])} metrics, largest difference {worst:.4f} ({where}); "
         f"{seconds['cpu']:.0f} s on the CPU, {seconds['cuda']:.0f} s on CUDA",
-        "every accuracy within 0.05", worst <= 0.05)
+        "every accuracy within 0.05",
+        worst <= 0.05,
+    )
 
 
 def _profile_metrics(ws: Path) -> dict[str, float]:
@@ -116,8 +130,12 @@ def _profile_metrics(ws: Path) -> dict[str, float]:
         elif isinstance(value, (int, float)) and not isinstance(value, bool) and "accuracy" in prefix:
             out[prefix] = float(value)
 
-    for path in [*ws.glob("metrics/*/finetune.json"), ws / "metrics/merge.json", ws / "metrics/quantize.json",
-                 ws / "metrics/evaluate.json"]:
+    for path in [
+        *ws.glob("metrics/*/finetune.json"),
+        ws / "metrics/merge.json",
+        ws / "metrics/quantize.json",
+        ws / "metrics/evaluate.json",
+    ]:
         if path.is_file():
             walk(str(path.relative_to(ws)), json.loads(path.read_text()))
     return out
@@ -139,21 +157,36 @@ def library_rows(device) -> None:
     from crucible.train import EncoderClassifier, Examples, TrainConfig, predict, train
 
     width, layers, n, steps = (64, 2, 96, 20) if SMOKE else (384, 6, 512, 60)
-    config = BertConfig(vocab_size=512, hidden_size=width, num_hidden_layers=layers, num_attention_heads=width // 32,
-                        intermediate_size=4 * width, max_position_embeddings=128)
+    config = BertConfig(
+        vocab_size=512,
+        hidden_size=width,
+        num_hidden_layers=layers,
+        num_attention_heads=width // 32,
+        intermediate_size=4 * width,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)
     encoder = BertModel(config).eval()
     g = torch.Generator().manual_seed(1)
     labels = torch.randint(0, 3, (n,), generator=g)
     # learnable: a label's own token range appears in its texts
-    ids = [[2, *(torch.randint(10 + 100 * int(y), 110 + 100 * int(y), (6,), generator=g).tolist()),
-            *torch.randint(400, 512, (int(torch.randint(2, 20, (1,), generator=g)),), generator=g).tolist(), 3]
-           for y in labels]
+    ids = [
+        [
+            2,
+            *(torch.randint(10 + 100 * int(y), 110 + 100 * int(y), (6,), generator=g).tolist()),
+            *torch.randint(400, 512, (int(torch.randint(2, 20, (1,), generator=g)),), generator=g).tolist(),
+            3,
+        ]
+        for y in labels
+    ]
     split = n * 3 // 4
     train_set = Examples(ids[:split], labels[:split], torch.ones(split))
     dev_set = Examples(ids[split:], labels[split:], torch.ones(n - split))
     results = {}
-    for name, dev, amp in (("cpu", torch.device("cpu"), "fp32"), ("cuda", device, "bf16" if device.type == "cuda" else "fp32")):
+    for name, dev, amp in (
+        ("cpu", torch.device("cpu"), "fp32"),
+        ("cuda", device, "bf16" if device.type == "cuda" else "fp32"),
+    ):
         model = EncoderClassifier(copy.deepcopy(encoder), 3, seed=0).to(dev)
         cfg = TrainConfig(max_steps=steps, batch_size=32, eval_every=steps, lr=1e-4, progress=False, autocast=amp)
         t = time.perf_counter()
@@ -161,8 +194,10 @@ def library_rows(device) -> None:
         seconds = time.perf_counter() - t
         amp_dtype = cfg.autocast_dtype
         logits = predict(model, dev_set.input_ids, autocast_dtype=amp_dtype)
-        batch = [torch.tensor([x + [0] * (32 - len(x)) for x in ids[:64]]),
-                 torch.tensor([[1] * len(x) + [0] * (32 - len(x)) for x in ids[:64]])]
+        batch = [
+            torch.tensor([x + [0] * (32 - len(x)) for x in ids[:64]]),
+            torch.tensor([[1] * len(x) + [0] * (32 - len(x)) for x in ids[:64]]),
+        ]
         model.eval()
         if name == "cpu":  # the same (CPU-trained) encoder's features on each device: what embed computes
             with torch.no_grad():
@@ -178,19 +213,35 @@ def library_rows(device) -> None:
         with torch.inference_mode():
             qlogits = predict(qenc, dev_set.input_ids, autocast_dtype=amp_dtype)
         packed = next(m.packed for m in qenc.modules() if hasattr(m, "packed")).cpu()
-        results[name] = {"acc": res.best_dev_accuracy, "seconds": seconds, "logits": logits,
-                         "qacc": float((qlogits.argmax(1) == dev_set.labels).float().mean()), "packed": packed}
+        results[name] = {
+            "acc": res.best_dev_accuracy,
+            "seconds": seconds,
+            "logits": logits,
+            "qacc": float((qlogits.argmax(1) == dev_set.labels).float().mean()),
+            "packed": packed,
+        }
     cpu, gpu = results["cpu"], results["cuda"]
-    row("library: fine-tune (crucible.train) dev accuracy, CPU fp32 vs CUDA bf16",
+    row(
+        "library: fine-tune (crucible.train) dev accuracy, CPU fp32 vs CUDA bf16",
         f"{cpu['acc']:.3f} vs {gpu['acc']:.3f}; {steps} steps in {cpu['seconds']:.1f} s vs {gpu['seconds']:.1f} s",
-        "within 0.05", abs(cpu["acc"] - gpu["acc"]) <= 0.05)
+        "within 0.05",
+        abs(cpu["acc"] - gpu["acc"]) <= 0.05,
+    )
     agree = float((cpu["logits"].argmax(1) == gpu["logits"].argmax(1)).float().mean())
     row("library: predictions of the two fine-tunes agree", f"{agree:.3f} of dev rows", ">= 0.9", agree >= 0.9)
     cos = float(torch.nn.functional.cosine_similarity(feats_cpu, feats_gpu, dim=1).min())
-    row("library: pooled features (embed), one encoder, CPU fp32 vs CUDA bf16 (min cosine)", f"{cos:.4f}", ">= 0.99",
-        cos >= 0.99)
-    row("library: MXFP4 encoder accuracy, CPU cache vs CUDA fused kernel",
-        f"{cpu['qacc']:.3f} vs {gpu['qacc']:.3f}", "within 0.05", abs(cpu["qacc"] - gpu["qacc"]) <= 0.05)
+    row(
+        "library: pooled features (embed), one encoder, CPU fp32 vs CUDA bf16 (min cosine)",
+        f"{cos:.4f}",
+        ">= 0.99",
+        cos >= 0.99,
+    )
+    row(
+        "library: MXFP4 encoder accuracy, CPU cache vs CUDA fused kernel",
+        f"{cpu['qacc']:.3f} vs {gpu['qacc']:.3f}",
+        "within 0.05",
+        abs(cpu["qacc"] - gpu["qacc"]) <= 0.05,
+    )
     m, nn_, d = (60, 200, 32) if SMOKE else (400, 2000, 384)
     x, y = torch.randn(m, d, generator=g), torch.randn(nn_, d, generator=g) + 0.1
     scores = torch.rand(nn_, generator=g)
@@ -205,9 +256,12 @@ def library_rows(device) -> None:
         r = cc_mmd(x.to(dev), y.to(dev), scores, audited, member, pi, seed=0)
         vals[name] = (r.value, time.perf_counter() - t)
     rel = abs(vals["cpu"][0] - vals["cuda"][0]) / max(abs(vals["cpu"][0]), 1e-12)
-    row("library: CC-MMD estimate (curate), CPU torch sums vs CUDA Triton kernel",
+    row(
+        "library: CC-MMD estimate (curate), CPU torch sums vs CUDA Triton kernel",
         f"{vals['cpu'][0]:.6g} vs {vals['cuda'][0]:.6g} (rel {rel:.1e}); {vals['cpu'][1]:.2f} s vs {vals['cuda'][1]:.2f} s",
-        "rel <= 1e-4", rel <= 1e-4)
+        "rel <= 1e-4",
+        rel <= 1e-4,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -219,8 +273,11 @@ def kernel_rows(device) -> None:
     from crucible.quant import mxfp4
     from crucible.quant import triton_kernels as tk
 
-    shapes = [(64, 64), (128, 64)] if SMOKE else [(384, 384), (1536, 384), (384, 1536), (576, 576), (1536, 576),
-                                                  (4096, 4096)]
+    shapes = (
+        [(64, 64), (128, 64)]
+        if SMOKE
+        else [(384, 384), (1536, 384), (384, 1536), (576, 576), (1536, 576), (4096, 4096)]
+    )
     g = torch.Generator().manual_seed(0)
     worst_q, worst_lin, equal = 0, 0.0, True
     for n, k in shapes:
@@ -235,10 +292,18 @@ def kernel_rows(device) -> None:
         want = x.double() @ (deq.double() + a.double() @ b.double()).T
         got = tk.mx_linear(x, packed, scales, k, None, a, b)
         worst_lin = max(worst_lin, float((got.double() - want).norm() / want.norm()))
-    row("kernels: MXFP4 quantize and dequantize vs the torch path, real shapes", "bytes equal" if equal else "bytes differ",
-        "bit-equal", equal)
-    row("kernels: fused dequant-matmul + rank-16 adapter (fp32 x) vs float64", f"rel error {worst_lin:.1e}",
-        "<= 1e-5", worst_lin <= 1e-5)
+    row(
+        "kernels: MXFP4 quantize and dequantize vs the torch path, real shapes",
+        "bytes equal" if equal else "bytes differ",
+        "bit-equal",
+        equal,
+    )
+    row(
+        "kernels: fused dequant-matmul + rank-16 adapter (fp32 x) vs float64",
+        f"rel error {worst_lin:.1e}",
+        "<= 1e-5",
+        worst_lin <= 1e-5,
+    )
     nx, d = (128, 32) if SMOKE else (2000, 384)
     xs, ys = torch.randn(nx, d, generator=g).to(device), torch.randn(nx + 100, d, generator=g).to(device)
     w = torch.rand(nx + 100, 4, generator=g, dtype=torch.float64).to(device)
@@ -252,7 +317,7 @@ def kernel_rows(device) -> None:
     w = torch.randn(n, k, generator=g).to(device) * 0.05
     packed, scales = tk.quantize(w, "floor")
     wb = tk.dequantize(packed, scales, k, torch.bfloat16)
-    for m in ((1, 16) if SMOKE else (1, 8, 16, 4096)):
+    for m in (1, 16) if SMOKE else (1, 8, 16, 4096):
         x = torch.randn(m, k, generator=g).to(device).to(torch.bfloat16)
         t_cublas = bench(lambda: x @ wb.T, device)
         t_fused = bench(lambda: tk.mx_linear(x, packed, scales, k), device)
@@ -262,17 +327,24 @@ def kernel_rows(device) -> None:
                 for bk in (128, 256):
                     for st in (3, 4):
                         try:
-                            t = bench(lambda: tk.mx_linear(x, packed, scales, k, block_m=16, block_n=bn, block_k=bk,
-                                                           num_stages=st, num_warps=4), device)
+                            t = bench(
+                                lambda: tk.mx_linear(
+                                    x, packed, scales, k, block_m=16, block_n=bn, block_k=bk, num_stages=st, num_warps=4
+                                ),
+                                device,
+                            )
                         except Exception:  # noqa: BLE001 - a config that does not fit this GPU
                             continue
                         if t < best:
                             best, conf = t, f"block_n={bn} block_k={bk} stages={st}"
         ratio = t_cublas / best
         bar = 2.0 if m <= 16 else 0.7
-        row(f"speed: fused MXFP4 vs bf16 cuBLAS, M={m} K=N={k}",
+        row(
+            f"speed: fused MXFP4 vs bf16 cuBLAS, M={m} K=N={k}",
             f"{best * 1e3:.1f} us vs {t_cublas * 1e3:.1f} us = {ratio:.2f}x ({conf}; default {t_fused * 1e3:.1f} us)",
-            f"goal >= {bar}x", None if SMOKE else ratio >= bar)
+            f"goal >= {bar}x",
+            None if SMOKE else ratio >= bar,
+        )
 
     # CC-MMD kernel sums as a share of the GPU's matmul rate
     nx, d, kc, nb = (256, 64, 4, 3) if SMOKE else (16384, 384, 4, 3)
@@ -289,10 +361,13 @@ def kernel_rows(device) -> None:
     torch.backends.cuda.matmul.allow_tf32 = tf32_before
     a16 = a32.to(torch.bfloat16)
     t16 = bench(lambda: a16 @ a16, device)
-    r32, r16 = 2 * mm ** 3 / (t32 * 1e-3) / 1e12, 2 * mm ** 3 / (t16 * 1e-3) / 1e12
-    row(f"speed: CC-MMD kernel sums, n={nx} d={d}, {nb} bandwidths",
+    r32, r16 = 2 * mm**3 / (t32 * 1e-3) / 1e12, 2 * mm**3 / (t16 * 1e-3) / 1e12
+    row(
+        f"speed: CC-MMD kernel sums, n={nx} d={d}, {nb} bandwidths",
         f"{rate:.1f} TFLOP/s = {rate / r32:.0%} of TF32 matmul ({r32:.0f}), {rate / r16:.0%} of bf16 ({r16:.0f})",
-        "measured", None if SMOKE else True)
+        "measured",
+        None if SMOKE else True,
+    )
 
 
 def main() -> int:
@@ -314,8 +389,11 @@ def main() -> int:
     info = describe(device)
     import triton
 
-    print(f"gpu_check on {info['device_name']} ({device}); torch {info['torch']}, CUDA {info['cuda']}, "
-          f"triton {triton.__version__}", flush=True)
+    print(
+        f"gpu_check on {info['device_name']} ({device}); torch {info['torch']}, CUDA {info['cuda']}, "
+        f"triton {triton.__version__}",
+        flush=True,
+    )
     start = time.perf_counter()
     for part in (kernel_rows, library_rows, pipeline_row):
         try:

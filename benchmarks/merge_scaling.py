@@ -60,8 +60,7 @@ def shapes(layers: int, d: int) -> dict[str, tuple[int, ...]]:
     out: dict[str, tuple[int, ...]] = {"embeddings.word_embeddings.weight": (1000, d)}
     for i in range(layers):
         p = f"encoder.layer.{i}."
-        for name in ("attention.self.query", "attention.self.key", "attention.self.value",
-                     "attention.output.dense"):
+        for name in ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense"):
             out[p + name + ".weight"], out[p + name + ".bias"] = (d, d), (d,)
         out[p + "intermediate.dense.weight"], out[p + "intermediate.dense.bias"] = (4 * d, d), (4 * d,)
         out[p + "output.dense.weight"], out[p + "output.dense.bias"] = (d, 4 * d), (d,)
@@ -139,9 +138,15 @@ def run_case(method: str, n_tasks: int, args) -> dict:
         del merged
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     model_mb = sum(x.numel() * 4 for x in theta_0.values()) / 2**20
-    return {"method": method, "tasks": n_tasks, "add_s": t_add, "merged_s": t_merge,
-            "peak_extra_mb": peak - base, "state_mb": merger.state_bytes() / 2**20,
-            "model_mb": model_mb}
+    return {
+        "method": method,
+        "tasks": n_tasks,
+        "add_s": t_add,
+        "merged_s": t_merge,
+        "peak_extra_mb": peak - base,
+        "state_mb": merger.state_bytes() / 2**20,
+        "model_mb": model_mb,
+    }
 
 
 def quality(method: str, args, noise: float, shared: int) -> dict:
@@ -187,33 +192,63 @@ def main() -> None:
 
     if not args.skip_scaling:
         spec = shapes(args.layers, args.dim)
-        print(f"scaling: {args.layers} layers, d={args.dim}, "
-              f"{sum(torch.Size(s).numel() for s in spec.values()) / 1e6:.1f}M params, task rank "
-              f"{args.rank} + noise {args.noise}; fresh process per row; torch 1 thread")
-        print(f"{'method':18s} {'T':>2s} {'add s':>7s} {'add s/task':>10s} {'merged s':>8s} "
-              f"{'peak-base MB':>12s} {'state MB':>8s} {'(model MB)':>10s}")
+        print(
+            f"scaling: {args.layers} layers, d={args.dim}, "
+            f"{sum(torch.Size(s).numel() for s in spec.values()) / 1e6:.1f}M params, task rank "
+            f"{args.rank} + noise {args.noise}; fresh process per row; torch 1 thread"
+        )
+        print(
+            f"{'method':18s} {'T':>2s} {'add s':>7s} {'add s/task':>10s} {'merged s':>8s} "
+            f"{'peak-base MB':>12s} {'state MB':>8s} {'(model MB)':>10s}"
+        )
         for method in methods:
             for n in [int(x) for x in args.tasks.split(",")]:
-                cmd = [sys.executable, __file__, "--case", method, str(n), "--layers", str(args.layers),
-                       "--dim", str(args.dim), "--rank", str(args.rank), "--noise", str(args.noise),
-                       "--seed", str(args.seed)]
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--case",
+                    method,
+                    str(n),
+                    "--layers",
+                    str(args.layers),
+                    "--dim",
+                    str(args.dim),
+                    "--rank",
+                    str(args.rank),
+                    "--noise",
+                    str(args.noise),
+                    "--seed",
+                    str(args.seed),
+                ]
                 r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-                print(f"{method:18s} {n:2d} {r['add_s']:7.2f} {r['add_s'] / n:10.3f} "
-                      f"{r['merged_s']:8.2f} {r['peak_extra_mb']:12.1f} {r['state_mb']:8.1f} "
-                      f"{r['model_mb']:10.1f}", flush=True)
+                print(
+                    f"{method:18s} {n:2d} {r['add_s']:7.2f} {r['add_s'] / n:10.3f} "
+                    f"{r['merged_s']:8.2f} {r['peak_extra_mb']:12.1f} {r['state_mb']:8.1f} "
+                    f"{r['model_mb']:10.1f}",
+                    flush=True,
+                )
 
-    print(f"\nquality after {args.quality_tasks} tasks ({args.quality_layers} layers, rank "
-          f"{args.rank}): relative error of each task on its own subspace, "
-          f"||P_t^T dW Q_t - S_t|| / ||S_t|| (0 = intact, 1 = lost)")
-    print(f"{'method':18s} | {'clean mean':>10s} {'worst':>6s} {'first':>6s} | "
-          f"{'hard mean':>9s} {'worst':>6s} {'first':>6s}")
+    print(
+        f"\nquality after {args.quality_tasks} tasks ({args.quality_layers} layers, rank "
+        f"{args.rank}): relative error of each task on its own subspace, "
+        f"||P_t^T dW Q_t - S_t|| / ||S_t|| (0 = intact, 1 = lost)"
+    )
+    print(
+        f"{'method':18s} | {'clean mean':>10s} {'worst':>6s} {'first':>6s} | "
+        f"{'hard mean':>9s} {'worst':>6s} {'first':>6s}"
+    )
     for method in methods:
         c = quality(method, args, noise=0.0, shared=0)
         h = quality(method, args, noise=args.noise, shared=2)
-        print(f"{method:18s} | {c['mean']:10.3f} {c['worst']:6.3f} {c['first']:6.3f} | "
-              f"{h['mean']:9.3f} {h['worst']:6.3f} {h['first']:6.3f}", flush=True)
-    print("\nmethod settings: defaults of crucible.merge (task_arithmetic lam=0.3, ties density=0.2 "
-          "lam=1, magmax lam=1, opcm alpha=0.5, gs3r energy=0.9 rank_budget=0.5 balance=1)")
+        print(
+            f"{method:18s} | {c['mean']:10.3f} {c['worst']:6.3f} {c['first']:6.3f} | "
+            f"{h['mean']:9.3f} {h['worst']:6.3f} {h['first']:6.3f}",
+            flush=True,
+        )
+    print(
+        "\nmethod settings: defaults of crucible.merge (task_arithmetic lam=0.3, ties density=0.2 "
+        "lam=1, magmax lam=1, opcm alpha=0.5, gs3r energy=0.9 rank_budget=0.5 balance=1)"
+    )
 
 
 if __name__ == "__main__":

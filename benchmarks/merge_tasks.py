@@ -85,18 +85,39 @@ def accuracy_part(args, params, methods) -> None:
         save_file({k: v.contiguous() for k, v in scorer.theta_0.items()}, str(theta0))
         for o, order in enumerate(orders):
             print(f"\n## order {o + 1}: {' -> '.join(order)}", flush=True)
-            print(f"{'method':16s} {'avg acc':>8s} {'norm acc':>9s} {'BWT':>7s}   accuracy of each task after each "
-                  f"arrival (rows: after arrival j; columns: {', '.join(order)})")
+            print(
+                f"{'method':16s} {'avg acc':>8s} {'norm acc':>9s} {'BWT':>7s}   accuracy of each task after each "
+                f"arrival (rows: after arrival j; columns: {', '.join(order)})"
+            )
             for method, kwargs in methods.items():
                 start = time.perf_counter()
-                entry, _, _ = merge_method(method, kwargs or {}, theta0, [specs[t] for t in order],
-                                           tmp / f"{o}-{method}", store, finetuned, args.threads)
+                entry, _, _ = merge_method(
+                    method,
+                    kwargs or {},
+                    theta0,
+                    [specs[t] for t in order],
+                    tmp / f"{o}-{method}",
+                    store,
+                    finetuned,
+                    args.threads,
+                )
                 R = np.array(entry["R"])
-                rows = " | ".join(" ".join(f"{x:.3f}" for x in R[j, :j + 1]) for j in range(len(order)))
-                print(f"{method:16s} {entry['avg_accuracy']:8.3f} {entry['normalised_accuracy']:9.3f} "
-                      f"{entry['bwt']:+7.3f}   {rows}   [{time.perf_counter() - start:.0f}s]", flush=True)
-                results.append({"order": o, "method": method, **{k: entry[k] for k in
-                                ("avg_accuracy", "normalised_accuracy", "bwt", "merge_seconds", "peak_rss_mb")}})
+                rows = " | ".join(" ".join(f"{x:.3f}" for x in R[j, : j + 1]) for j in range(len(order)))
+                print(
+                    f"{method:16s} {entry['avg_accuracy']:8.3f} {entry['normalised_accuracy']:9.3f} "
+                    f"{entry['bwt']:+7.3f}   {rows}   [{time.perf_counter() - start:.0f}s]",
+                    flush=True,
+                )
+                results.append(
+                    {
+                        "order": o,
+                        "method": method,
+                        **{
+                            k: entry[k]
+                            for k in ("avg_accuracy", "normalised_accuracy", "bwt", "merge_seconds", "peak_rss_mb")
+                        },
+                    }
+                )
                 for p in (tmp / f"{o}-{method}").glob("*.safetensors"):
                     p.unlink()
     df = pd.DataFrame(results)
@@ -107,14 +128,19 @@ def accuracy_part(args, params, methods) -> None:
         return f"{x.mean():.3f}±{x.std(ddof=1) if len(x) > 1 else 0:.3f}"
 
     for method, g in df.groupby("method", sort=False):
-        print(f"{method:16s} {ms(g['avg_accuracy']):>14s} {ms(g['normalised_accuracy']):>14s} {ms(g['bwt']):>15s} "
-              f"{g['merge_seconds'].mean():8.1f} {g['peak_rss_mb'].max():8.0f}")
-    print(f"{'(base model)':16s} {statistics.mean(base.values()):14.3f} "
-          f"{statistics.mean(base[t] / finetuned[t] for t in tasks):14.3f}")
+        print(
+            f"{method:16s} {ms(g['avg_accuracy']):>14s} {ms(g['normalised_accuracy']):>14s} {ms(g['bwt']):>15s} "
+            f"{g['merge_seconds'].mean():8.1f} {g['peak_rss_mb'].max():8.0f}"
+        )
+    print(
+        f"{'(base model)':16s} {statistics.mean(base.values()):14.3f} "
+        f"{statistics.mean(base[t] / finetuned[t] for t in tasks):14.3f}"
+    )
     print(f"{'(own fine-tunes)':16s} {statistics.mean(finetuned.values()):14.3f} {1.0:14.3f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"orders": orders, "base": base, "finetuned": finetuned,
-                                               "results": results}, indent=2))
+        Path(args.json).write_text(
+            json.dumps({"orders": orders, "base": base, "finetuned": finetuned, "results": results}, indent=2)
+        )
 
 
 def scaling_part(args, params, methods) -> None:
@@ -161,8 +187,12 @@ def scaling_part(args, params, methods) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--orders", default="", help="';'-separated arrival orders, each ','-separated task names "
-                    "(default: params order, reversed, and one seeded shuffle)")
+    ap.add_argument(
+        "--orders",
+        default="",
+        help="';'-separated arrival orders, each ','-separated task names "
+        "(default: params order, reversed, and one seeded shuffle)",
+    )
     ap.add_argument("--methods", default="", help="comma-separated subset of params.yaml merge.methods")
     ap.add_argument("--eval-limit", type=int, default=0, help="test items per task (0 = all)")
     ap.add_argument("--scale", type=int, default=8, help="arrivals in the scaling part (0 = skip)")

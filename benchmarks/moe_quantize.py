@@ -85,8 +85,10 @@ def spread(values: list[float]) -> tuple[float, float]:
 
 def table(header: list[str], rows: list[list]) -> str:
     widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(header)]
-    fmt = lambda cells: "  ".join(str(c).rjust(w) if i else str(c).ljust(w)  # noqa: E731
-                                  for i, (c, w) in enumerate(zip(cells, widths)))
+    fmt = lambda cells: "  ".join(
+        str(c).rjust(w) if i else str(c).ljust(w)  # noqa: E731
+        for i, (c, w) in enumerate(zip(cells, widths))
+    )
     return "\n".join([fmt(header), *(fmt(r) for r in rows)])
 
 
@@ -99,8 +101,10 @@ def compare(better: str, worse: str, values: dict[str, list[float]], lower: bool
     tol = max(spread(b)[1], spread(w)[1])
     paired = all(g > 0 for g in gaps)
     clear = paired and statistics.fmean(gaps) > tol
-    return clear, (f"per-seed gains {', '.join(f'{g:+.4f}' for g in gaps)}; mean {statistics.fmean(gaps):+.4f} vs "
-                   f"seed spread {tol:.4f}; better on every seed: {'yes' if paired else 'no'}")
+    return clear, (
+        f"per-seed gains {', '.join(f'{g:+.4f}' for g in gaps)}; mean {statistics.fmean(gaps):+.4f} vs "
+        f"seed spread {tol:.4f}; better on every seed: {'yes' if paired else 'no'}"
+    )
 
 
 def param_counts(moe) -> dict[str, int]:
@@ -145,31 +149,59 @@ def build(args, log):
     build_ids, recover_ids = stage_seqs["build"], stage_seqs["recover"]
     eval_ids = token_sequences(tokenizer, held, p.seq_len, args.eval_seqs, seed=0)  # the stage's first rows
     seconds["load dense, texts, tokens"] = time.perf_counter() - t
-    info = {"source": source, "n_experts": p.n_experts, "top_k": p.top_k, "shared_share": p.shared_share,
-            "refit": p.refit, "refit_ridge": p.refit_ridge, "recover": [p.recover_steps, p.recover_train, p.recover_lr], "seq_len": p.seq_len,
-            "build_sequences": p.build_sequences, "recover_sequences": p.recover_sequences, "eval_sequences": args.eval_seqs, "pipeline_seed": seed}
+    info = {
+        "source": source,
+        "n_experts": p.n_experts,
+        "top_k": p.top_k,
+        "shared_share": p.shared_share,
+        "refit": p.refit,
+        "refit_ridge": p.refit_ridge,
+        "recover": [p.recover_steps, p.recover_train, p.recover_lr],
+        "seq_len": p.seq_len,
+        "build_sequences": p.build_sequences,
+        "recover_sequences": p.recover_sequences,
+        "eval_sequences": args.eval_seqs,
+        "pipeline_seed": seed,
+    }
     if args.load_moe:
         from transformers import AutoModelForCausalLM
 
         from crucible.moe.dense import tie_embeddings
 
         t = time.perf_counter()
-        moe = tie_embeddings(AutoModelForCausalLM.from_pretrained(args.load_moe, local_files_only=True,
-                                                                  dtype=torch.float32)).eval()
+        moe = tie_embeddings(
+            AutoModelForCausalLM.from_pretrained(args.load_moe, local_files_only=True, dtype=torch.float32)
+        ).eval()
         seconds["load MoE (--load-moe)"] = time.perf_counter() - t
         info["loaded"] = args.load_moe
     else:
         t = time.perf_counter()
-        moe, _ = moefy(dense, build_ids, n_experts=p.n_experts, top_k=p.top_k, shared_share=p.shared_share, seed=seed,
-                       batch_size=p.batch_size, progress=args.progress)
+        moe, _ = moefy(
+            dense,
+            build_ids,
+            n_experts=p.n_experts,
+            top_k=p.top_k,
+            shared_share=p.shared_share,
+            seed=seed,
+            batch_size=p.batch_size,
+            progress=args.progress,
+        )
         seconds["moefy"] = time.perf_counter() - t
         t = time.perf_counter()
         if p.refit:
             refit_down(moe, dense, build_ids, ridge=p.refit_ridge)
         seconds["refit_down"] = time.perf_counter() - t
         t = time.perf_counter()
-        hist = recover(moe, dense, list(recover_ids.split(p.batch_size)), p.recover_steps, lr=p.recover_lr,
-                       train=p.recover_train, seed=seed, progress=args.progress)
+        hist = recover(
+            moe,
+            dense,
+            list(recover_ids.split(p.batch_size)),
+            p.recover_steps,
+            lr=p.recover_lr,
+            train=p.recover_train,
+            seed=seed,
+            progress=args.progress,
+        )
         seconds["recover"] = time.perf_counter() - t
         info["recover_loss"] = [h["loss"] for h in hist]
         if args.save_moe:
@@ -178,8 +210,11 @@ def build(args, log):
     t = time.perf_counter()
     info["perplexity_dense"] = perplexity(dense, eval_ids, p.batch_size)
     seconds["eval dense"] = time.perf_counter() - t
-    log(f"# build: {source}; E={p.n_experts} top-{p.top_k} shared_share={p.shared_share} refit={p.refit} recovery "
-        f"{p.recover_steps} {p.recover_train} steps lr {p.recover_lr:g}; " + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items()))
+    log(
+        f"# build: {source}; E={p.n_experts} top-{p.top_k} shared_share={p.shared_share} refit={p.refit} recovery "
+        f"{p.recover_steps} {p.recover_train} steps lr {p.recover_lr:g}; "
+        + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items())
+    )
     return moe, dense, tokenizer, pool, eval_ids, p, info, seconds
 
 
@@ -189,12 +224,20 @@ def main() -> None:
     ap.add_argument("--shared", choices=["both", "quantized", "float"], default="both")
     ap.add_argument("--qat-steps", type=int, default=16, help="replay QAT steps (params.yaml moe.qat_steps: 60)")
     ap.add_argument("--eval-seqs", type=int, default=32, help="held-out sequences (params.yaml moe.eval_sequences: 64)")
-    ap.add_argument("--calib-seqs", type=int, default=None, help="calibration sequences per seed (default: "
-                    "params.yaml moe.calib_sequences)")
+    ap.add_argument(
+        "--calib-seqs",
+        type=int,
+        default=None,
+        help="calibration sequences per seed (default: params.yaml moe.calib_sequences)",
+    )
     ap.add_argument("--rank-per-matrix", type=int, default=8, help="budget = this x the compensated matrices")
     ap.add_argument("--worst", type=int, default=6, help="layers in the worst-layer table")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
-    ap.add_argument("--load-moe", default=None, help="the moe_build stage's output folder (models/moe/build) instead of building; it must be built with params.yaml's moe values")
+    ap.add_argument(
+        "--load-moe",
+        default=None,
+        help="the moe_build stage's output folder (models/moe/build) instead of building; it must be built with params.yaml's moe values",
+    )
     ap.add_argument("--save-moe", default=None, help="save the built MoE to this folder")
     ap.add_argument("--progress", action="store_true")
     ap.add_argument("--json", default=None, help="write every metric to this file")
@@ -227,19 +270,37 @@ def main() -> None:
         kept = None  # the routes, plan and loads of this draw, computed once for both settings
         for j, setting in enumerate(settings):
             t0 = time.perf_counter()
-            out = quantize_variants(moe, calib_ids, eval_ids, rank_budget=budgets[setting], attention=p.attention,
-                                    qat_steps=qat_steps, qat_lr=p.qat_lr, qat_loss=p.qat_loss, seed=s,
-                                    batch_size=p.batch_size, mode=p.mode, progress=args.progress,
-                                    dense=dense if (i == 0 and j == 0) else None, reference=reference,
-                                    include_float=i == 0, include_mxfp4=i == 0, shared=SETTINGS[setting],
-                                    keep_calibration=j < len(settings) - 1, calibration=kept)
+            out = quantize_variants(
+                moe,
+                calib_ids,
+                eval_ids,
+                rank_budget=budgets[setting],
+                attention=p.attention,
+                qat_steps=qat_steps,
+                qat_lr=p.qat_lr,
+                qat_loss=p.qat_loss,
+                seed=s,
+                batch_size=p.batch_size,
+                mode=p.mode,
+                progress=args.progress,
+                dense=dense if (i == 0 and j == 0) else None,
+                reference=reference,
+                include_float=i == 0,
+                include_mxfp4=i == 0,
+                shared=SETTINGS[setting],
+                keep_calibration=j < len(settings) - 1,
+                calibration=kept,
+            )
             kept = out.calibration if kept is None else kept
             runs[setting][s] = out.metrics
             seconds[f"shared {setting}, seed {s}"] = time.perf_counter() - t0
             v = out.metrics["variants"]
             start = f"; QAT from {out.metrics['qat']['start']}" if out.metrics["qat"] else ""
-            log(f"# shared {setting}, seed {s}: {seconds[f'shared {setting}, seed {s}']:.0f} s; perplexity "
-                + ", ".join(f"{k} {x['perplexity']:.2f}" for k, x in v.items()) + start)
+            log(
+                f"# shared {setting}, seed {s}: {seconds[f'shared {setting}, seed {s}']:.0f} s; perplexity "
+                + ", ".join(f"{k} {x['perplexity']:.2f}" for k, x in v.items())
+                + start
+            )
             del out
         del kept
     total = time.perf_counter() - wall
@@ -247,14 +308,21 @@ def main() -> None:
     dense_ppl = info["perplexity_dense"]
 
     log("")
-    log(f"# moe_quantize: {info['source']} -> Qwen2-MoE E={info['n_experts']} top-{info['top_k']} shared_share "
+    log(
+        f"# moe_quantize: {info['source']} -> Qwen2-MoE E={info['n_experts']} top-{info['top_k']} shared_share "
         f"{info['shared_share']} (refit, {info['recover'][0]} recovery steps); held-out {eval_ids.shape[0]}x"
         f"{eval_ids.shape[1]} tokens, calibration {calib_seqs}x{p.seq_len} per seed, seeds {args.seeds}; "
-        f"QAT {qat_steps} steps lr {p.qat_lr:g} ({p.qat_loss}); threads {torch.get_num_threads()}")
-    log(f"# perplexity: dense {dense_ppl:.3f}, float MoE {ppl_float:.3f} (ratio {ppl_float / dense_ppl:.3f}); "
-        f"rank budget " + ", ".join(f"shared {k}: {b} = {args.rank_per_matrix} x "
-                                    f"{len(compensated_matrices(moe, p.attention, SETTINGS[k]))} matrices"
-                                    for k, b in budgets.items()))
+        f"QAT {qat_steps} steps lr {p.qat_lr:g} ({p.qat_loss}); threads {torch.get_num_threads()}"
+    )
+    log(
+        f"# perplexity: dense {dense_ppl:.3f}, float MoE {ppl_float:.3f} (ratio {ppl_float / dense_ppl:.3f}); "
+        f"rank budget "
+        + ", ".join(
+            f"shared {k}: {b} = {args.rank_per_matrix} x "
+            f"{len(compensated_matrices(moe, p.attention, SETTINGS[k]))} matrices"
+            for k, b in budgets.items()
+        )
+    )
     verdicts = {}
     for setting in settings:
         r = runs[setting]
@@ -262,42 +330,94 @@ def main() -> None:
         first = r[seeds[0]]
         shared_float = not SETTINGS[setting]
         names = [k for k in ORDER if k in first["variants"]]
-        ratio = {k: [x["variants"][k]["perplexity"] / ppl_float for x in r.values() if k in x["variants"]] for k in names}
-        agree = {k: [x["variants"][k]["consistency_mean"]["set"] for x in r.values() if k in x["variants"]] for k in names}
+        ratio = {
+            k: [x["variants"][k]["perplexity"] / ppl_float for x in r.values() if k in x["variants"]] for k in names
+        }
+        agree = {
+            k: [x["variants"][k]["consistency_mean"]["set"] for x in r.values() if k in x["variants"]] for k in names
+        }
 
         def mean_of(k, get):
             return statistics.fmean(get(x["variants"][k]) for x in r.values() if k in x["variants"])
 
         log("")
-        log(f"## shared expert {'in MXFP4' if SETTINGS[setting] else 'kept float (bf16 in the sizes)'}: "
-            "vs the float MoE on the held-out tokens, mean over seeds (max-min over seeds for per-seed variants)")
+        log(
+            f"## shared expert {'in MXFP4' if SETTINGS[setting] else 'kept float (bf16 in the sizes)'}: "
+            "vs the float MoE on the held-out tokens, mean over seeds (max-min over seeds for per-seed variants)"
+        )
         rows = []
         for k in names:
             m, sp = spread(ratio[k])
             per = "/".join(f"{x:.3f}" for x in ratio[k]) if k in PER_SEED else "-"
             sz = sizes(first["variants"][k], counts, shared_float and k != "float")
-            rows.append([k, f"{m:.3f}", f"{sp:.3f}" if k in PER_SEED else "-", per,
-                         f"{mean_of(k, lambda v: v['consistency_mean']['set']):.4f}",
-                         f"{mean_of(k, lambda v: v['consistency_mean']['top1']):.4f}",
-                         f"{mean_of(k, lambda v: v['drift_mean']):.4f}", f"{mean_of(k, lambda v: v['drift_last']):.4f}",
-                         f"{sz['bpw_body']:.3f}", f"{sz['mib_bf16']:.1f}"])
-        log(table(["variant", "ppl ratio", "max-min", "per seed", "set agr", "top1 agr", "drift mean", "drift last",
-                   "bpw body", "MiB bf16"], rows))
+            rows.append(
+                [
+                    k,
+                    f"{m:.3f}",
+                    f"{sp:.3f}" if k in PER_SEED else "-",
+                    per,
+                    f"{mean_of(k, lambda v: v['consistency_mean']['set']):.4f}",
+                    f"{mean_of(k, lambda v: v['consistency_mean']['top1']):.4f}",
+                    f"{mean_of(k, lambda v: v['drift_mean']):.4f}",
+                    f"{mean_of(k, lambda v: v['drift_last']):.4f}",
+                    f"{sz['bpw_body']:.3f}",
+                    f"{sz['mib_bf16']:.1f}",
+                ]
+            )
+        log(
+            table(
+                [
+                    "variant",
+                    "ppl ratio",
+                    "max-min",
+                    "per seed",
+                    "set agr",
+                    "top1 agr",
+                    "drift mean",
+                    "drift last",
+                    "bpw body",
+                    "MiB bf16",
+                ],
+                rows,
+            )
+        )
         sel = [(s, x["selection"]) for s, x in r.items() if x.get("selection")]
         if sel:
-            log("# QAT start (lowest calibration KL): " + "; ".join(
-                f"seed {s}: {x['start']} (" + ", ".join(f"{k} {c['kl']:.4f}" for k, c in x["candidates"].items()) + ")"
-                for s, x in sel))
+            log(
+                "# QAT start (lowest calibration KL): "
+                + "; ".join(
+                    f"seed {s}: {x['start']} ("
+                    + ", ".join(f"{k} {c['kl']:.4f}" for k, c in x["candidates"].items())
+                    + ")"
+                    for s, x in sel
+                )
+            )
         quant = [k for k in names if k != "float"]
         layers = list(first["variants"][quant[0]]["consistency"])
-        worst = sorted(range(len(layers)), key=lambda li: statistics.fmean(
-            statistics.fmean(x["variants"][k]["consistency"][layers[li]]["set"] for x in r.values() if k in x["variants"])
-            for k in quant))[:args.worst]
-        log(f"## the {args.worst} layers with the lowest routing set agreement (mean over the quantized variants); "
-            "set / top-1 agreement, mean over seeds")
-        rows = [[f"L{li}", *(f"{mean_of(k, lambda v: v['consistency'][layers[li]]['set']):.3f} / "
-                             f"{mean_of(k, lambda v: v['consistency'][layers[li]]['top1']):.3f}" for k in quant)]
-                for li in sorted(worst)]
+        worst = sorted(
+            range(len(layers)),
+            key=lambda li: statistics.fmean(
+                statistics.fmean(
+                    x["variants"][k]["consistency"][layers[li]]["set"] for x in r.values() if k in x["variants"]
+                )
+                for k in quant
+            ),
+        )[: args.worst]
+        log(
+            f"## the {args.worst} layers with the lowest routing set agreement (mean over the quantized variants); "
+            "set / top-1 agreement, mean over seeds"
+        )
+        rows = [
+            [
+                f"L{li}",
+                *(
+                    f"{mean_of(k, lambda v: v['consistency'][layers[li]]['set']):.3f} / "
+                    f"{mean_of(k, lambda v: v['consistency'][layers[li]]['top1']):.3f}"
+                    for k in quant
+                ),
+            ]
+            for li in sorted(worst)
+        ]
         log(table(["layer", *quant], rows))
         log("## where the rank went (mean over seeds): share of the budget on expert / attention / shared matrices")
         rk = [x["ranks"] for x in r.values()]
@@ -305,15 +425,24 @@ def main() -> None:
         for a in ALLOCS:
             if a not in rk[0]["groups"]:
                 continue
-            g = {grp: statistics.fmean(x["groups"][a][grp] for x in rk) / rk[0]["budget"]
-                 for grp in ("experts", "attention", "shared")}
+            g = {
+                grp: statistics.fmean(x["groups"][a][grp] for x in rk) / rk[0]["budget"]
+                for grp in ("experts", "attention", "shared")
+            }
             we = statistics.fmean(x["weighted_error"][a] / x["weighted_error"]["none"] for x in rk)
-            wp = (statistics.fmean(x["weighted_error_prop"][a] / x["weighted_error_prop"]["none"] for x in rk)
-                  if "weighted_error_prop" in rk[0] else float("nan"))
-            rows.append([a, f"{g['experts']:.3f}", f"{g['attention']:.3f}", f"{g['shared']:.3f}", f"{we:.3f}", f"{wp:.3f}"])
+            wp = (
+                statistics.fmean(x["weighted_error_prop"][a] / x["weighted_error_prop"]["none"] for x in rk)
+                if "weighted_error_prop" in rk[0]
+                else float("nan")
+            )
+            rows.append(
+                [a, f"{g['experts']:.3f}", f"{g['attention']:.3f}", f"{g['shared']:.3f}", f"{we:.3f}", f"{wp:.3f}"]
+            )
         log(table(["allocation", "experts", "attention", "shared", "w.err routed (/none)", "w.err prop (/none)"], rows))
-        log("## per layer (mean over seeds): rank total | routing set agreement | drift, for uniform / load_aware / "
-            "load_aware_prop")
+        log(
+            "## per layer (mean over seeds): rank total | routing set agreement | drift, for uniform / load_aware / "
+            "load_aware_prop"
+        )
         n_layers = len(rk[0]["layers"]["uniform"])
         allocs = [a for a in ALLOCS if a in rk[0]["layers"]]
         rows = []
@@ -325,11 +454,13 @@ def main() -> None:
             rows.append(cells)
         log(table(["layer", "rank", "set agreement", "drift"], rows))
         log("## claims, " + setting + " shared expert")
-        checks = [("(a) load_aware beats uniform: perplexity ratio", "load_aware", "uniform", ratio, True),
-                  ("(a) load_aware beats uniform: set agreement", "load_aware", "uniform", agree, False),
-                  ("(a') load_aware_prop beats uniform: perplexity ratio", "load_aware_prop", "uniform", ratio, True),
-                  ("(a') load_aware_prop beats uniform: set agreement", "load_aware_prop", "uniform", agree, False),
-                  ("(a') load_aware_prop beats load_aware: perplexity ratio", "load_aware_prop", "load_aware", ratio, True)]
+        checks = [
+            ("(a) load_aware beats uniform: perplexity ratio", "load_aware", "uniform", ratio, True),
+            ("(a) load_aware beats uniform: set agreement", "load_aware", "uniform", agree, False),
+            ("(a') load_aware_prop beats uniform: perplexity ratio", "load_aware_prop", "uniform", ratio, True),
+            ("(a') load_aware_prop beats uniform: set agreement", "load_aware_prop", "uniform", agree, False),
+            ("(a') load_aware_prop beats load_aware: perplexity ratio", "load_aware_prop", "load_aware", ratio, True),
+        ]
         if "qat" in ratio:
             starts = [x["qat"]["start"] for x in r.values()]
             start_ratio = [x["variants"][st]["perplexity"] / ppl_float for x, st in zip(r.values(), starts)]
@@ -337,10 +468,17 @@ def main() -> None:
             best_comp = [min(x["variants"][a]["perplexity"] for a in allocs) / ppl_float for x in r.values()]
             ratio = {**ratio, "its start": start_ratio, "best compensation": best_comp}
             agree = {**agree, "its start": start_agree}
-            checks += [("(b) qat beats its start: perplexity ratio", "qat", "its start", ratio, True),
-                       ("(b) qat beats its start: set agreement", "qat", "its start", agree, False),
-                       ("(b) qat beats the best compensation (by held-out ppl): perplexity ratio", "qat",
-                        "best compensation", ratio, True)]
+            checks += [
+                ("(b) qat beats its start: perplexity ratio", "qat", "its start", ratio, True),
+                ("(b) qat beats its start: set agreement", "qat", "its start", agree, False),
+                (
+                    "(b) qat beats the best compensation (by held-out ppl): perplexity ratio",
+                    "qat",
+                    "best compensation",
+                    ratio,
+                    True,
+                ),
+            ]
         for title, b, w, vals, lower in checks:
             if b in vals and w in vals and len(vals[b]) > 1:
                 ok, text = compare(b, w, vals, lower)
@@ -353,10 +491,22 @@ def main() -> None:
     log(f"{'total wall':<40} {total:8.1f}")
     log(f"# load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())} (1, 5, 15 min)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "build": info, "budgets": budgets, "counts": counts,
-                                               "seconds": seconds, "total_seconds": total, "verdicts": verdicts,
-                                               "runs": {k: {str(s): m for s, m in v.items()} for k, v in runs.items()}},
-                                              indent=1, default=float))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "args": vars(args),
+                    "build": info,
+                    "budgets": budgets,
+                    "counts": counts,
+                    "seconds": seconds,
+                    "total_seconds": total,
+                    "verdicts": verdicts,
+                    "runs": {k: {str(s): m for s, m in v.items()} for k, v in runs.items()},
+                },
+                indent=1,
+                default=float,
+            )
+        )
 
 
 if __name__ == "__main__":

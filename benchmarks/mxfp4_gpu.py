@@ -90,19 +90,23 @@ def edge_blocks() -> torch.Tensor:
     blk([INF, -INF, 1.0])
     ties = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
     exact = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
-    for s in (2.0 ** 3, 2.0 ** -10, 2.0 ** 100):
+    for s in (2.0**3, 2.0**-10, 2.0**100):
         blk([6 * s] + [t * s for t in ties] + [-t * s for t in ties] + [-v * s for v in exact])
-        blk([6 * s] + [math.nextafter(t, 0) * s for t in ties] + [math.nextafter(t, 9) * s for t in ties]
-            + [-math.nextafter(t, 9) * s for t in ties])
+        blk(
+            [6 * s]
+            + [math.nextafter(t, 0) * s for t in ties]
+            + [math.nextafter(t, 9) * s for t in ties]
+            + [-math.nextafter(t, 9) * s for t in ties]
+        )
     blk([7.9, -7.0, 6.5, 6.0, 5.9, -0.1])
     blk([4.0, 3.0, -2.0, 1e-3, -1e-3])
-    blk([1e-39, -1e-39, 2.0 ** -127, 1.1e-38, -(2.0 ** -149), 2.0 ** -148, -5e-39])
-    blk([2.0 ** -126, 1.5 * 2.0 ** -126, -(2.0 ** -125), 1e-39])
+    blk([1e-39, -1e-39, 2.0**-127, 1.1e-38, -(2.0**-149), 2.0**-148, -5e-39])
+    blk([2.0**-126, 1.5 * 2.0**-126, -(2.0**-125), 1e-39])
     blk([1e-39, 1.0, -1e-39])
     blk([3e38, -3.4028234663852886e38, 1e38, 2e37, -5e37, 1.0])
     blk([3.4028234663852886e38, 3.0e38, -2.9e38])
     blk([1.0, -1.0] * 16)
-    blk([6.0 * 2.0 ** 126, -3.0 * 2.0 ** 126])
+    blk([6.0 * 2.0**126, -3.0 * 2.0**126])
     blk([0.3, -0.7, 1.3, 2.6, -4.4, 5.5, -0.01, 0.126])
     return torch.tensor(blocks, dtype=torch.float32).reshape(-1, 64)
 
@@ -125,6 +129,7 @@ def bench(fn, dev) -> float:
 # ------------------------------------------------------------------------------------------------
 # (a) correctness
 
+
 def check_quantize(dev, rows: int, k: int) -> None:
     print("(a) quantize: Triton vs the torch path", flush=True)
     g = torch.Generator().manual_seed(0)
@@ -140,16 +145,20 @@ def check_quantize(dev, rows: int, k: int) -> None:
         for mode in ("floor", "ceil"):
             p, s = tk.quantize(xd, mode)
             q = ref.quantize(xd, mode)
-            check(torch.equal(p, q.packed) and torch.equal(s, q.scales),
-                  f"{name} {mode}: bytes equal to the torch path on {dev.type}")
+            check(
+                torch.equal(p, q.packed) and torch.equal(s, q.scales),
+                f"{name} {mode}: bytes equal to the torch path on {dev.type}",
+            )
             if dev.type == "cuda":
                 qc = ref.quantize(x, mode)
                 ds = int((s.cpu() != qc.scales).sum())
                 dp = p.cpu() != qc.packed
                 nan_rows = (qc.scales == ref.E8M0_NAN).repeat_interleave(16, dim=-1)
                 outside = int((dp & ~nan_rows).sum())
-                msg = (f"{name} {mode}: vs the torch path on CPU: {ds} scale bytes and {int(dp.sum())} packed "
-                       f"bytes differ, {outside} of them outside NaN blocks")
+                msg = (
+                    f"{name} {mode}: vs the torch path on CPU: {ds} scale bytes and {int(dp.sum())} packed "
+                    f"bytes differ, {outside} of them outside NaN blocks"
+                )
                 check(ds == 0 and outside == 0, msg)
 
 
@@ -160,7 +169,9 @@ def check_dequantize(dev) -> None:
     q = ref.MXFP4Tensor(packed, scales, (16, 512))
     for dt in (torch.float32, torch.bfloat16, torch.float16):
         d = tk.dequantize(packed, scales, 512, dt)
-        check(same_values(d, ref.dequantize(q, dt)), f"all bytes x all scales -> {str(dt)[6:]}: bit-equal, NaNs in place")
+        check(
+            same_values(d, ref.dequantize(q, dt)), f"all bytes x all scales -> {str(dt)[6:]}: bit-equal, NaNs in place"
+        )
     g = torch.Generator().manual_seed(1)
     w = torch.randn(64, 1024, generator=g).to(dev)
     q = ref.quantize(w, "ceil")
@@ -191,18 +202,23 @@ def check_mx_linear(dev, shapes) -> None:
         for with_extra in (False, True):
             args = (bias, a, b) if with_extra else (None, None, None)
             label = f"({m}, {n}, {k}){' + bias + rank 16' if with_extra else ''}"
-            for dt, prec, tol in ((torch.float32, "tf32x3", 1e-4), (torch.float32, "tf32", 5e-3),
-                                  (torch.bfloat16, "tf32x3", 1e-2)):
+            for dt, prec, tol in (
+                (torch.float32, "tf32x3", 1e-4),
+                (torch.float32, "tf32", 5e-3),
+                (torch.bfloat16, "tf32x3", 1e-2),
+            ):
                 if dt == torch.float32 and prec == "tf32" and dev.type != "cuda":
                     continue  # the same as tf32x3 under the interpreter
                 xx = x.to(dt)
                 y = tk.mx_linear(xx, q.packed, q.scales, k, *args, precision=prec)
                 want = reference_linear(xx, q, *args)
                 err = float((y.double() - want).abs().max() / want.abs().max())
-                check(y.dtype == dt and y.shape == (m, n) and err <= tol,
-                      f"{label} {str(dt)[6:]} {prec if dt == torch.float32 else ''}: max error / max |y| = {err:.2e} "
-                      f"(<= {tol:g})")
-    wi = torch.tensor([0., 1., 2., 3., 4., 6.])[torch.randint(0, 6, (96, 256), generator=g)]
+                check(
+                    y.dtype == dt and y.shape == (m, n) and err <= tol,
+                    f"{label} {str(dt)[6:]} {prec if dt == torch.float32 else ''}: max error / max |y| = {err:.2e} "
+                    f"(<= {tol:g})",
+                )
+    wi = torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0, 6.0])[torch.randint(0, 6, (96, 256), generator=g)]
     wi = wi * torch.where(torch.rand(96, 256, generator=g) < 0.5, -1.0, 1.0)
     wi[:, 0] = 6.0
     qi = ref.quantize(wi.to(dev))
@@ -216,10 +232,13 @@ def check_mx_linear(dev, shapes) -> None:
 # ------------------------------------------------------------------------------------------------
 # (b), (c) speed
 
+
 def time_mx_linear(dev, shapes, ranks, configs) -> None:
     print("\n(b) mx_linear (bf16 x) vs torch bf16 matmul (ms, median)", flush=True)
-    head = (f"{'M':>5} {'N':>5} {'K':>5} {'r':>3} | {'bf16':>8} {'mx':>8} {'mx/bf16':>7} | {'best mx':>8} "
-            f"{'best/bf16':>9} {'best config':>20} | {'unfused':>8} | {'TF/s bf16':>9} {'TF/s mx':>8} {'TF/s best':>9}")
+    head = (
+        f"{'M':>5} {'N':>5} {'K':>5} {'r':>3} | {'bf16':>8} {'mx':>8} {'mx/bf16':>7} | {'best mx':>8} "
+        f"{'best/bf16':>9} {'best config':>20} | {'unfused':>8} | {'TF/s bf16':>9} {'TF/s mx':>8} {'TF/s best':>9}"
+    )
     print(head)
     print("-" * len(head))
     g = torch.Generator().manual_seed(3)
@@ -234,12 +253,14 @@ def time_mx_linear(dev, shapes, ranks, configs) -> None:
             ab, bb = (a.to(torch.bfloat16), b.to(torch.bfloat16)) if r else (None, None)
 
             if r:
+
                 def torch_fn():
                     return F.linear(x, wb) + F.linear(F.linear(x, bb), ab)
 
                 def unfused():
                     return F.linear(x, tk.dequantize(p, s, k, torch.bfloat16)) + F.linear(F.linear(x, bb), ab)
             else:
+
                 def torch_fn():
                     return F.linear(x, wb)
 
@@ -252,8 +273,12 @@ def time_mx_linear(dev, shapes, ranks, configs) -> None:
             best, best_cfg = t_mx, "default"
             for bm, bn, bk, nw, ns in configs:
                 try:
-                    t = bench(lambda: tk.mx_linear(x, p, s, k, None, a, b, block_m=bm, block_n=bn, block_k=bk,
-                                                   num_warps=nw, num_stages=ns), dev)
+                    t = bench(
+                        lambda: tk.mx_linear(
+                            x, p, s, k, None, a, b, block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns
+                        ),
+                        dev,
+                    )
                 except Exception as exc:  # e.g. out of shared memory for one config
                     print(f"  config {(bm, bn, bk, nw, ns)} failed: {type(exc).__name__}: {str(exc)[:120]}")
                     continue
@@ -261,9 +286,12 @@ def time_mx_linear(dev, shapes, ranks, configs) -> None:
                     best, best_cfg = t, f"{bm}x{bn}x{bk} w{nw} s{ns}"
             flops = 2 * m * n * k + (2 * m * r * (n + k) if r else 0)
             tf = lambda t: flops / (t * 1e-3) / 1e12  # noqa: E731
-            print(f"{m:>5} {n:>5} {k:>5} {r:>3} | {t_bf16:8.4f} {t_mx:8.4f} {t_mx / t_bf16:7.2f} | {best:8.4f} "
-                  f"{best / t_bf16:9.2f} {best_cfg:>20} | {t_unf:8.4f} | {tf(t_bf16):9.1f} {tf(t_mx):8.1f} "
-                  f"{tf(best):9.1f}", flush=True)
+            print(
+                f"{m:>5} {n:>5} {k:>5} {r:>3} | {t_bf16:8.4f} {t_mx:8.4f} {t_mx / t_bf16:7.2f} | {best:8.4f} "
+                f"{best / t_bf16:9.2f} {best_cfg:>20} | {t_unf:8.4f} | {tf(t_bf16):9.1f} {tf(t_mx):8.1f} "
+                f"{tf(best):9.1f}",
+                flush=True,
+            )
     d = tk.default_config(shapes[0][0], shapes[0][1], shapes[0][2], torch.bfloat16, device=dev)
     print(f"default config at {shapes[0]}: {d}")
 
@@ -281,15 +309,21 @@ def time_quant(dev, n: int) -> None:
             t_ref = bench(lambda: ref.quantize(x, mode), dev)
             t_tk = bench(lambda: tk.quantize(x, mode), dev)
             nbytes = x.numel() * x.element_size() + x.numel() // 2 + x.numel() // 32
-            print(f"{'quantize ' + mode + ' ' + str(dt)[6:]:<32} {t_ref:9.4f} {t_tk:9.4f} {t_ref / t_tk:8.1f} "
-                  f"{nbytes / (t_tk * 1e-3) / 1e9:12.1f}", flush=True)
+            print(
+                f"{'quantize ' + mode + ' ' + str(dt)[6:]:<32} {t_ref:9.4f} {t_tk:9.4f} {t_ref / t_tk:8.1f} "
+                f"{nbytes / (t_tk * 1e-3) / 1e9:12.1f}",
+                flush=True,
+            )
     q = ref.quantize(x32)
     for dt in (torch.bfloat16, torch.float32):
         t_ref = bench(lambda: ref.dequantize(q, dt), dev)
         t_tk = bench(lambda: tk.dequantize(q.packed, q.scales, n, dt), dev)
         nbytes = q.nbytes() + x32.numel() * torch.empty((), dtype=dt).element_size()
-        print(f"{'dequantize -> ' + str(dt)[6:]:<32} {t_ref:9.4f} {t_tk:9.4f} {t_ref / t_tk:8.1f} "
-              f"{nbytes / (t_tk * 1e-3) / 1e9:12.1f}", flush=True)
+        print(
+            f"{'dequantize -> ' + str(dt)[6:]:<32} {t_ref:9.4f} {t_tk:9.4f} {t_ref / t_tk:8.1f} "
+            f"{nbytes / (t_tk * 1e-3) / 1e9:12.1f}",
+            flush=True,
+        )
 
 
 def main() -> int:
@@ -308,16 +342,24 @@ def main() -> int:
         quant_n, rows, k = 128, 6, 96
     else:
         if not torch.cuda.is_available():
-            print("error: no CUDA device available (torch.cuda.is_available() is False). This benchmark needs a "
-                  "CUDA GPU; `python benchmarks/mxfp4_gpu.py --smoke` runs it on tiny CPU shapes under the "
-                  "Triton interpreter instead.", file=sys.stderr)
+            print(
+                "error: no CUDA device available (torch.cuda.is_available() is False). This benchmark needs a "
+                "CUDA GPU; `python benchmarks/mxfp4_gpu.py --smoke` runs it on tiny CPU shapes under the "
+                "Triton interpreter instead.",
+                file=sys.stderr,
+            )
             return 2
         dev = torch.device("cuda")
         print(f"device: {torch.cuda.get_device_name(dev)}, torch {torch.__version__}", flush=True)
         check_shapes = [(300, 200, 384), (4096, 384, 1536), (1024, 1024, 4096)]
         time_shapes = [(4096, 4096, 4096), (4096, 384, 384), (4096, 1536, 384), (4096, 384, 1536)]
-        configs = [(128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3),
-                   (64, 64, 64, 4, 4)]
+        configs = [
+            (128, 128, 64, 8, 3),
+            (64, 128, 64, 4, 3),
+            (128, 256, 64, 8, 3),
+            (128, 128, 128, 8, 3),
+            (64, 64, 64, 4, 4),
+        ]
         quant_n, rows, k = 4096, 512, 4096
     t0 = time.perf_counter()
     check_quantize(dev, rows, k)

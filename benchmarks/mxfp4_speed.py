@@ -54,10 +54,14 @@ def main() -> None:
     def ao_dequant(s, d):
         return to_dtype(d, s, torch.float4_e2m1fn_x2, 32, torch.float32)
 
-    print(f"# mxfp4_speed: torch {torch.__version__}, threads {torch.get_num_threads()}, repeats {args.repeats} "
-          f"(median; the sides take turns)")
-    print(f"{'shape':>12} {'bit-exact':>9} {'quant Melem/s':>14} {'torchao':>8} {'ratio':>6} "
-          f"{'dequant Melem/s':>16} {'torchao':>8} {'ratio':>6}")
+    print(
+        f"# mxfp4_speed: torch {torch.__version__}, threads {torch.get_num_threads()}, repeats {args.repeats} "
+        f"(median; the sides take turns)"
+    )
+    print(
+        f"{'shape':>12} {'bit-exact':>9} {'quant Melem/s':>14} {'torchao':>8} {'ratio':>6} "
+        f"{'dequant Melem/s':>16} {'torchao':>8} {'ratio':>6}"
+    )
     g = torch.Generator().manual_seed(0)
     shapes = [(384, 384), (1536, 384), (384, 1536), (4096, 4096)]
     mm_rows = []
@@ -65,13 +69,25 @@ def main() -> None:
         w = torch.randn(*shape, generator=g) * 0.05
         s, d = ao_quant(w)
         q = quantize(w)
-        exact = (torch.equal(q.scales, s.view(torch.uint8)) and torch.equal(q.packed, d.view(torch.uint8))
-                 and torch.equal(dequantize(q), ao_dequant(s, d)))
-        t = interleaved({"ours_q": lambda: quantize(w), "ao_q": lambda: ao_quant(w),
-                         "ours_d": lambda: dequantize(q), "ao_d": lambda: ao_dequant(s, d)}, args.repeats)
+        exact = (
+            torch.equal(q.scales, s.view(torch.uint8))
+            and torch.equal(q.packed, d.view(torch.uint8))
+            and torch.equal(dequantize(q), ao_dequant(s, d))
+        )
+        t = interleaved(
+            {
+                "ours_q": lambda: quantize(w),
+                "ao_q": lambda: ao_quant(w),
+                "ours_d": lambda: dequantize(q),
+                "ao_d": lambda: ao_dequant(s, d),
+            },
+            args.repeats,
+        )
         n = w.numel() / 1e6
-        print(f"{'x'.join(map(str, shape)):>12} {str(exact):>9} {n / t['ours_q']:14.1f} {n / t['ao_q']:8.1f} "
-              f"{t['ao_q'] / t['ours_q']:6.2f} {n / t['ours_d']:16.1f} {n / t['ao_d']:8.1f} {t['ao_d'] / t['ours_d']:6.2f}")
+        print(
+            f"{'x'.join(map(str, shape)):>12} {str(exact):>9} {n / t['ours_q']:14.1f} {n / t['ao_q']:8.1f} "
+            f"{t['ao_q'] / t['ours_q']:6.2f} {n / t['ours_d']:16.1f} {n / t['ao_d']:8.1f} {t['ao_d'] / t['ours_d']:6.2f}"
+        )
         if not exact:
             raise SystemExit(f"not bit-exact with torchao at shape {shape}")
         tokens = 4096 if shape == (4096, 4096) else 256
@@ -81,8 +97,9 @@ def main() -> None:
             lin.weight.copy_(w)
         mx = MXLinear.from_linear(lin)
         r = 16
-        mxr = MXLinear.from_linear(lin, adapter=(torch.randn(shape[0], r, generator=g) * 0.01,
-                                                 torch.randn(r, shape[1], generator=g) * 0.01))
+        mxr = MXLinear.from_linear(
+            lin, adapter=(torch.randn(shape[0], r, generator=g) * 0.01, torch.randn(r, shape[1], generator=g) * 0.01)
+        )
         with torch.no_grad():
             tm = interleaved({"float": lambda: lin(x), "mx": lambda: mx(x), "mx_r16": lambda: mxr(x)}, args.repeats)
         mm_rows.append((shape, tokens, tm))
@@ -90,8 +107,10 @@ def main() -> None:
     print("# dequant-matmul on the CPU (MXLinear's torch path) against a float32 matmul, same weight")
     print(f"{'shape':>12} {'tokens':>6} {'float ms':>9} {'mx ms':>8} {'mx/float':>8} {'mx+r16 ms':>10} {'ratio':>6}")
     for shape, tokens, tm in mm_rows:
-        print(f"{'x'.join(map(str, shape)):>12} {tokens:6d} {1e3 * tm['float']:9.3f} {1e3 * tm['mx']:8.3f} "
-              f"{tm['mx'] / tm['float']:8.2f} {1e3 * tm['mx_r16']:10.3f} {tm['mx_r16'] / tm['float']:6.2f}")
+        print(
+            f"{'x'.join(map(str, shape)):>12} {tokens:6d} {1e3 * tm['float']:9.3f} {1e3 * tm['mx']:8.3f} "
+            f"{tm['mx'] / tm['float']:8.2f} {1e3 * tm['mx_r16']:10.3f} {tm['mx_r16'] / tm['float']:6.2f}"
+        )
 
 
 if __name__ == "__main__":

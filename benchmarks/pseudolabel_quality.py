@@ -70,11 +70,14 @@ def evaluate_task(root: Path, params, task: str, draws: int, seed: int) -> dict:
     import json
 
     metrics = json.loads((root / "metrics" / task / "pseudolabel.json").read_text())
-    emb = {k: v.double().numpy() for k, v in load_embeddings(root, task, {"reference": ref, "pool": pool,
-                                                                          "test": test}).items()}
+    emb = {
+        k: v.double().numpy()
+        for k, v in load_embeddings(root, task, {"reference": ref, "pool": pool, "test": test}).items()
+    }
     # the stage's teacher, refitted identically (deterministic), so the pool's predictions are fixed
-    teacher = pl.fit_teacher(emb["reference"], ref["label"].to_numpy(object), holdout=cfg.holdout, C=cfg.C,
-                             seed=params.pipeline.seed)
+    teacher = pl.fit_teacher(
+        emb["reference"], ref["label"].to_numpy(object), holdout=cfg.holdout, C=cfg.C, seed=params.pipeline.seed
+    )
     pred = pl.predict(teacher, emb["pool"])
     selected = pl.select(pred, mode=cfg.selection, threshold=cfg.threshold, quota=cfg.quota)
     member = truth["member"].to_numpy(np.float64)
@@ -97,8 +100,17 @@ def evaluate_task(root: Path, params, task: str, draws: int, seed: int) -> dict:
     for _ in range(draws):
         i = draw_poisson_sample(pi, rng)
         try:
-            q = pl.estimate_quality(pred, teacher.classes, scores, i, np.where(i, member, np.nan),
-                                    np.where(i, y_true, -1), pi, selected, level=cfg.level).to_dict()
+            q = pl.estimate_quality(
+                pred,
+                teacher.classes,
+                scores,
+                i,
+                np.where(i, member, np.nan),
+                np.where(i, y_true, -1),
+                pi,
+                selected,
+                level=cfg.level,
+            ).to_dict()
         except ValueError:  # a draw with a non-positive estimated denominator
             failed += 1
             continue
@@ -116,22 +128,44 @@ def evaluate_task(root: Path, params, task: str, draws: int, seed: int) -> dict:
     clean = member == 1
     acc = {
         "ref_only": probe_accuracy(emb["reference"], y_ref, None, emb["test"], y_test, cfg.C),
-        "weighted": probe_accuracy(x_lab, labeled["label"].to_numpy(object), labeled["weight"].to_numpy(),
-                                   emb["test"], y_test, cfg.C),
-        "unweighted_pool": probe_accuracy(np.vstack([emb["reference"], emb["pool"]]),
-                                          np.r_[y_ref, classes[pred.label]], None, emb["test"], y_test, cfg.C),
-        "oracle_clean": probe_accuracy(np.vstack([emb["reference"], emb["pool"][clean]]),
-                                       np.r_[y_ref, classes[y_true[clean]]], None, emb["test"], y_test, cfg.C),
+        "weighted": probe_accuracy(
+            x_lab, labeled["label"].to_numpy(object), labeled["weight"].to_numpy(), emb["test"], y_test, cfg.C
+        ),
+        "unweighted_pool": probe_accuracy(
+            np.vstack([emb["reference"], emb["pool"]]),
+            np.r_[y_ref, classes[pred.label]],
+            None,
+            emb["test"],
+            y_test,
+            cfg.C,
+        ),
+        "oracle_clean": probe_accuracy(
+            np.vstack([emb["reference"], emb["pool"][clean]]),
+            np.r_[y_ref, classes[y_true[clean]]],
+            None,
+            emb["test"],
+            y_test,
+            cfg.C,
+        ),
     }
     return {
-        "task": task, "n_pool": len(pool), "n_sel": int(selected.sum()), "eps": 1 - member.mean(),
+        "task": task,
+        "n_pool": len(pool),
+        "n_sel": int(selected.sum()),
+        "eps": 1 - member.mean(),
         "T": teacher.temperature,
-        "acc_est": metrics["accuracy"], "acc_ci": (metrics["accuracy_ci_low"], metrics["accuracy_ci_high"]),
-        "acc_true": true["accuracy"], "sel_est": metrics["selected_accuracy"], "sel_true": true["selected_accuracy"],
+        "acc_est": metrics["accuracy"],
+        "acc_ci": (metrics["accuracy_ci_low"], metrics["accuracy_ci_high"]),
+        "acc_true": true["accuracy"],
+        "sel_est": metrics["selected_accuracy"],
+        "sel_true": true["selected_accuracy"],
         "naive": float(pred.confidence.mean()),
         "mean_est": float(np.mean(est_acc)) if est_acc else float("nan"),
-        "cov_acc": hits["accuracy"] / max(ok, 1), "cov_sel": hits["selected_accuracy"] / max(ok, 1),
-        "cov_prior": float(np.mean([hits[k] for k in keys[2:]])) / max(ok, 1), "draws": ok, **acc,
+        "cov_acc": hits["accuracy"] / max(ok, 1),
+        "cov_sel": hits["selected_accuracy"] / max(ok, 1),
+        "cov_prior": float(np.mean([hits[k] for k in keys[2:]])) / max(ok, 1),
+        "draws": ok,
+        **acc,
     }
 
 
@@ -149,35 +183,45 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     base = load_params(ROOT / "params.yaml", args.profile)
-    sizes = {k: v for k, v in (("n_reference", args.n_reference), ("n_pool", args.n_pool),
-                               ("n_test", args.n_test)) if v}
+    sizes = {
+        k: v for k, v in (("n_reference", args.n_reference), ("n_pool", args.n_pool), ("n_test", args.n_test)) if v
+    }
     overrides: dict = {}
     if sizes:
-        overrides["pipeline"] = {"tasks": {t: {**spec.model_dump(exclude_none=True), **sizes}
-                                           for t, spec in base.pipeline.tasks.items()}}
+        overrides["pipeline"] = {
+            "tasks": {t: {**spec.model_dump(exclude_none=True), **sizes} for t, spec in base.pipeline.tasks.items()}
+        }
     if args.budget:
         overrides["ingest"] = {"audit": {"budget": args.budget}}
     root = prepare(args.workdir, args.profile, overrides, args.force)
     params = load_params(root / "params.yaml")
     rows = [evaluate_task(root, params, t, args.draws, args.seed) for t in params.pipeline.tasks]
 
-    print(f"pseudo-label quality, profile {args.profile}{' + ' + str(overrides) if overrides else ''}; "
-          f"coverage of the {params.pseudolabel.level:.0%} interval over {args.draws} audit redraws")
-    head = (f"{'task':8s} {'n_pool':>6s} {'eps':>5s} {'T':>5s} {'n_sel':>5s} | {'acc est':>7s} {'[95% CI]':>15s} "
-            f"{'true':>5s} {'naive':>5s} {'E[est]':>6s} | {'sel est':>7s} {'true':>5s} | {'cov acc':>7s} {'cov sel':>7s} "
-            f"{'cov pri':>7s} | {'ref':>5s} {'+wtd':>5s} {'+pool':>5s} {'oracle':>6s}")
+    print(
+        f"pseudo-label quality, profile {args.profile}{' + ' + str(overrides) if overrides else ''}; "
+        f"coverage of the {params.pseudolabel.level:.0%} interval over {args.draws} audit redraws"
+    )
+    head = (
+        f"{'task':8s} {'n_pool':>6s} {'eps':>5s} {'T':>5s} {'n_sel':>5s} | {'acc est':>7s} {'[95% CI]':>15s} "
+        f"{'true':>5s} {'naive':>5s} {'E[est]':>6s} | {'sel est':>7s} {'true':>5s} | {'cov acc':>7s} {'cov sel':>7s} "
+        f"{'cov pri':>7s} | {'ref':>5s} {'+wtd':>5s} {'+pool':>5s} {'oracle':>6s}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['task']:8s} {r['n_pool']:6d} {r['eps']:5.2f} {r['T']:5.2f} {r['n_sel']:5d} | {r['acc_est']:7.3f} "
-              f"[{r['acc_ci'][0]:6.3f},{r['acc_ci'][1]:6.3f}] {r['acc_true']:5.3f} {r['naive']:5.3f} "
-              f"{r['mean_est']:6.3f} | {r['sel_est']:7.3f} {r['sel_true']:5.3f} | {r['cov_acc']:7.2f} "
-              f"{r['cov_sel']:7.2f} {r['cov_prior']:7.2f} | {r['ref_only']:5.3f} {r['weighted']:5.3f} "
-              f"{r['unweighted_pool']:5.3f} {r['oracle_clean']:6.3f}")
-    print("acc: pseudo-label accuracy on the clean pool; naive: mean confidence over the whole pool; E[est]: mean "
-          "estimate over redraws;\ncov pri: mean coverage over the class-prior intervals; probe test accuracy: "
-          "ref = reference only, +wtd = labeled.parquet with weights,\n+pool = reference + every pooled item's "
-          "pseudo-label (weight 1), oracle = reference + the clean pool's true labels")
+        print(
+            f"{r['task']:8s} {r['n_pool']:6d} {r['eps']:5.2f} {r['T']:5.2f} {r['n_sel']:5d} | {r['acc_est']:7.3f} "
+            f"[{r['acc_ci'][0]:6.3f},{r['acc_ci'][1]:6.3f}] {r['acc_true']:5.3f} {r['naive']:5.3f} "
+            f"{r['mean_est']:6.3f} | {r['sel_est']:7.3f} {r['sel_true']:5.3f} | {r['cov_acc']:7.2f} "
+            f"{r['cov_sel']:7.2f} {r['cov_prior']:7.2f} | {r['ref_only']:5.3f} {r['weighted']:5.3f} "
+            f"{r['unweighted_pool']:5.3f} {r['oracle_clean']:6.3f}"
+        )
+    print(
+        "acc: pseudo-label accuracy on the clean pool; naive: mean confidence over the whole pool; E[est]: mean "
+        "estimate over redraws;\ncov pri: mean coverage over the class-prior intervals; probe test accuracy: "
+        "ref = reference only, +wtd = labeled.parquet with weights,\n+pool = reference + every pooled item's "
+        "pseudo-label (weight 1), oracle = reference + the clean pool's true labels"
+    )
     return 0
 
 

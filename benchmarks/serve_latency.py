@@ -81,8 +81,17 @@ def main() -> None:
     apply_defaults(root)
     from tasks.runtime.params import load_params
     from tasks.registry.registry import resolve_version
-    from tasks.registry.serving import (download_version, free_port, invocation_body, load_registered, registry_client,
-                                        serve_command, serve_limits, stop_server, wait_until_serving)
+    from tasks.registry.serving import (
+        download_version,
+        free_port,
+        invocation_body,
+        load_registered,
+        registry_client,
+        serve_command,
+        serve_limits,
+        stop_server,
+        wait_until_serving,
+    )
 
     params = load_params(root / "params.yaml")
     name = params.tracking.registered_model
@@ -93,8 +102,10 @@ def main() -> None:
         model, _ = load_registered(root, str(mv.version), name, dst=Path(tmp))
         pyfunc_bytes = sum(p.stat().st_size for p in Path(tmp).rglob("*") if p.is_file())
     single, batch = texts_of(root, tasks, 1), texts_of(root, tasks, args.batch)
-    local = {"single": median_seconds(lambda: model.predict(single), args.repeats),
-             "batch": median_seconds(lambda: model.predict(batch), args.repeats)}
+    local = {
+        "single": median_seconds(lambda: model.predict(single), args.repeats),
+        "batch": median_seconds(lambda: model.predict(batch), args.repeats),
+    }
 
     port = args.port or free_port()
     served_copy = tempfile.TemporaryDirectory(prefix="serve-latency-")
@@ -116,27 +127,44 @@ def main() -> None:
                 out = json.loads(resp.read())
             assert len(out["predictions"]) == len(frame)
 
-        http = {"single": median_seconds(lambda: request(single), args.repeats),
-                "batch": median_seconds(lambda: request(batch), args.repeats)}
+        http = {
+            "single": median_seconds(lambda: request(single), args.repeats),
+            "batch": median_seconds(lambda: request(batch), args.repeats),
+        }
     finally:
         stop_server(proc)
         served_copy.cleanup()
 
     served, flt = int(tags.get("crucible.size.served_bytes", 0)), int(tags.get("crucible.size.float_bytes", 0))
     accuracy = {k.split(".")[-1]: float(v) for k, v in tags.items() if k.startswith("crucible.metric.accuracy.")}
-    result = {"model": f"models:/{name}/{mv.version}", "aliases": sorted(mv.aliases), "kind": tags.get("crucible.model_kind"),
-              "size_mb": {"served": served / 2**20, "float": flt / 2**20, "pyfunc": pyfunc_bytes / 2**20},
-              "size_ratio": served / flt if flt else None, "accuracy": accuracy,
-              "mean_accuracy": float(tags.get("crucible.metric.mean_accuracy", "nan")),
-              "latency_ms": {"http": {k: 1000 * v for k, v in http.items()},
-                             "in_process": {k: 1000 * v for k, v in local.items()}},
-              "ratio_http_to_in_process": {k: http[k] / local[k] for k in http},
-              "server_startup_s": startup, "repeats": args.repeats, "batch": args.batch, "threads": _threads()}
+    result = {
+        "model": f"models:/{name}/{mv.version}",
+        "aliases": sorted(mv.aliases),
+        "kind": tags.get("crucible.model_kind"),
+        "size_mb": {"served": served / 2**20, "float": flt / 2**20, "pyfunc": pyfunc_bytes / 2**20},
+        "size_ratio": served / flt if flt else None,
+        "accuracy": accuracy,
+        "mean_accuracy": float(tags.get("crucible.metric.mean_accuracy", "nan")),
+        "latency_ms": {
+            "http": {k: 1000 * v for k, v in http.items()},
+            "in_process": {k: 1000 * v for k, v in local.items()},
+        },
+        "ratio_http_to_in_process": {k: http[k] / local[k] for k in http},
+        "server_startup_s": startup,
+        "repeats": args.repeats,
+        "batch": args.batch,
+        "threads": _threads(),
+    }
     print(f"{result['model']} ({', '.join(result['aliases']) or 'no alias'}), {result['kind']}")
-    print(f"size on disk: served {result['size_mb']['served']:.1f} MB vs float {result['size_mb']['float']:.1f} MB"
-          f" (x{result['size_ratio']:.3f}); the logged pyfunc folder {result['size_mb']['pyfunc']:.1f} MB")
-    print("test accuracy: " + ", ".join(f"{t} {a:.4f}" for t, a in accuracy.items())
-          + f"; mean {result['mean_accuracy']:.4f}")
+    print(
+        f"size on disk: served {result['size_mb']['served']:.1f} MB vs float {result['size_mb']['float']:.1f} MB"
+        f" (x{result['size_ratio']:.3f}); the logged pyfunc folder {result['size_mb']['pyfunc']:.1f} MB"
+    )
+    print(
+        "test accuracy: "
+        + ", ".join(f"{t} {a:.4f}" for t, a in accuracy.items())
+        + f"; mean {result['mean_accuracy']:.4f}"
+    )
     print(f"latency, median of {args.repeats} ({result['threads']} torch threads; server up in {startup:.1f} s):")
     print(f"  {'':<14}{'HTTP':>10}{'in process':>12}{'ratio':>8}")
     for k, label in (("single", "1 text"), ("batch", f"{args.batch} texts")):

@@ -52,15 +52,20 @@ def rss_mb(root_pid: int, port: int) -> dict:
         try:
             rss = p.memory_info().rss / 2**20
             name = " ".join(p.cmdline()[1:4])[:60]
-            listening = any(c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN
-                            for c in p.net_connections(kind="tcp"))
+            listening = any(
+                c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN
+                for c in p.net_connections(kind="tcp")
+            )
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
         out.append({"pid": p.pid, "rss_mb": round(rss, 1), "cmd": name, "worker": listening})
         if listening:
             worker = rss
-    return {"total": round(sum(p["rss_mb"] for p in out), 1), "worker": round(worker, 1) if worker else None,
-            "processes": out}
+    return {
+        "total": round(sum(p["rss_mb"] for p in out), 1),
+        "worker": round(worker, 1) if worker else None,
+        "processes": out,
+    }
 
 
 def post(port: int, body: bytes, declared: int | None = None, timeout: float = 120) -> tuple[int, str, float]:
@@ -115,8 +120,9 @@ def main() -> None:
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args()
     if args.requests > 5000 or args.seconds > 900 or args.concurrency > 32 or args.hostile > 20 or args.huge_mb > 64:
-        raise SystemExit("bounded: --requests <= 5000, --seconds <= 900, --concurrency <= 32, --hostile <= 20, "
-                         "--huge-mb <= 64")
+        raise SystemExit(
+            "bounded: --requests <= 5000, --seconds <= 900, --concurrency <= 32, --hostile <= 20, --huge-mb <= 64"
+        )
 
     from tasks.runtime.env import apply_defaults
 
@@ -130,8 +136,12 @@ def main() -> None:
     raw = yaml.safe_load((root / "params.yaml").read_text()) or {}
     limits = {"max_rows": 256, "max_chars": 10000, "max_body_bytes": 1 << 20, **(raw.get("serve") or {})}
     tasks = list((raw.get("pipeline") or {}).get("tasks") or {})
-    pool = [(str(r.text), t) for t in tasks if (root / "data" / t / "test.parquet").is_file()
-            for r in pd.read_parquet(root / "data" / t / "test.parquet", columns=["text"]).itertuples()]
+    pool = [
+        (str(r.text), t)
+        for t in tasks
+        if (root / "data" / t / "test.parquet").is_file()
+        for r in pd.read_parquet(root / "data" / t / "test.parquet", columns=["text"]).itertuples()
+    ]
     if not pool:
         raise SystemExit(f"{root}/data/<task>/test.parquet: none found for tasks {tasks}")
     rng = random.Random(args.seed)
@@ -139,10 +149,25 @@ def main() -> None:
     port = free_port()
     log = Path(tempfile.mkdtemp(prefix="serve-load-")) / "serve.log"
     with open(log, "w") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--root", str(root), "--alias", args.alias,
-                                 "--port", str(port)], stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
-                                cwd=Path(__file__).resolve().parent.parent,
-                                env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "flows.cli",
+                "serve",
+                "--root",
+                str(root),
+                "--alias",
+                args.alias,
+                "--port",
+                str(port),
+            ],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=Path(__file__).resolve().parent.parent,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+        )
     result: dict = {"root": str(root), "alias": args.alias, "limits": limits}
     try:
         try:
@@ -157,7 +182,9 @@ def main() -> None:
         # 1. normal load, bounded in count and time
         latencies, statuses, lock = [], {}, threading.Lock()
         deadline = time.monotonic() + args.seconds
-        bodies = [body_of(rng.sample(pool, rng.randint(1, min(args.max_rows, len(pool))))) for _ in range(args.requests)]
+        bodies = [
+            body_of(rng.sample(pool, rng.randint(1, min(args.max_rows, len(pool))))) for _ in range(args.requests)
+        ]
         todo = iter(bodies)
 
         def client() -> None:
@@ -179,31 +206,40 @@ def main() -> None:
         for t in threads:
             t.join()
         wall = time.monotonic() - start
-        result["load"] = {"requests": sum(statuses.values()), "statuses": statuses, "seconds": round(wall, 1),
-                          "per_second": round(sum(statuses.values()) / wall, 2),
-                          "latency_ms": {f"p{q}": round(1000 * percentile(latencies, q), 1) for q in (50, 95, 99)}}
+        result["load"] = {
+            "requests": sum(statuses.values()),
+            "statuses": statuses,
+            "seconds": round(wall, 1),
+            "per_second": round(sum(statuses.values()) / wall, 2),
+            "latency_ms": {f"p{q}": round(1000 * percentile(latencies, q), 1) for q in (50, 95, 99)},
+        }
         result["rss_after_load"] = rss_mb(proc.pid, port)
 
         # 2. hostile requests: each must be refused with a 4xx, none may take the server down
         huge = int(args.huge_mb * 2**20)
         hostile = {
             f"one text of {args.huge_mb:g} MB": lambda: post(port, body_of([("x" * huge, tasks[0])])),
-            f"one text of max_chars + 1 = {limits['max_chars'] + 1} characters":
-                lambda: post(port, body_of([(("y " * (limits["max_chars"] // 2 + 1))[:limits["max_chars"] + 1],
-                                             tasks[0])])),
-            f"max_rows + 1 = {limits['max_rows'] + 1} rows":
-                lambda: post(port, body_of([pool[i % len(pool)] for i in range(limits["max_rows"] + 1)])),
+            f"one text of max_chars + 1 = {limits['max_chars'] + 1} characters": lambda: post(
+                port, body_of([(("y " * (limits["max_chars"] // 2 + 1))[: limits["max_chars"] + 1], tasks[0])])
+            ),
+            f"max_rows + 1 = {limits['max_rows'] + 1} rows": lambda: post(
+                port, body_of([pool[i % len(pool)] for i in range(limits["max_rows"] + 1)])
+            ),
             "2000 rows": lambda: post(port, body_of([pool[i % len(pool)] for i in range(2000)])),
-            f"Content-Length {4 * limits['max_body_bytes']} declared, 1 KB sent":
-                lambda: post(port, body_of(pool[:1])[:1024], declared=4 * limits["max_body_bytes"], timeout=30),
+            f"Content-Length {4 * limits['max_body_bytes']} declared, 1 KB sent": lambda: post(
+                port, body_of(pool[:1])[:1024], declared=4 * limits["max_body_bytes"], timeout=30
+            ),
         }
         result["hostile"] = {}
         for label, send in hostile.items():
             answers = [send() for _ in range(args.hostile)]
             codes = [a[0] for a in answers]
-            result["hostile"][label] = {"statuses": codes, "refused": all(400 <= c < 500 for c in codes),
-                                        "seconds_max": round(max(a[2] for a in answers), 2),
-                                        "message": answers[0][1][:240]}
+            result["hostile"][label] = {
+                "statuses": codes,
+                "refused": all(400 <= c < 500 for c in codes),
+                "seconds_max": round(max(a[2] for a in answers), 2),
+                "message": answers[0][1][:240],
+            }
         status, text, _ = post(port, body_of(pool[:4]))
         result["answers_after"] = status == 200
         result["rss_after"] = rss_mb(proc.pid, port)
@@ -213,17 +249,25 @@ def main() -> None:
     before, after = result["rss_before"], result["rss_after"]
     print(f"crucible serve {result['alias']} of {root}: up in {result['startup_s']} s; limits: {limits}")
     load = result["load"]
-    print(f"normal load: {load['requests']} requests of 1-{args.max_rows} texts from {args.concurrency} clients in "
-          f"{load['seconds']} s ({load['per_second']}/s), statuses {load['statuses']}")
-    print(f"  latency p50 {load['latency_ms']['p50']} ms, p95 {load['latency_ms']['p95']} ms, "
-          f"p99 {load['latency_ms']['p99']} ms")
+    print(
+        f"normal load: {load['requests']} requests of 1-{args.max_rows} texts from {args.concurrency} clients in "
+        f"{load['seconds']} s ({load['per_second']}/s), statuses {load['statuses']}"
+    )
+    print(
+        f"  latency p50 {load['latency_ms']['p50']} ms, p95 {load['latency_ms']['p95']} ms, "
+        f"p99 {load['latency_ms']['p99']} ms"
+    )
     print("hostile requests (each must be refused with a 4xx):")
     for label, h in result["hostile"].items():
-        print(f"  {label:<52} {'refused' if h['refused'] else 'NOT REFUSED'} {h['statuses']} "
-              f"(<= {h['seconds_max']} s): {h['message'][:150]!r}")
+        print(
+            f"  {label:<52} {'refused' if h['refused'] else 'NOT REFUSED'} {h['statuses']} "
+            f"(<= {h['seconds_max']} s): {h['message'][:150]!r}"
+        )
     print(f"server still answers afterwards: {result['answers_after']}")
     print("RSS (MB)            before   after load   after hostile")
-    print(f"  worker          {before['worker']!s:>8} {result['rss_after_load']['worker']!s:>12} {after['worker']!s:>15}")
+    print(
+        f"  worker          {before['worker']!s:>8} {result['rss_after_load']['worker']!s:>12} {after['worker']!s:>15}"
+    )
     print(f"  all processes   {before['total']!s:>8} {result['rss_after_load']['total']!s:>12} {after['total']!s:>15}")
     for p in after["processes"]:
         print(f"    pid {p['pid']:<8} {p['rss_mb']:>8.1f} MB  {'worker ' if p['worker'] else ''}{p['cmd']}")

@@ -30,8 +30,10 @@ def _split(obj, tensors: dict, path: str):
     if isinstance(obj, dict):
         return {"__dict__": [[k, _split(v, tensors, f"{path}.{k}")] for k, v in obj.items()]}
     if isinstance(obj, (list, tuple)):
-        return {"__list__": [_split(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)],
-                "tuple": isinstance(obj, tuple)}
+        return {
+            "__list__": [_split(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)],
+            "tuple": isinstance(obj, tuple),
+        }
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     raise TypeError(f"checkpoint: cannot store {type(obj).__name__} at {path}")

@@ -36,8 +36,9 @@ BOILERPLATE = (
 )
 
 
-def poisson_inclusion_probabilities(n: int, budget: float, uncertainty: np.ndarray | None = None,
-                                    floor: float = 0.0) -> np.ndarray:
+def poisson_inclusion_probabilities(
+    n: int, budget: float, uncertainty: np.ndarray | None = None, floor: float = 0.0
+) -> np.ndarray:
     """Inclusion probabilities pi_j for a Poisson audit of expected size `budget`.
 
     Uniform when `uncertainty` is None (pi_j = budget / n); otherwise pi_j = clip(c * u_j, floor, 1)
@@ -56,8 +57,10 @@ def poisson_inclusion_probabilities(n: int, budget: float, uncertainty: np.ndarr
     if not 0 < floor <= 1:
         raise ValueError(f"pi floor must be in (0, 1], got {floor}")
     if floor * n > budget:
-        raise ValueError(f"pi floor {floor} x n {n} = {floor * n:g} exceeds the audit budget {budget}; "
-                         f"lower the floor or raise the budget")
+        raise ValueError(
+            f"pi floor {floor} x n {n} = {floor * n:g} exceeds the audit budget {budget}; "
+            f"lower the floor or raise the budget"
+        )
 
     def total(c: float) -> float:
         return float(np.clip(c * u, floor, 1.0).sum())
@@ -117,8 +120,9 @@ def contaminant_kinds(n: int, mix: dict[str, float], rng: np.random.Generator) -
     return rng.choice(np.array(CONTAMINANT_KINDS), size=n, p=weights / weights.sum())
 
 
-def build_pool(target, others, *, n_pool: int, eps: float, mix: dict[str, float],
-               rng: np.random.Generator, id_prefix: str):
+def build_pool(
+    target, others, *, n_pool: int, eps: float, mix: dict[str, float], rng: np.random.Generator, id_prefix: str
+):
     """A contaminated pool of n_pool items and its held-back truth.
 
     target: frame (text, label) of held-out target items, at least as many as the pool needs;
@@ -136,8 +140,10 @@ def build_pool(target, others, *, n_pool: int, eps: float, mix: dict[str, float]
     member = rng.random(n_pool) >= eps
     n_target = int(member.sum())
     if n_target > len(target):
-        raise ValueError(f"the pool needs {n_target} target items but only {len(target)} are left after the "
-                         f"reference and test splits; lower n_pool (or n_reference / n_test)")
+        raise ValueError(
+            f"the pool needs {n_target} target items but only {len(target)} are left after the "
+            f"reference and test splits; lower n_pool (or n_reference / n_test)"
+        )
     tgt = target.iloc[rng.permutation(len(target))[:n_target]]
     texts = np.empty(n_pool, dtype=object)
     labels = np.full(n_pool, None, dtype=object)
@@ -168,6 +174,12 @@ def build_pool(target, others, *, n_pool: int, eps: float, mix: dict[str, float]
     order = rng.permutation(n_pool)
     ids = np.array([f"{id_prefix}{i:06d}" for i in range(n_pool)], dtype=object)
     pool = pd.DataFrame({"id": ids, "text": texts[order]})
-    truth = pd.DataFrame({"id": ids, "member": member[order].astype(np.int8),
-                          "label": pd.array(labels[order], dtype="string"), "origin": origin[order]})
+    truth = pd.DataFrame(
+        {
+            "id": ids,
+            "member": member[order].astype(np.int8),
+            "label": pd.array(labels[order], dtype="string"),
+            "origin": origin[order],
+        }
+    )
     return pool, truth

@@ -54,4 +54,4 @@ def backward_transfer(R) -> float:
 def accuracy_curve(R) -> list[float]:
     """After each arrival j, the mean accuracy over the tasks arrived so far (R[j, :j+1])."""
     R = _matrix(R)
-    return [float(np.mean(R[j, :j + 1])) for j in range(R.shape[0])]
+    return [float(np.mean(R[j, : j + 1])) for j in range(R.shape[0])]

@@ -55,8 +55,9 @@ def as_vector(name: str, values, n: int | None = None) -> torch.Tensor:
         t = torch.from_numpy(np.array(arr, copy=True))
     if t.dtype == torch.bool:
         t = t.to(torch.float64)
-    if t.is_complex() or not (t.is_floating_point() or t.dtype in (torch.int8, torch.int16, torch.int32,
-                                                                    torch.int64, torch.uint8)):
+    if t.is_complex() or not (
+        t.is_floating_point() or t.dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+    ):
         raise ValueError(f"{name}: expected real numbers, got dtype {t.dtype}")
     t = t.to(torch.float64)
     if t.dim() != 1:
@@ -109,8 +110,11 @@ def difference_estimate(proxy, audited, truth, pi) -> DifferenceEstimate:
 
 def _audited_truth(name: str, truth, aud: torch.Tensor, n: int) -> torch.Tensor:
     # The truth is unknown off the audit, so NaN there is legitimate; only audited entries are checked.
-    t = torch.as_tensor(np.asarray(truth, dtype=np.float64)) if not isinstance(truth, torch.Tensor) \
+    t = (
+        torch.as_tensor(np.asarray(truth, dtype=np.float64))
+        if not isinstance(truth, torch.Tensor)
         else truth.detach().to(torch.float64)
+    )
     if t.dim() != 1 or t.shape[0] != n:
         raise ValueError(f"{name}: expected a 1-D array of length {n}, got shape {tuple(t.shape)}")
     t = t.to(aud.device)
@@ -177,8 +181,9 @@ def normal_quantile(level: float) -> float:
     return float(norm.ppf(0.5 + level / 2))
 
 
-def ratio_estimate(numerator_proxy, numerator_truth, denominator_proxy, denominator_truth,
-                   audited, pi, *, level: float = 0.95) -> RatioEstimate:
+def ratio_estimate(
+    numerator_proxy, numerator_truth, denominator_proxy, denominator_truth, audited, pi, *, level: float = 0.95
+) -> RatioEstimate:
     """Ratio R = T_num / T_den of two difference-estimated totals, e.g. sum m_j y_j / sum m_j.
 
     Each total is estimated by ``difference_estimate`` with its own proxy and audited truth (for a
@@ -193,11 +198,12 @@ def ratio_estimate(numerator_proxy, numerator_truth, denominator_proxy, denomina
     num = difference_estimate(numerator_proxy, audited, numerator_truth, pi)
     den = difference_estimate(denominator_proxy, audited, denominator_truth, pi)
     if num.values.shape != den.values.shape:
-        raise ValueError(f"denominator_proxy: expected length {num.values.shape[0]}, "
-                         f"got {den.values.shape[0]}")
+        raise ValueError(f"denominator_proxy: expected length {num.values.shape[0]}, got {den.values.shape[0]}")
     if den.total <= 0:
-        raise ValueError(f"denominator_truth: the estimated denominator total is {den.total:.6g}; "
-                         "a ratio needs a positive total (audit more items or check the proxy)")
+        raise ValueError(
+            f"denominator_truth: the estimated denominator total is {den.total:.6g}; "
+            "a ratio needs a positive total (audit more items or check the proxy)"
+        )
     r = num.total / den.total
     aud, p = _check_design(audited, pi, num.values.shape[0])
     # m - proxy is exactly (I/pi)(truth - proxy), so the audited residuals come back out of m.
@@ -206,5 +212,6 @@ def ratio_estimate(numerator_proxy, numerator_truth, denominator_proxy, denomina
     e = res_num - r * res_den
     var = float(((1 - p) / p**2 * aud * e**2).sum()) / den.total**2
     se = math.sqrt(max(var, 0.0))
-    return RatioEstimate(value=r, se=se, ci_low=r - z * se, ci_high=r + z * se,
-                         numerator=num.total, denominator=den.total, level=level)
+    return RatioEstimate(
+        value=r, se=se, ci_low=r - z * se, ci_high=r + z * se, numerator=num.total, denominator=den.total, level=level
+    )

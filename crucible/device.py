@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 PRECISIONS = ("auto", "fp32", "bf16")
-DEVICE_ENV = "CRUCIBLE_DEVICE"        # overrides runtime.device (a scheduler that assigns GPUs sets it)
+DEVICE_ENV = "CRUCIBLE_DEVICE"  # overrides runtime.device (a scheduler that assigns GPUs sets it)
 PRECISION_ENV = "CRUCIBLE_PRECISION"  # overrides runtime.precision
 
 
@@ -58,8 +58,11 @@ def resolve_device(spec: str = "auto", what: str = "device") -> torch.device:
             raise ValueError(f"{what} = {spec!r}: expected auto, cpu, cuda or cuda:N")
         index, n = int(index), visible_cuda()
         if index >= n:
-            seen = "no CUDA device is visible" if n == 0 else \
-                f"{n} CUDA device{'s are' if n > 1 else ' is'} visible (cuda:0..cuda:{n - 1})"
+            seen = (
+                "no CUDA device is visible"
+                if n == 0
+                else f"{n} CUDA device{'s are' if n > 1 else ' is'} visible (cuda:0..cuda:{n - 1})"
+            )
             build = "" if torch.version.cuda else f"; this torch ({torch.__version__}) is a CPU build"
             raise DeviceUnavailable(f"{what} = {spec!r}, but {seen}{build}")
         return torch.device("cuda", index)

@@ -30,8 +30,10 @@ class RunDropout(nn.Module):
         if not self.training or p == 0.0:
             return x
         if self.generator is None:
-            raise RuntimeError("RunDropout in training mode has no generator: call "
-                               "EncoderClassifier.bind_generator(torch.Generator()...) first (crucible.train.train does)")
+            raise RuntimeError(
+                "RunDropout in training mode has no generator: call "
+                "EncoderClassifier.bind_generator(torch.Generator()...) first (crucible.train.train does)"
+            )
         if p >= 1.0:
             return torch.zeros_like(x)
         keep = torch.rand(x.shape, generator=self.generator, device=x.device) >= p
@@ -47,23 +49,31 @@ RUN_DROPOUT_ATTENTION = "crucible_run_dropout"  # the name registered in transfo
 ATTENTION_DROPOUT_MODULE = "crucible_attention_dropout"
 
 
-def _run_dropout_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                           attention_mask: torch.Tensor | None, scaling: float | None = None,
-                           dropout: float = 0.0, **kwargs):
+def _run_dropout_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+):
     """transformers' sdpa attention in eval mode or without dropout (the same numbers); in training
     with dropout, eager attention whose dropout on the attention probabilities is the layer's
     RunDropout (`module.dropout`): torch's sdpa kernel would draw its mask from the global RNG."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if not module.training or dropout == 0.0:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=0.0,
-                                      **kwargs)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=0.0, **kwargs)
     drop = getattr(module, "dropout", None)
     if not isinstance(drop, RunDropout):  # attention modules that keep their dropout as a float (Llama, ModernBERT)
         drop = getattr(module, ATTENTION_DROPOUT_MODULE, None)
     if not isinstance(drop, RunDropout):
-        raise RuntimeError(f"{type(module).__name__}: attention dropout {dropout} needs a RunDropout at "
-                           f"`.dropout` to draw from the run's generator; got {type(drop).__name__}")
+        raise RuntimeError(
+            f"{type(module).__name__}: attention dropout {dropout} needs a RunDropout at "
+            f"`.dropout` to draw from the run's generator; got {type(drop).__name__}"
+        )
     if key.shape[1] != query.shape[1]:  # grouped-query attention: one key/value head per group
         n_rep = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(n_rep, dim=1), value.repeat_interleave(n_rep, dim=1)
@@ -94,16 +104,22 @@ def use_run_dropout(encoder: nn.Module) -> nn.Module:
     config = getattr(encoder, "config", None)
     if config is None or getattr(config, "_attn_implementation", None) == RUN_DROPOUT_ATTENTION:
         return encoder
-    attention_dropout = max(float(getattr(config, k, 0.0) or 0.0)
-                            for k in ("attention_probs_dropout_prob", "attention_dropout"))
+    attention_dropout = max(
+        float(getattr(config, k, 0.0) or 0.0) for k in ("attention_probs_dropout_prob", "attention_dropout")
+    )
     if not getattr(encoder, "_supports_attention_backend", False):
         # eager attention of the model's own: any functional dropout would draw from the global RNG
-        leftovers = [n for n, m in encoder.named_modules() if isinstance(getattr(m, "dropout_p", None), float)
-                     and m.dropout_p > 0]
+        leftovers = [
+            n
+            for n, m in encoder.named_modules()
+            if isinstance(getattr(m, "dropout_p", None), float) and m.dropout_p > 0
+        ]
         if attention_dropout > 0 and leftovers:
-            raise ValueError(f"{type(encoder).__name__}: attention dropout {attention_dropout} is applied "
-                             f"functionally in {leftovers[:2]} and cannot be drawn from the run's generator; set the "
-                             f"config's attention dropout to 0")
+            raise ValueError(
+                f"{type(encoder).__name__}: attention dropout {attention_dropout} is applied "
+                f"functionally in {leftovers[:2]} and cannot be drawn from the run's generator; set the "
+                f"config's attention dropout to 0"
+            )
         encoder.crucible_attention_dropout_mode = "module"
         return encoder
     from transformers import AttentionInterface
@@ -114,12 +130,15 @@ def use_run_dropout(encoder: nn.Module) -> nn.Module:
     if hasattr(encoder, "set_attn_implementation"):
         encoder.set_attn_implementation(RUN_DROPOUT_ATTENTION)
     if attention_dropout > 0 and config._attn_implementation != RUN_DROPOUT_ATTENTION:
-        raise ValueError(f"{type(encoder).__name__}: attention dropout {attention_dropout} cannot be drawn from the "
-                         f"run's generator (its attention implementation cannot be set to {RUN_DROPOUT_ATTENTION!r}); "
-                         f"set the config's attention dropout to 0 or use an encoder built on AttentionInterface")
+        raise ValueError(
+            f"{type(encoder).__name__}: attention dropout {attention_dropout} cannot be drawn from the "
+            f"run's generator (its attention implementation cannot be set to {RUN_DROPOUT_ATTENTION!r}); "
+            f"set the config's attention dropout to 0 or use an encoder built on AttentionInterface"
+        )
     for module in list(encoder.modules()):
-        if isinstance(getattr(module, "attention_dropout", None), float) \
-                and not isinstance(getattr(module, "dropout", None), RunDropout):
+        if isinstance(getattr(module, "attention_dropout", None), float) and not isinstance(
+            getattr(module, "dropout", None), RunDropout
+        ):
             module.add_module(ATTENTION_DROPOUT_MODULE, RunDropout(0.0))
     encoder.crucible_attention_dropout_mode = "interface"
     return encoder

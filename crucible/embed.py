@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
+
 # resolved at import, not inside the function: transformers' lazy attributes are not safe to
 # resolve from several threads at once (the Prefect flow embeds tasks in parallel threads)
 from crucible.device import autocast, model_device
@@ -26,9 +27,18 @@ def load_encoder(path: str, dtype: str = "float32"):
 
 
 @torch.inference_mode()
-def embed_texts(model, tokenizer, texts: Sequence[str], *, batch_size: int = 64, max_length: int = 128,
-                normalize: bool = True, progress: Callable[[int], None] | None = None,
-                pooling: str = "mean", autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+def embed_texts(
+    model,
+    tokenizer,
+    texts: Sequence[str],
+    *,
+    batch_size: int = 64,
+    max_length: int = 128,
+    normalize: bool = True,
+    progress: Callable[[int], None] | None = None,
+    pooling: str = "mean",
+    autocast_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """Embed `texts` in batches on the model's device (under `autocast_dtype` autocast when given);
     returns (n, d) float32 on the CPU. `progress(k)` is called with the number of texts done after
     each batch. Texts are sorted by length internally so batches pad little; the output is in the
@@ -39,9 +49,10 @@ def embed_texts(model, tokenizer, texts: Sequence[str], *, batch_size: int = 64,
     device = model_device(model)
     out = torch.empty(len(texts), model.config.hidden_size, dtype=torch.float32)
     for start in range(0, len(texts), batch_size):
-        idx = order[start:start + batch_size]
-        batch = tokenizer([texts[i] for i in idx], padding=True, truncation=True, max_length=max_length,
-                          return_tensors="pt").to(device)
+        idx = order[start : start + batch_size]
+        batch = tokenizer(
+            [texts[i] for i in idx], padding=True, truncation=True, max_length=max_length, return_tensors="pt"
+        ).to(device)
         with autocast(device, autocast_dtype):
             pooled = encode(model, batch["input_ids"], batch["attention_mask"], pooling).float()
         if normalize:

@@ -68,6 +68,7 @@ PROBE_MAX_ITER = 10_000
 
 # -- validation helpers ---------------------------------------------------------------------------
 
+
 def _features(x, name: str) -> np.ndarray:
     """A finite, non-empty float64 matrix (n, d), or a ValueError naming `name`."""
     arr = np.asarray(x)
@@ -78,8 +79,7 @@ def _features(x, name: str) -> np.ndarray:
     arr = arr.astype(np.float64, copy=False)
     bad = int(np.count_nonzero(~np.isfinite(arr)))
     if bad:
-        raise ValueError(f"{name} has {bad} non-finite values (NaN or inf) out of {arr.size}; "
-                         "features must be finite")
+        raise ValueError(f"{name} has {bad} non-finite values (NaN or inf) out of {arr.size}; features must be finite")
     return arr
 
 
@@ -119,8 +119,9 @@ def _class_indices(y, name: str, n: int, k: int) -> np.ndarray:
         raise ValueError(f"{name} must be integer class indices in [0, {k}), got dtype {arr.dtype}")
     if idx.size and (idx.min() < 0 or idx.max() >= k):
         bad = idx[(idx < 0) | (idx >= k)]
-        raise ValueError(f"{name} must be class indices in [0, {k}) (k = head rows), "
-                         f"got {bad.size} outside, e.g. {int(bad[0])}")
+        raise ValueError(
+            f"{name} must be class indices in [0, {k}) (k = head rows), got {bad.size} outside, e.g. {int(bad[0])}"
+        )
     return idx
 
 
@@ -138,8 +139,10 @@ def _l2_rows(x: np.ndarray) -> np.ndarray:
 
 def _algorithms(algorithms) -> tuple[str, ...]:
     if isinstance(algorithms, str):
-        raise ValueError(f"algorithms must be a sequence of names, got the string {algorithms!r}; "  # noqa: TRY004
-                         f"pass ({algorithms!r},)")
+        raise ValueError(
+            f"algorithms must be a sequence of names, got the string {algorithms!r}; "  # noqa: TRY004
+            f"pass ({algorithms!r},)"
+        )
     algs = tuple(algorithms)
     if not algs:
         raise ValueError(f"algorithms must name at least one of {ALGORITHMS}, got none")
@@ -153,13 +156,13 @@ def _algorithms(algorithms) -> tuple[str, ...]:
 
 # -- clustering agreement --------------------------------------------------------------------------
 
+
 def _label_codes(labels_true, labels_pred) -> tuple[np.ndarray, np.ndarray]:
     """Both labelings as int64 codes (see `_encode`), after checking they are 1-D and of one length."""
     t = _labels_1d(labels_true, "labels_true")
     p = _labels_1d(labels_pred, "labels_pred")
     if t.shape[0] != p.shape[0]:
-        raise ValueError(f"labels_true and labels_pred must have the same length, got {t.shape[0]} "
-                         f"and {p.shape[0]}")
+        raise ValueError(f"labels_true and labels_pred must have the same length, got {t.shape[0]} and {p.shape[0]}")
     return _encode(t, "labels_true")[1], _encode(p, "labels_pred")[1]
 
 
@@ -183,6 +186,7 @@ def ari(labels_true, labels_pred) -> float:
 
 # -- head ------------------------------------------------------------------------------------------
 
+
 def head_accuracy(features, weight, bias, labels) -> float:
     """Fraction of rows with argmax(features @ weight.T + bias) == labels (ties: the lowest index).
 
@@ -197,8 +201,10 @@ def head_accuracy(features, weight, bias, labels) -> float:
         raise ValueError(f"weight must have shape (k, {d}) to match features (n, {d}), got {w.shape}")
     b = np.asarray(bias)
     if b.dtype.kind not in "biuf" or b.shape != (k,):
-        raise ValueError(f"bias must be a numeric array of shape ({k},) to match weight {w.shape}, "
-                         f"got shape {b.shape} dtype {b.dtype}")
+        raise ValueError(
+            f"bias must be a numeric array of shape ({k},) to match weight {w.shape}, "
+            f"got shape {b.shape} dtype {b.dtype}"
+        )
     b = b.astype(np.float64)
     bad = int(np.count_nonzero(~np.isfinite(b)))
     if bad:
@@ -209,6 +215,7 @@ def head_accuracy(features, weight, bias, labels) -> float:
 
 
 # -- probe -----------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Probe:
@@ -262,8 +269,9 @@ def fit_probe(train_x, train_y, *, C: float = 1.0, normalize: bool = True, seed:
     seed = _seed(seed)
     classes, codes = _encode(y, "train_y")
     if classes.size < 2:
-        raise ValueError(f"train_y must hold at least 2 distinct classes to fit a probe, got "
-                         f"{classes.size} ({classes.tolist()!r})")
+        raise ValueError(
+            f"train_y must hold at least 2 distinct classes to fit a probe, got {classes.size} ({classes.tolist()!r})"
+        )
     if normalize:
         x = _l2_rows(x)
     scaler = StandardScaler().fit(x)
@@ -272,8 +280,7 @@ def fit_probe(train_x, train_y, *, C: float = 1.0, normalize: bool = True, seed:
     return Probe(model=model, scaler=scaler, classes=classes, normalize=bool(normalize), n_features=x.shape[1])
 
 
-def probe_accuracy(train_x, train_y, test_x, test_y, *, C: float = 1.0, normalize: bool = True,
-                   seed: int = 0) -> float:
+def probe_accuracy(train_x, train_y, test_x, test_y, *, C: float = 1.0, normalize: bool = True, seed: int = 0) -> float:
     """Accuracy on (test_x, test_y) of the probe fitted on (train_x, train_y) alone."""
     trx = _features(train_x, "train_x")
     tx = _features(test_x, "test_x")
@@ -285,6 +292,7 @@ def probe_accuracy(train_x, train_y, test_x, test_y, *, C: float = 1.0, normaliz
 
 
 # -- separability ----------------------------------------------------------------------------------
+
 
 def _first_appearance(labels: np.ndarray) -> np.ndarray:
     """Relabel cluster ids 0, 1, ... in order of first appearance (a canonical form)."""
@@ -333,14 +341,19 @@ def cluster(x, k: int, algorithm: str = "kmeans", *, normalize: bool = True, see
             warnings.filterwarnings("ignore", message="Graph is not fully connected")
             # raised whenever n == d; the affinity is built from the features as intended
             warnings.filterwarnings("ignore", message="The spectral clustering API has changed")
-            labels = SpectralClustering(n_clusters=k, affinity="nearest_neighbors",
-                                        n_neighbors=min(10, n - 1), assign_labels="cluster_qr",
-                                        random_state=seed).fit_predict(arr)
+            labels = SpectralClustering(
+                n_clusters=k,
+                affinity="nearest_neighbors",
+                n_neighbors=min(10, n - 1),
+                assign_labels="cluster_qr",
+                random_state=seed,
+            ).fit_predict(arr)
     return _first_appearance(np.asarray(labels))
 
 
-def separability(x, labels, algorithms: Sequence[str] = ("kmeans", "agglomerative"), *,
-                 normalize: bool = True, seed: int = 0) -> dict[str, dict[str, float]]:
+def separability(
+    x, labels, algorithms: Sequence[str] = ("kmeans", "agglomerative"), *, normalize: bool = True, seed: int = 0
+) -> dict[str, dict[str, float]]:
     """{algorithm: {"nmi": ..., "ari": ...}}: each algorithm clusters x into k = number of distinct
     labels clusters, scored against the labels. A single label gives k = 1 and scores 1.0 (the
     sklearn convention for two one-cluster labelings)."""
@@ -358,9 +371,20 @@ def separability(x, labels, algorithms: Sequence[str] = ("kmeans", "agglomerativ
 
 # -- all three -------------------------------------------------------------------------------------
 
-def interface_scores(test_x, test_y, weight, bias, train_x, train_y, *, C: float = 1.0,
-                     algorithms: Sequence[str] = ("kmeans", "agglomerative"), normalize: bool = True,
-                     seed: int = 0) -> dict[str, float]:
+
+def interface_scores(
+    test_x,
+    test_y,
+    weight,
+    bias,
+    train_x,
+    train_y,
+    *,
+    C: float = 1.0,
+    algorithms: Sequence[str] = ("kmeans", "agglomerative"),
+    normalize: bool = True,
+    seed: int = 0,
+) -> dict[str, float]:
     """The three interfaces for one (variant, task), flat:
     {"head": acc, "probe": acc, "<alg>_nmi": ..., "<alg>_ari": ...} for each algorithm, in that order.
 
@@ -371,8 +395,10 @@ def interface_scores(test_x, test_y, weight, bias, train_x, train_y, *, C: float
     if trx.shape[1] != tx.shape[1]:
         raise ValueError(f"train_x must have {tx.shape[1]} features like test_x, got shape {trx.shape}")
     algs = _algorithms(algorithms)
-    scores = {"head": head_accuracy(tx, weight, bias, test_y),
-              "probe": probe_accuracy(trx, train_y, tx, test_y, C=C, normalize=normalize, seed=seed)}
+    scores = {
+        "head": head_accuracy(tx, weight, bias, test_y),
+        "probe": probe_accuracy(trx, train_y, tx, test_y, C=C, normalize=normalize, seed=seed),
+    }
     sep = separability(tx, test_y, algs, normalize=normalize, seed=seed)
     for alg in algs:
         scores[f"{alg}_nmi"] = sep[alg]["nmi"]
@@ -385,5 +411,7 @@ def continual_by_interface(matrices: Mapping[str, Any]) -> dict[str, dict[str, A
     matrix R[j, i] (score on task i after arrival j): {"acc": float, "bwt": float, "curve": list}."""
     if not isinstance(matrices, Mapping) or not matrices:
         raise ValueError(f"matrices must be a non-empty mapping interface -> matrix, got {type(matrices).__name__}")
-    return {key: {"acc": average_accuracy(R), "bwt": backward_transfer(R), "curve": accuracy_curve(R)}
-            for key, R in matrices.items()}
+    return {
+        key: {"acc": average_accuracy(R), "bwt": backward_transfer(R), "curve": accuracy_curve(R)}
+        for key, R in matrices.items()
+    }

@@ -103,8 +103,9 @@ class MixLinear(nn.Module):
         self.register_buffer("anchor", linear.weight.detach().clone(), persistent=False)
         self.register_buffer("mask", torch.zeros_like(linear.weight, dtype=torch.bool), persistent=False)
         # flat indices of the unmasked elements (derived from the mask; used by sparse updates)
-        self.register_buffer("update_index", torch.arange(linear.weight.numel(), device=linear.weight.device),
-                             persistent=False)
+        self.register_buffer(
+            "update_index", torch.arange(linear.weight.numel(), device=linear.weight.device), persistent=False
+        )
 
     def set_mask(self, mask: torch.Tensor) -> None:
         self.mask.copy_(mask)
@@ -116,8 +117,13 @@ class MixLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def to_linear(self) -> nn.Linear:
-        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
-                           device=self.weight.device, dtype=self.weight.dtype)
+        linear = nn.Linear(
+            self.in_features,
+            self.out_features,
+            bias=self.bias is not None,
+            device=self.weight.device,
+            dtype=self.weight.dtype,
+        )
         linear.weight = self.weight
         if self.bias is not None:
             linear.bias = self.bias
@@ -128,12 +134,20 @@ class MixLinear(nn.Module):
 
 
 @torch.no_grad()
-def _sparse_adamw(weight: torch.Tensor, grad: torch.Tensor, index: torch.Tensor, group: dict, state: dict,
-                  optimizer: torch.optim.Optimizer) -> None:
+def _sparse_adamw(
+    weight: torch.Tensor,
+    grad: torch.Tensor,
+    index: torch.Tensor,
+    group: dict,
+    state: dict,
+    optimizer: torch.optim.Optimizer,
+) -> None:
     """torch.optim.AdamW's update (single-tensor form) applied at the flat `index` of `weight` only."""
     if not isinstance(optimizer, torch.optim.AdamW) or group.get("amsgrad") or group.get("maximize"):
-        raise TypeError(f"GMixout sparse mode needs torch.optim.AdamW without amsgrad/maximize; got "
-                        f"{type(optimizer).__name__}; use sparse=False with other optimizers")
+        raise TypeError(
+            f"GMixout sparse mode needs torch.optim.AdamW without amsgrad/maximize; got "
+            f"{type(optimizer).__name__}; use sparse=False with other optimizers"
+        )
     if not state:
         state["step"] = torch.tensor(0.0)
         state["exp_avg"] = torch.zeros_like(weight, memory_format=torch.preserve_format)
@@ -147,9 +161,9 @@ def _sparse_adamw(weight: torch.Tensor, grad: torch.Tensor, index: torch.Tensor,
     w.mul_(1 - lr * wd)
     m.lerp_(g, 1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    bias_correction2_sqrt = (1 - beta2 ** t) ** 0.5
+    bias_correction2_sqrt = (1 - beta2**t) ** 0.5
     denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
-    w.addcdiv_(m, denom, value=-lr / (1 - beta1 ** t))
+    w.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
     w_flat.index_copy_(0, index, w)
     m_flat.index_copy_(0, index, m)
     v_flat.index_copy_(0, index, v)
@@ -179,8 +193,10 @@ class GMixout:
         names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and pattern.search(n)]
         if not names:
             linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-            raise ValueError(f"GMixout modules pattern {config.modules!r} matches no nn.Linear; the model's "
-                             f"Linear layers are e.g. {linears[:4]}")
+            raise ValueError(
+                f"GMixout modules pattern {config.modules!r} matches no nn.Linear; the model's "
+                f"Linear layers are e.g. {linears[:4]}"
+            )
         layers = {}
         for name in names:
             layers[name] = MixLinear(model.get_submodule(name), config.p)
@@ -217,8 +233,14 @@ class GMixout:
             for layer, grad in hidden.items():
                 layer.weight.grad = grad
                 if grad is not None:
-                    _sparse_adamw(layer.weight, grad, layer.update_index, groups[id(layer.weight)],
-                                  optimizer.state[layer.weight], optimizer)
+                    _sparse_adamw(
+                        layer.weight,
+                        grad,
+                        layer.update_index,
+                        groups[id(layer.weight)],
+                        optimizer.state[layer.weight],
+                        optimizer,
+                    )
         else:
             optimizer.step()
         with torch.no_grad():
@@ -238,8 +260,10 @@ class GMixout:
     def load_state_dict(self, state: dict) -> None:
         expected = {f"{k}.{n}" for n in self.layers for k in ("anchor", "mask")} | {"step", "rng"}
         if set(state) != expected:
-            raise ValueError(f"GMixout state does not match the wrapped layers: missing "
-                             f"{sorted(expected - set(state))[:3]}, unexpected {sorted(set(state) - expected)[:3]}")
+            raise ValueError(
+                f"GMixout state does not match the wrapped layers: missing "
+                f"{sorted(expected - set(state))[:3]}, unexpected {sorted(set(state) - expected)[:3]}"
+            )
         self.step_count = int(state["step"])
         self.generator.set_state(state["rng"])
         with torch.no_grad():

@@ -22,8 +22,13 @@ __all__ = ["forward_hooks"]
 
 
 @contextlib.contextmanager
-def forward_hooks(module_hook_pairs: Iterable[tuple[nn.Module, Callable]], pre: bool = False, *,
-                  with_kwargs: bool = False, prepend: bool = False) -> Iterator[list[RemovableHandle]]:
+def forward_hooks(
+    module_hook_pairs: Iterable[tuple[nn.Module, Callable]],
+    pre: bool = False,
+    *,
+    with_kwargs: bool = False,
+    prepend: bool = False,
+) -> Iterator[list[RemovableHandle]]:
     """Register `hook` on `module` for each (module, hook) pair: a forward pre-hook if `pre`, else a
     forward hook, with torch's `with_kwargs` and `prepend` options; yields the handles and removes
     every hook on leaving the block, whatever happened inside it."""

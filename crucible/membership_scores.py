@@ -58,11 +58,11 @@ def knn_density_ratio_scores(reference: np.ndarray, pool: np.ndarray, *, k: int 
     is_ref = np.r_[np.ones(m, bool), np.zeros(n, bool)]
     frac = np.empty(n)
     for start in range(0, n, 1024):
-        sim = pl[start:start + 1024] @ every.T
+        sim = pl[start : start + 1024] @ every.T
         rows = np.arange(sim.shape[0])
         sim[rows, m + start + rows] = -np.inf
         nn = np.argpartition(-sim, k, axis=1)[:, :k]
-        frac[start:start + 1024] = is_ref[nn].mean(axis=1)
+        frac[start : start + 1024] = is_ref[nn].mean(axis=1)
     # neighbours are drawn from m reference and n-1 pool points: odds of a reference neighbour,
     # rescaled by (n-1)/m, estimate p(x)/r(x); the score maps the ratio r to r / (1 + r).
     ratio = (frac + 0.5 / k) / (1 - frac + 0.5 / k) * (n - 1) / m

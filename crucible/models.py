@@ -30,9 +30,31 @@ from transformers import AutoModel, AutoTokenizer
 POOLINGS = ("auto", "mean", "cls", "last")
 DTYPES = ("float32", "bfloat16", "float16")
 # model types that are causal LMs without a masked-LM head (when config.architectures says nothing)
-DECODER_TYPES = {"llama", "qwen2", "qwen3", "mistral", "mixtral", "gemma", "gemma2", "gemma3_text", "phi", "phi3",
-                 "gpt2", "gpt_neox", "gptj", "opt", "falcon", "olmo", "olmo2", "smollm3", "granite", "stablelm",
-                 "starcoder2", "cohere", "bloom"}
+DECODER_TYPES = {
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "mixtral",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "phi",
+    "phi3",
+    "gpt2",
+    "gpt_neox",
+    "gptj",
+    "opt",
+    "falcon",
+    "olmo",
+    "olmo2",
+    "smollm3",
+    "granite",
+    "stablelm",
+    "starcoder2",
+    "cohere",
+    "bloom",
+}
 
 
 def is_decoder(config) -> bool:
@@ -41,7 +63,10 @@ def is_decoder(config) -> bool:
     archs = getattr(config, "architectures", None) or []
     if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
         return True
-    if any(a.endswith(("ForMaskedLM", "Model")) for a in archs) and getattr(config, "model_type", "") not in DECODER_TYPES:
+    if (
+        any(a.endswith(("ForMaskedLM", "Model")) for a in archs)
+        and getattr(config, "model_type", "") not in DECODER_TYPES
+    ):
         return False
     return getattr(config, "model_type", "") in DECODER_TYPES or bool(getattr(config, "is_decoder", False))
 
@@ -119,8 +144,11 @@ def sentence_transformers_pooling(path: str | Path) -> str | None:
                 mode = {"mean": "mean", "cls": "cls", "lasttoken": "last"}.get(cfg["pooling_mode"])
                 if mode:
                     return mode
-            for key, mode in (("pooling_mode_mean_tokens", "mean"), ("pooling_mode_cls_token", "cls"),
-                              ("pooling_mode_lasttoken", "last")):
+            for key, mode in (
+                ("pooling_mode_mean_tokens", "mean"),
+                ("pooling_mode_cls_token", "cls"),
+                ("pooling_mode_lasttoken", "last"),
+            ):
                 if cfg.get(key):
                     return mode
             raise ValueError(f"{c}: pooling mode {cfg} is not supported by crucible (mean, cls, lasttoken)")
@@ -165,7 +193,9 @@ def forward_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
     return model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
 
-def encode(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, pooling: str = "mean") -> torch.Tensor:
+def encode(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, pooling: str = "mean"
+) -> torch.Tensor:
     """Pooled features (b, d) of the base model (in its dtype), on the model's device (the inputs
     go there first)."""
     from crucible.device import model_device
@@ -178,8 +208,11 @@ def encode(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tens
 def max_length(tokenizer, config, cap: int | None) -> int | None:
     """The model's own limit (tokenizer.model_max_length, config.max_position_embeddings), capped by
     `cap`; None when neither is known and no cap is given."""
-    limits = [v for v in (getattr(tokenizer, "model_max_length", None), getattr(config, "max_position_embeddings", None))
-              if isinstance(v, int) and 0 < v < 10**7]
+    limits = [
+        v
+        for v in (getattr(tokenizer, "model_max_length", None), getattr(config, "max_position_embeddings", None))
+        if isinstance(v, int) and 0 < v < 10**7
+    ]
     if cap is not None:
         limits.append(cap)
     return min(limits) if limits else None
@@ -199,8 +232,10 @@ def transformer_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
             if best_key is None or key > best_key:
                 best, best_key = (name, module), key
     if best is None:
-        raise ValueError(f"{type(model).__name__}: no nn.ModuleList of identical blocks found; "
-                         f"give the layers as a regex (finetune.modules, quantize.modules)")
+        raise ValueError(
+            f"{type(model).__name__}: no nn.ModuleList of identical blocks found; "
+            f"give the layers as a regex (finetune.modules, quantize.modules)"
+        )
     return best
 
 
@@ -210,9 +245,11 @@ def block_linear_pattern(model: nn.Module) -> str:
     name, blocks = transformer_blocks(model)
     if not any(isinstance(m, nn.Linear) for m in blocks.modules()):
         kinds = sorted({type(m).__name__ for m in blocks[0].modules() if not list(m.children())})
-        raise ValueError(f"{type(model).__name__}: its transformer blocks ({name}) hold no nn.Linear (leaf modules: "
-                         f"{', '.join(kinds)}); crucible fine-tunes, merges and quantizes nn.Linear layers only "
-                         f"(GPT-2 style Conv1D is not supported)")
+        raise ValueError(
+            f"{type(model).__name__}: its transformer blocks ({name}) hold no nn.Linear (leaf modules: "
+            f"{', '.join(kinds)}); crucible fine-tunes, merges and quantizes nn.Linear layers only "
+            f"(GPT-2 style Conv1D is not supported)"
+        )
     return "^" + re.escape(name) + r"\.\d+\." if name else r"^\d+\."
 
 
@@ -259,8 +296,12 @@ def folder_manifest(folder: str | Path) -> dict:
     files = {}
     for p in sorted(folder.rglob("*")):
         rel = p.relative_to(folder).as_posix()
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts) \
-                and p.name.lower() != "readme.md" and "__pycache__" not in rel:
+        if (
+            p.is_file()
+            and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+            and p.name.lower() != "readme.md"
+            and "__pycache__" not in rel
+        ):
             files[rel] = file_md5(p)
     digest = hashlib.md5(json.dumps(sorted(files.items())).encode()).hexdigest()
     return {"files": files, "hash": digest}

@@ -70,8 +70,16 @@ class Progress:
     """A progress bar or a summary line (see the module's doc). Use it like tqdm: `update(k)`,
     `set_postfix(**values)`, `close()`, as a context manager, or wrapped around an iterable."""
 
-    def __init__(self, iterable: Iterable | None = None, *, total: int | None = None, desc: str = "",
-                 unit: str = "it", initial: int = 0, disable: bool = False):
+    def __init__(
+        self,
+        iterable: Iterable | None = None,
+        *,
+        total: int | None = None,
+        desc: str = "",
+        unit: str = "it",
+        initial: int = 0,
+        disable: bool = False,
+    ):
         if total is None and iterable is not None:
             try:
                 total = len(iterable)  # type: ignore[arg-type]
@@ -92,8 +100,16 @@ class Progress:
             with _lock:
                 self.line = min(set(range(len(_lines_taken) + 1)) - _lines_taken)
                 _lines_taken.add(self.line)
-            self._bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, position=self.line,
-                             leave=False, dynamic_ncols=True, file=sys.stderr)
+            self._bar = tqdm(
+                total=total,
+                initial=initial,
+                desc=desc,
+                unit=unit,
+                position=self.line,
+                leave=False,
+                dynamic_ncols=True,
+                file=sys.stderr,
+            )
 
     @property
     def elapsed(self) -> float:
@@ -123,7 +139,9 @@ class Progress:
         extra = " ".join(f"{k}={v}" for k, v in self.postfix.items())
         head = f"{self.desc}: " if self.desc else ""
         tail = " (stopped)" if stopped else ""
-        return f"{head}{done} {self.unit} {when}" + (f" ({rate})" if rate else "") + (f" {extra}" if extra else "") + tail
+        return (
+            f"{head}{done} {self.unit} {when}" + (f" ({rate})" if rate else "") + (f" {extra}" if extra else "") + tail
+        )
 
     def close(self, stopped: bool = False) -> None:
         if self._closed:

@@ -114,8 +114,9 @@ def fit_temperature(logits, y, *, bounds: tuple[float, float] = (0.05, 20.0)) ->
     if z.ndim != 2 or len(z) == 0 or len(y) != len(z):
         raise ValueError(f"fit_temperature: expected logits (n, K) with n > 0 and y (n,), got {z.shape} and {y.shape}")
     lo, hi = bounds
-    res = minimize_scalar(lambda beta: nll(z, y, 1.0 / beta), bounds=(1.0 / hi, 1.0 / lo), method="bounded",
-                          options={"xatol": 1e-6})
+    res = minimize_scalar(
+        lambda beta: nll(z, y, 1.0 / beta), bounds=(1.0 / hi, 1.0 / lo), method="bounded", options={"xatol": 1e-6}
+    )
     return float(1.0 / res.x)
 
 
@@ -133,8 +134,9 @@ def _calibration_split(y: np.ndarray, holdout: float, seed: int) -> np.ndarray:
     return held
 
 
-def fit_teacher(x, labels, *, classes=None, holdout: float = 0.3, C: float = 1.0, seed: int = 0,
-                source: str = "reference") -> Teacher:
+def fit_teacher(
+    x, labels, *, classes=None, holdout: float = 0.3, C: float = 1.0, seed: int = 0, source: str = "reference"
+) -> Teacher:
     """Fit the probe on a stratified (1 - holdout) part of (x, labels) and its temperature on the rest.
 
     x: (m, d) frozen embeddings of the reference; labels: (m,) class labels (strings).
@@ -149,13 +151,17 @@ def fit_teacher(x, labels, *, classes=None, holdout: float = 0.3, C: float = 1.0
     present = sorted(set(labels.tolist()))
     if len(present) < 2:
         only = present[0] if present else None
-        raise ValueError(f"{source}, column 'label': all {len(labels)} rows have the single class {only!r}; "
-                         "expected labeled rows of at least two classes (a teacher is a classifier)")
+        raise ValueError(
+            f"{source}, column 'label': all {len(labels)} rows have the single class {only!r}; "
+            "expected labeled rows of at least two classes (a teacher is a classifier)"
+        )
     classes = tuple(present) if classes is None else tuple(classes)
     y = label_indices(labels, classes, source=source)
     if not 0 < holdout < 1:
-        raise ValueError(f"holdout: {holdout!r}; valid values are in (0, 1) (the share of the reference "
-                         "held out to fit the temperature)")
+        raise ValueError(
+            f"holdout: {holdout!r}; valid values are in (0, 1) (the share of the reference "
+            "held out to fit the temperature)"
+        )
     held = _calibration_split(y, holdout, seed)
     if not held.any():
         raise ValueError(f"{source}: no class has two items, so none can be held out for calibration")
@@ -176,11 +182,17 @@ def fit_teacher(x, labels, *, classes=None, holdout: float = 0.3, C: float = 1.0
     raw = Teacher(classes, coef, intercept, 1.0)
     z_held = raw.logits(x[held])
     temperature = fit_temperature(z_held, y[held])
-    return Teacher(classes, coef, intercept, temperature,
-                   holdout_nll_uncalibrated=nll(z_held, y[held], 1.0),
-                   holdout_nll=nll(z_held, y[held], temperature),
-                   holdout_accuracy=float((z_held.argmax(1) == y[held]).mean()),
-                   n_fit=int((~held).sum()), n_holdout=int(held.sum()))
+    return Teacher(
+        classes,
+        coef,
+        intercept,
+        temperature,
+        holdout_nll_uncalibrated=nll(z_held, y[held], 1.0),
+        holdout_nll=nll(z_held, y[held], temperature),
+        holdout_accuracy=float((z_held.argmax(1) == y[held]).mean()),
+        n_fit=int((~held).sum()),
+        n_holdout=int(held.sum()),
+    )
 
 
 def predict(teacher: Teacher, x) -> Predictions:
@@ -199,8 +211,10 @@ def label_indices(labels, classes, *, source: str = "labels") -> np.ndarray:
         if pd.isna(lab):
             continue
         if lab not in index:
-            raise ValueError(f"{source}: row {row} has label {lab!r}, which is not one of the task's classes "
-                             f"{list(classes)} (the reference's labels)")
+            raise ValueError(
+                f"{source}: row {row} has label {lab!r}, which is not one of the task's classes "
+                f"{list(classes)} (the reference's labels)"
+            )
         out[row] = index[lab]
     return out
 
@@ -278,8 +292,9 @@ def final_labels(pred_label, audited, member, audit_label) -> tuple[np.ndarray, 
     y = np.asarray(audit_label, dtype=np.int64)
     from_audit = aud & (mem == 1)
     if (from_audit & (y < 0)).any():
-        raise ValueError(f"audit: the audited member at pool position {int(np.flatnonzero(from_audit & (y < 0))[0])} "
-                         "has no label")
+        raise ValueError(
+            f"audit: the audited member at pool position {int(np.flatnonzero(from_audit & (y < 0))[0])} has no label"
+        )
     return np.where(from_audit, y, np.asarray(pred_label, dtype=np.int64)), from_audit
 
 
@@ -294,15 +309,19 @@ class QualityEstimates:
 
     def to_dict(self) -> dict[str, float]:
         out = {}
-        for name, est in (("accuracy", self.accuracy), ("selected_accuracy", self.selected_accuracy),
-                          *((f"prior_{k}", v) for k, v in self.prior.items())):
+        for name, est in (
+            ("accuracy", self.accuracy),
+            ("selected_accuracy", self.selected_accuracy),
+            *((f"prior_{k}", v) for k, v in self.prior.items()),
+        ):
             for field in ("value", "se", "ci_low", "ci_high"):
                 out[f"{name}_{field}" if field != "value" else name] = getattr(est, field)
         return out
 
 
-def estimate_quality(pred: Predictions, classes, scores, audited, member, audit_label, pi, selected, *,
-                     level: float = 0.95) -> QualityEstimates:
+def estimate_quality(
+    pred: Predictions, classes, scores, audited, member, audit_label, pi, selected, *, level: float = 0.95
+) -> QualityEstimates:
     """The estimates of the module docstring, with `level` intervals.
 
     pred: the teacher's predictions on the n pooled items; scores: (n,) proxy membership s_j;
@@ -325,8 +344,10 @@ def estimate_quality(pred: Predictions, classes, scores, audited, member, audit_
     conf = pred.confidence
     accuracy = ratio_estimate(s * conf, mem * correct, s, mem, aud, pi, level=level)
     selected_accuracy = ratio_estimate(sel * s * conf, sel * mem * correct, sel * s, sel * mem, aud, pi, level=level)
-    prior = {c: ratio_estimate(s * pred.proba[:, k], mem * (y == k), s, mem, aud, pi, level=level)
-             for k, c in enumerate(classes)}
+    prior = {
+        c: ratio_estimate(s * pred.proba[:, k], mem * (y == k), s, mem, aud, pi, level=level)
+        for k, c in enumerate(classes)
+    }
     return QualityEstimates(accuracy, selected_accuracy, prior)
 
 
@@ -337,8 +358,10 @@ def true_quality(pred: Predictions, classes, member, true_label, selected) -> di
     y = np.asarray(true_label, dtype=np.int64)
     sel = np.asarray(selected, dtype=bool)
     correct = mem & (y == pred.label)
-    out = {"accuracy": float(correct.sum() / max(mem.sum(), 1)),
-           "selected_accuracy": float(correct[sel].sum() / max((mem & sel).sum(), 1))}
+    out = {
+        "accuracy": float(correct.sum() / max(mem.sum(), 1)),
+        "selected_accuracy": float(correct[sel].sum() / max((mem & sel).sum(), 1)),
+    }
     for k, c in enumerate(classes):
         out[f"prior_{c}"] = float((mem & (y == k)).sum() / max(mem.sum(), 1))
     return out

@@ -25,8 +25,9 @@ import pandas as pd
 class DataValidationError(ValueError):
     """A table breaks its contract. The message names file, column, row, value and what is valid."""
 
-    def __init__(self, source: str, column: str | None, row: int | None, value, expected: str,
-                 message: str | None = None):
+    def __init__(
+        self, source: str, column: str | None, row: int | None, value, expected: str, message: str | None = None
+    ):
         if hasattr(value, "item"):  # numpy scalar: show it as the plain value the user wrote
             value = value.item()
         self.source, self.column, self.row, self.value, self.expected = source, column, row, value, expected
@@ -60,8 +61,12 @@ TABLES: dict[str, tuple[Column, ...]] = {
         Column("label", "label", nullable=True),
     ),
     "test": (Column("id", "id"), Column("text", "text"), Column("label", "label")),
-    "truth": (Column("id", "id"), Column("member", "flag"), Column("label", "label", nullable=True),
-              Column("origin", "label")),
+    "truth": (
+        Column("id", "id"),
+        Column("member", "flag"),
+        Column("label", "label", nullable=True),
+        Column("origin", "label"),
+    ),
 }
 
 _EXPECTED = {
@@ -88,8 +93,9 @@ def _check_strings(df: pd.DataFrame, col: Column, source: str) -> None:
     not_str = ~present.map(lambda v: isinstance(v, str)).to_numpy(dtype=bool)
     if (k := _first_bad(not_str)) is not None:
         row = int(np.flatnonzero(~is_null)[k])
-        raise DataValidationError(source, col.name, row, values.iloc[row],
-                                  _EXPECTED[col.kind] + f" (dtype string, not {values.dtype})")
+        raise DataValidationError(
+            source, col.name, row, values.iloc[row], _EXPECTED[col.kind] + f" (dtype string, not {values.dtype})"
+        )
     empty = present.map(lambda v: len(v.strip()) == 0).to_numpy(dtype=bool)
     if (k := _first_bad(empty)) is not None:
         row = int(np.flatnonzero(~is_null)[k])
@@ -98,10 +104,12 @@ def _check_strings(df: pd.DataFrame, col: Column, source: str) -> None:
 
 def _check_numbers(df: pd.DataFrame, col: Column, source: str) -> np.ndarray:
     values = df[col.name]
-    if not (pd.api.types.is_numeric_dtype(values) and not pd.api.types.is_bool_dtype(values)) \
-            and not (col.kind == "flag" and pd.api.types.is_bool_dtype(values)):
-        raise DataValidationError(source, col.name, None, None,
-                                  f"a numeric column ({_EXPECTED[col.kind]}), found dtype {values.dtype}")
+    if not (pd.api.types.is_numeric_dtype(values) and not pd.api.types.is_bool_dtype(values)) and not (
+        col.kind == "flag" and pd.api.types.is_bool_dtype(values)
+    ):
+        raise DataValidationError(
+            source, col.name, None, None, f"a numeric column ({_EXPECTED[col.kind]}), found dtype {values.dtype}"
+        )
     x = values.to_numpy(dtype=np.float64, na_value=np.nan)
     if (row := _first_bad(~np.isfinite(x))) is not None:
         raise DataValidationError(source, col.name, row, values.iloc[row], _EXPECTED[col.kind] + ", not NaN/inf")
@@ -123,9 +131,13 @@ def validate_table(df: pd.DataFrame, kind: str, source: str) -> pd.DataFrame:
     columns = TABLES[kind]
     for col in columns:
         if col.required and col.name not in df.columns:
-            raise DataValidationError(source, col.name, None, None,
-                                      f"a column '{col.name}' ({_EXPECTED[col.kind]}); "
-                                      f"the file has columns {list(map(str, df.columns))}")
+            raise DataValidationError(
+                source,
+                col.name,
+                None,
+                None,
+                f"a column '{col.name}' ({_EXPECTED[col.kind]}); the file has columns {list(map(str, df.columns))}",
+            )
     if len(df) == 0:
         raise DataValidationError(source, None, None, None, f"a non-empty {kind} table")
     for col in columns:
@@ -142,8 +154,9 @@ def validate_table(df: pd.DataFrame, kind: str, source: str) -> pd.DataFrame:
         member = df["member"].to_numpy(dtype=np.float64)
         missing_label = df["label"].isna().to_numpy() & (member == 1)
         if (row := _first_bad(missing_label)) is not None:
-            raise DataValidationError(source, "label", row, None,
-                                      "a class label on every row with member = 1 (the annotator's answer)")
+            raise DataValidationError(
+                source, "label", row, None, "a class label on every row with member = 1 (the annotator's answer)"
+            )
     return df
 
 
@@ -160,8 +173,9 @@ def validate_labels_against_reference(df: pd.DataFrame, reference: pd.DataFrame,
     labels = df["label"]
     bad = labels.notna().to_numpy() & ~labels.isin(classes).to_numpy()
     if (row := _first_bad(bad)) is not None:
-        raise DataValidationError(source, "label", row, labels.iloc[row],
-                                  f"one of the reference's classes {sorted(classes)}")
+        raise DataValidationError(
+            source, "label", row, labels.iloc[row], f"one of the reference's classes {sorted(classes)}"
+        )
 
 
 def validate_reference_classes(reference: pd.DataFrame, source: str) -> None:
@@ -171,10 +185,15 @@ def validate_reference_classes(reference: pd.DataFrame, source: str) -> None:
     if len(counts) < 2:
         only = counts.index[0] if len(counts) else None
         raise DataValidationError(
-            source, "label", None, only, "at least two classes",
+            source,
+            "label",
+            None,
+            only,
+            "at least two classes",
             message=f"{source}, column 'label': all {len(reference)} rows have the single class {only!r}; expected "
-                    "labeled rows of at least two classes (the teacher is a classifier, fitted and calibrated on "
-                    "the reference); add rows of another class")
+            "labeled rows of at least two classes (the teacher is a classifier, fitted and calibrated on "
+            "the reference); add rows of another class",
+        )
 
 
 # (first, second) pairs that must not share items; the second is the file an error is reported against
@@ -183,7 +202,7 @@ _SHOW = 3  # how many shared ids or texts an error lists
 
 
 def _short(text: str, width: int = 60) -> str:
-    return text if len(text) <= width else text[:width - 3] + "..."
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def shared_ids(first: pd.DataFrame, second: pd.DataFrame) -> np.ndarray:
@@ -206,14 +225,16 @@ def _listing(first: str, second: str, a: pd.DataFrame, b: pd.DataFrame, column: 
         if column == "id":
             parts.append(f"{_short(v)!r} ({second} row {r}, {first} row {ra})")
         else:
-            parts.append(f"{_short(v)!r} ({second} row {r}, id {b['id'].iat[r]!r}; {first} row {ra}, "
-                         f"id {a['id'].iat[ra]!r})")
+            parts.append(
+                f"{_short(v)!r} ({second} row {r}, id {b['id'].iat[r]!r}; {first} row {ra}, id {a['id'].iat[ra]!r})"
+            )
     more = f" and {rows.size - _SHOW} more" if rows.size > _SHOW else ""
     return ", ".join(parts) + more
 
 
-def validate_disjoint(tables: dict[str, pd.DataFrame], sources: dict[str, str], *,
-                      allow_shared_ids: bool = False, pairs=LEAKAGE_PAIRS) -> None:
+def validate_disjoint(
+    tables: dict[str, pd.DataFrame], sources: dict[str, str], *, allow_shared_ids: bool = False, pairs=LEAKAGE_PAIRS
+) -> None:
     """No item in two of reference, pool and test: train/test leakage, or an item counted twice.
 
     For each pair of `pairs` (default LEAKAGE_PAIRS) present in `tables` (kind -> validated frame;
@@ -235,24 +256,38 @@ def validate_disjoint(tables: dict[str, pd.DataFrame], sources: dict[str, str], 
         rows = shared_ids(a, b)
         if rows.size and not (allow_shared_ids and with_test):
             if with_test:
-                why = (f"a {first} item that is also a test item is train/test leakage. Give distinct items distinct "
-                       "ids and keep test items out of the other files; if the ids only number the rows of each "
-                       "file, set ingest.allow_shared_ids: true (the texts are still compared)")
+                why = (
+                    f"a {first} item that is also a test item is train/test leakage. Give distinct items distinct "
+                    "ids and keep test items out of the other files; if the ids only number the rows of each "
+                    "file, set ingest.allow_shared_ids: true (the texts are still compared)"
+                )
             else:
-                why = ("an item in both is trained on twice and pseudo-labeled by a teacher fitted on it. Remove it "
-                       "from one file or give distinct items distinct ids (ingest.allow_shared_ids does not cover "
-                       "reference and pool: pseudolabel joins their rows into one table keyed by id)")
+                why = (
+                    "an item in both is trained on twice and pseudo-labeled by a teacher fitted on it. Remove it "
+                    "from one file or give distinct items distinct ids (ingest.allow_shared_ids does not cover "
+                    "reference and pool: pseudolabel joins their rows into one table keyed by id)"
+                )
             raise DataValidationError(
-                src_b, "id", int(rows[0]), b["id"].iat[rows[0]], f"ids disjoint from {src_a}",
+                src_b,
+                "id",
+                int(rows[0]),
+                b["id"].iat[rows[0]],
+                f"ids disjoint from {src_a}",
                 message=f"{src_b}, column 'id': {rows.size} id(s) also in {src_a}: "
-                        f"{_listing(first, second, a, b, 'id', rows)}; expected ids disjoint from the {first}'s: {why}")
+                f"{_listing(first, second, a, b, 'id', rows)}; expected ids disjoint from the {first}'s: {why}",
+            )
         if not with_test:
             continue
         rows = shared_texts(a, b)
         if rows.size:
             raise DataValidationError(
-                src_b, "text", int(rows[0]), _short(b["text"].iat[rows[0]]), f"texts absent from {src_a}",
+                src_b,
+                "text",
+                int(rows[0]),
+                _short(b["text"].iat[rows[0]]),
+                f"texts absent from {src_a}",
                 message=f"{src_b}, column 'text': {rows.size} text(s) also in {src_a}, exact copies: "
-                        f"{_listing(first, second, a, b, 'text', rows)}; expected test texts absent from the "
-                        f"{first}: a test item that is also a {first} item is train/test leakage. Remove the copies "
-                        "from one of the two files")
+                f"{_listing(first, second, a, b, 'text', rows)}; expected test texts absent from the "
+                f"{first}: a test item that is also a {first} item is train/test leakage. Remove the copies "
+                "from one of the two files",
+            )

@@ -33,12 +33,12 @@ Shapes = Mapping[str, Sequence[int | None]] | Callable[[dict, dict], str | None]
 def canonical_header(data: bytes) -> bytes:
     """`data` (a safetensors file's bytes) with its JSON header keys sorted, padded to 8 bytes."""
     (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + n])
+    header = json.loads(data[8 : 8 + n])
     if "__metadata__" in header:
         header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
     text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text + data[8 + n:]
+    return struct.pack("<Q", len(text)) + text + data[8 + n :]
 
 
 def safetensors_bytes(tensors: dict, metadata: dict[str, str] | None = None) -> bytes:
@@ -69,8 +69,9 @@ def state_digest(tensors: Mapping) -> str:
     return h.hexdigest()
 
 
-def read_safetensors(path: Path | str, what: str = "", rebuild: str = "", *, shapes: Shapes | None = None,
-                     finite: bool = True) -> tuple[dict, dict[str, str]]:
+def read_safetensors(
+    path: Path | str, what: str = "", rebuild: str = "", *, shapes: Shapes | None = None, finite: bool = True
+) -> tuple[dict, dict[str, str]]:
     """(tensors, metadata) of the safetensors file `path`, checked.
 
     what: what the file holds, for the messages ("task heads"); rebuild: the command that remakes
@@ -94,8 +95,10 @@ def read_safetensors(path: Path | str, what: str = "", rebuild: str = "", *, sha
             meta = dict(fh.metadata() or {})
             tensors = {k: fh.get_tensor(k) for k in fh.keys()}
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-        raise ValueError(f"{path}: {what + ' is ' if what else ''}not a readable safetensors file"
-                         f"{_truncation(path) or ', truncated or corrupt'} ({exc}){tail}") from None
+        raise ValueError(
+            f"{path}: {what + ' is ' if what else ''}not a readable safetensors file"
+            f"{_truncation(path) or ', truncated or corrupt'} ({exc}){tail}"
+        ) from None
     if shapes is not None:
         problem = shapes(tensors, meta) if callable(shapes) else shape_problem(tensors, shapes, of)
         if problem:
@@ -118,8 +121,10 @@ def shape_problem(tensors: dict, expected: Mapping[str, Sequence[int | None]], o
     missing = [n for n in expected if n not in tensors]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        return (f"tensor {missing[0]!r}{of} is missing{more}; expected shape {_shape_text(expected[missing[0]])}, "
-                f"the file holds {len(tensors)} tensors")
+        return (
+            f"tensor {missing[0]!r}{of} is missing{more}; expected shape {_shape_text(expected[missing[0]])}, "
+            f"the file holds {len(tensors)} tensors"
+        )
     for name, shape in expected.items():
         got = tuple(tensors[name].shape)
         if len(got) != len(shape) or any(e is not None and e != g for e, g in zip(shape, got)):
@@ -127,8 +132,10 @@ def shape_problem(tensors: dict, expected: Mapping[str, Sequence[int | None]], o
     extra = sorted(set(tensors) - set(expected))
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
-        return (f"unexpected tensor {extra[0]!r}{of} of shape {list(tensors[extra[0]].shape)}{more}; "
-                f"expected only {sorted(expected)[:5]}{' ...' if len(expected) > 5 else ''}")
+        return (
+            f"unexpected tensor {extra[0]!r}{of} of shape {list(tensors[extra[0]].shape)}{more}; "
+            f"expected only {sorted(expected)[:5]}{' ...' if len(expected) > 5 else ''}"
+        )
     return None
 
 
@@ -155,8 +162,7 @@ def nonfinite(t) -> str | None:
     for size in reversed(t.shape):
         index.insert(0, rest % size)
         rest //= size
-    return (f"{int(bad.sum())} NaN or inf values of {t.numel()} (first: {t.reshape(-1)[flat].item()} at "
-            f"{index})")
+    return f"{int(bad.sum())} NaN or inf values of {t.numel()} (first: {t.reshape(-1)[flat].item()} at {index})"
 
 
 def _truncation(path: Path) -> str:
@@ -165,7 +171,7 @@ def _truncation(path: Path) -> str:
     try:
         data = path.read_bytes()
         (n,) = struct.unpack("<Q", data[:8])
-        header = json.loads(data[8:8 + n])
+        header = json.loads(data[8 : 8 + n])
     except Exception:  # noqa: BLE001 - only a diagnosis; the caller raises anyway
         return ""
     have = len(data) - 8 - n

@@ -63,8 +63,7 @@ class EncoderClassifier(nn.Module):
     the encoder's dropouts are made RunDropout (use_run_dropout), as is the one before the head.
     In training mode they need a generator: `bind_generator` (crucible.train.train binds its own)."""
 
-    def __init__(self, encoder: nn.Module, n_classes: int, dropout: float = 0.1, seed: int = 0,
-                 pooling: str = "mean"):
+    def __init__(self, encoder: nn.Module, n_classes: int, dropout: float = 0.1, seed: int = 0, pooling: str = "mean"):
         super().__init__()
         self.pooling = pooling
         self.encoder = use_run_dropout(encoder)
@@ -100,8 +99,10 @@ class Examples:
         self.labels = torch.as_tensor(self.labels, dtype=torch.long)
         self.weights = torch.as_tensor(self.weights, dtype=torch.float32)
         if not len(self.input_ids) == len(self.labels) == len(self.weights):
-            raise ValueError(f"Examples: {len(self.input_ids)} texts, {len(self.labels)} labels, "
-                             f"{len(self.weights)} weights; expected one of each per example")
+            raise ValueError(
+                f"Examples: {len(self.input_ids)} texts, {len(self.labels)} labels, "
+                f"{len(self.weights)} weights; expected one of each per example"
+            )
         if len(self.input_ids) == 0:
             raise ValueError("Examples: no examples")
         if (self.weights < 0).any() or not torch.isfinite(self.weights).all():
@@ -122,8 +123,8 @@ def collate(ids: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Tensor
     input_ids = torch.full((len(ids), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(ids), width), dtype=torch.long)
     for i, x in enumerate(ids):
-        input_ids[i, :len(x)] = torch.as_tensor(x, dtype=torch.long)
-        mask[i, :len(x)] = 1
+        input_ids[i, : len(x)] = torch.as_tensor(x, dtype=torch.long)
+        mask[i, : len(x)] = 1
     return input_ids, mask
 
 
@@ -139,22 +140,22 @@ def weighted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, weights: 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    lr: float = 5e-5              # encoder learning rate (peak)
-    head_lr: float = 1e-3         # the fresh head learns faster than the pretrained encoder
-    max_steps: int = 100          # optimizer steps (the caller converts epochs to steps)
+    lr: float = 5e-5  # encoder learning rate (peak)
+    head_lr: float = 1e-3  # the fresh head learns faster than the pretrained encoder
+    max_steps: int = 100  # optimizer steps (the caller converts epochs to steps)
     batch_size: int = 16
-    warmup: float = 0.1           # share of max_steps with a linear warmup; then linear decay to 0
+    warmup: float = 0.1  # share of max_steps with a linear warmup; then linear decay to 0
     weight_decay: float = 0.01
-    clip: float = 1.0             # max global gradient norm (0 = no clipping)
-    eval_every: int = 50          # evaluate on dev every N steps (and at the last step)
-    patience: int = 0             # stop after this many evaluations without improvement (0 = never)
-    checkpoint_every: int = 0     # 0 = no checkpoints
+    clip: float = 1.0  # max global gradient norm (0 = no clipping)
+    eval_every: int = 50  # evaluate on dev every N steps (and at the last step)
+    patience: int = 0  # stop after this many evaluations without improvement (0 = never)
+    checkpoint_every: int = 0  # 0 = no checkpoints
     keep_checkpoints: int = 2
     eval_batch_size: int = 64
     pad_id: int = 0
     seed: int = 0
     progress: bool = True
-    autocast: str = "fp32"        # fp32 | bf16: the forward passes' autocast dtype (weights stay float32)
+    autocast: str = "fp32"  # fp32 | bf16: the forward passes' autocast dtype (weights stay float32)
 
     def __post_init__(self):
         for name in ("max_steps", "batch_size", "eval_every", "eval_batch_size"):
@@ -172,10 +173,12 @@ class TrainConfig:
 
 def linear_schedule(warmup_steps: int, total_steps: int) -> Callable[[int], float]:
     """LR multiplier: 0 -> 1 linearly over warmup_steps, then 1 -> 0 linearly at total_steps."""
+
     def factor(step: int) -> float:
         if step < warmup_steps:
             return (step + 1) / (warmup_steps + 1)
         return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+
     return factor
 
 
@@ -187,12 +190,14 @@ def make_optimizer(model: EncoderClassifier, cfg: TrainConfig) -> torch.optim.Ad
             continue
         prefix = "head_" if name.startswith("head.") else ""
         groups[prefix + ("decay" if param.ndim >= 2 else "no_decay")].append(param)
-    return torch.optim.AdamW([
-        {"params": groups["decay"], "lr": cfg.lr, "weight_decay": cfg.weight_decay},
-        {"params": groups["no_decay"], "lr": cfg.lr, "weight_decay": 0.0},
-        {"params": groups["head_decay"], "lr": cfg.head_lr, "weight_decay": cfg.weight_decay},
-        {"params": groups["head_no_decay"], "lr": cfg.head_lr, "weight_decay": 0.0},
-    ])
+    return torch.optim.AdamW(
+        [
+            {"params": groups["decay"], "lr": cfg.lr, "weight_decay": cfg.weight_decay},
+            {"params": groups["no_decay"], "lr": cfg.lr, "weight_decay": 0.0},
+            {"params": groups["head_decay"], "lr": cfg.head_lr, "weight_decay": cfg.weight_decay},
+            {"params": groups["head_no_decay"], "lr": cfg.head_lr, "weight_decay": 0.0},
+        ]
+    )
 
 
 def batch_indices(n: int, batch_size: int, seed: int, step: int) -> torch.Tensor:
@@ -202,7 +207,7 @@ def batch_indices(n: int, batch_size: int, seed: int, step: int) -> torch.Tensor
     per_epoch = math.ceil(n / batch_size)
     epoch, k = divmod(step, per_epoch)
     perm = torch.randperm(n, generator=torch_generator(epoch_seed(seed, epoch)))
-    return perm[k * batch_size:(k + 1) * batch_size]
+    return perm[k * batch_size : (k + 1) * batch_size]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -210,8 +215,13 @@ def batch_indices(n: int, batch_size: int, seed: int, step: int) -> torch.Tensor
 
 
 @torch.no_grad()
-def predict(model: EncoderClassifier, ids: Sequence[Sequence[int]], batch_size: int = 64,
-            pad_id: int = 0, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+def predict(
+    model: EncoderClassifier,
+    ids: Sequence[Sequence[int]],
+    batch_size: int = 64,
+    pad_id: int = 0,
+    autocast_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """Logits (n, n_classes), float32 on the CPU, in eval mode (no dropout, no mixing); batches run
     on the model's device; restores the training flag."""
     was_training = model.training
@@ -220,7 +230,7 @@ def predict(model: EncoderClassifier, ids: Sequence[Sequence[int]], batch_size: 
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # little padding per batch
     out = None
     for start in range(0, len(ids), batch_size):
-        idx = order[start:start + batch_size]
+        idx = order[start : start + batch_size]
         input_ids, mask = collate([ids[i] for i in idx], pad_id)
         with autocast(device, autocast_dtype):
             logits = model(input_ids.to(device), mask.to(device))
@@ -231,12 +241,19 @@ def predict(model: EncoderClassifier, ids: Sequence[Sequence[int]], batch_size: 
     return out
 
 
-def evaluate(model: EncoderClassifier, data: Examples, batch_size: int = 64, pad_id: int = 0,
-             autocast_dtype: torch.dtype | None = None) -> dict:
+def evaluate(
+    model: EncoderClassifier,
+    data: Examples,
+    batch_size: int = 64,
+    pad_id: int = 0,
+    autocast_dtype: torch.dtype | None = None,
+) -> dict:
     """accuracy and weighted loss of `model` on `data`."""
     logits = predict(model, data.input_ids, batch_size, pad_id, autocast_dtype)
-    return {"accuracy": float((logits.argmax(1) == data.labels).float().mean()),
-            "loss": float(weighted_cross_entropy(logits, data.labels, data.weights))}
+    return {
+        "accuracy": float((logits.argmax(1) == data.labels).float().mean()),
+        "loss": float(weighted_cross_entropy(logits, data.labels, data.weights)),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -245,11 +262,11 @@ def evaluate(model: EncoderClassifier, data: Examples, batch_size: int = 64, pad
 
 @dataclass
 class TrainResult:
-    steps: int                      # optimizer steps taken (in total, across resumes)
-    best_step: int                  # step of the kept (best dev accuracy) weights
+    steps: int  # optimizer steps taken (in total, across resumes)
+    best_step: int  # step of the kept (best dev accuracy) weights
     best_dev_accuracy: float
     stopped_early: bool
-    seconds: float                  # wall time of this call's training steps
+    seconds: float  # wall time of this call's training steps
     examples_per_second: float
     steps_per_second: float
     history: list[dict] = field(default_factory=list)  # dev evaluations of this call
@@ -262,10 +279,19 @@ def _clone_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def train(model: EncoderClassifier, train_set: Examples, dev_set: Examples, cfg: TrainConfig, *,
-          mixout: GMixout | None = None, checkpoint_dir: Path | str | None = None, resume: bool = True,
-          log: Callable[[dict, int], None] | None = None, stop_after: int | None = None,
-          desc: str = "finetune") -> TrainResult:
+def train(
+    model: EncoderClassifier,
+    train_set: Examples,
+    dev_set: Examples,
+    cfg: TrainConfig,
+    *,
+    mixout: GMixout | None = None,
+    checkpoint_dir: Path | str | None = None,
+    resume: bool = True,
+    log: Callable[[dict, int], None] | None = None,
+    stop_after: int | None = None,
+    desc: str = "finetune",
+) -> TrainResult:
     """Train `model` in place; on return it holds the best dev-accuracy weights (in train mode).
 
     `mixout` must already wrap `model`. With `checkpoint_dir`, a checkpoint is written every
@@ -316,8 +342,9 @@ def train(model: EncoderClassifier, train_set: Examples, dev_set: Examples, cfg:
             mixout.begin_step()
         with autocast(device, amp):
             logits = model(input_ids.to(device), mask.to(device))
-        loss = weighted_cross_entropy(logits.float(), train_set.labels[idx].to(device),
-                                      train_set.weights[idx].to(device))
+        loss = weighted_cross_entropy(
+            logits.float(), train_set.labels[idx].to(device), train_set.weights[idx].to(device)
+        )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip if cfg.clip > 0 else float("inf"))
@@ -346,25 +373,45 @@ def train(model: EncoderClassifier, train_set: Examples, dev_set: Examples, cfg:
                 if cfg.patience and best["bad_evals"] >= cfg.patience:
                     stopped_early = True
         if checkpoint_dir and cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or stopped_early):
-            save_checkpoint(checkpoint_dir, step, {
-                "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "mixout": mixout.state_dict() if mixout else None,
-                "dropout_rng": generator.get_state(), "best": best, "best_model": best_state,
-                "stopped_early": stopped_early,
-            }, keep=cfg.keep_checkpoints)
+            save_checkpoint(
+                checkpoint_dir,
+                step,
+                {
+                    "step": step,
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "mixout": mixout.state_dict() if mixout else None,
+                    "dropout_rng": generator.get_state(),
+                    "best": best,
+                    "best_model": best_state,
+                    "stopped_early": stopped_early,
+                },
+                keep=cfg.keep_checkpoints,
+            )
     bar.close()
     seconds = time.perf_counter() - start
     if best_state is not None:
         model.load_state_dict(best_state)
-    return TrainResult(step, best["step"], best["accuracy"], stopped_early, seconds, seen / max(seconds, 1e-9),
-                       (step - first_step) / max(seconds, 1e-9), history)
+    return TrainResult(
+        step,
+        best["step"],
+        best["accuracy"],
+        stopped_early,
+        seconds,
+        seen / max(seconds, 1e-9),
+        (step - first_step) / max(seconds, 1e-9),
+        history,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
 # WiSE-FT
 
 
-def wise_ft(theta_0: dict[str, torch.Tensor], theta_ft: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor]:
+def wise_ft(
+    theta_0: dict[str, torch.Tensor], theta_ft: dict[str, torch.Tensor], alpha: float
+) -> dict[str, torch.Tensor]:
     """WiSE-FT (Wortsman et al., "Robust fine-tuning of zero-shot models", CVPR 2022): the weight-space
     interpolation (1 - alpha) theta_0 + alpha theta_ft of two state dicts with the same keys and
     shapes. Floating tensors are interpolated; integer buffers (e.g. position ids) come from

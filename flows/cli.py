@@ -1,18 +1,18 @@
 """The `crucible` command.
 
-    crucible run [--profile tiny] [--stage ingest ...]   the pipeline as a Prefect flow
-    crucible stage ingest --task bbc                     one stage (what dvc.yaml runs)
-    crucible dag write|check|show                        dvc.yaml from the stages' declarations
-    crucible params check [FILE] [--profile tiny]        validate params
-    crucible params render [--profile tiny] [-o FILE]    params with a profile applied
-    crucible data check [--profile mine]                 your input files (source: files), checked up front
-    crucible compare [REV ...]                           the figures to compare, per revision / experiment
-    crucible data example [--dir inputs]                 two example tasks in that format (sport, reviews)
-    crucible ui                                          MLflow UI + Prefect server on 127.0.0.1
-    crucible deploy [--port 4200]                        serve the scheduled deployments (make serve)
-    crucible serve [--alias champion] [--port 5001]      the registered model over HTTP on 127.0.0.1
-    crucible predict --task bbc "text" ...               the registered champion, in this process
-    crucible lineage champion|VERSION                    what made a registered version; still current?
+crucible run [--profile tiny] [--stage ingest ...]   the pipeline as a Prefect flow
+crucible stage ingest --task bbc                     one stage (what dvc.yaml runs)
+crucible dag write|check|show                        dvc.yaml from the stages' declarations
+crucible params check [FILE] [--profile tiny]        validate params
+crucible params render [--profile tiny] [-o FILE]    params with a profile applied
+crucible data check [--profile mine]                 your input files (source: files), checked up front
+crucible compare [REV ...]                           the figures to compare, per revision / experiment
+crucible data example [--dir inputs]                 two example tasks in that format (sport, reviews)
+crucible ui                                          MLflow UI + Prefect server on 127.0.0.1
+crucible deploy [--port 4200]                        serve the scheduled deployments (make serve)
+crucible serve [--alias champion] [--port 5001]      the registered model over HTTP on 127.0.0.1
+crucible predict --task bbc "text" ...               the registered champion, in this process
+crucible lineage champion|VERSION                    what made a registered version; still current?
 """
 
 from __future__ import annotations
@@ -37,12 +37,14 @@ def preflight(params, root: Path) -> None:
     from tasks.stages.ingest import check_user_files
 
     for setting in demo_only_settings(params):
-        print(f"warning: {setting} is a demo-only param; ingest.source is 'files', so it is ignored",
-              file=sys.stderr)
+        print(f"warning: {setting} is a demo-only param; ingest.source is 'files', so it is ignored", file=sys.stderr)
     if params.ingest.source == "files":
         for task, n in check_user_files(params, root).items():
-            print(f"  {params.ingest.files_dir}/{task}: OK ({', '.join(f'{k} {v}' for k, v in n.items() if k != 'short_texts')} rows"
-                  + (f"; {n['short_texts']} texts under ingest.min_chars" if n["short_texts"] else "") + ")")
+            print(
+                f"  {params.ingest.files_dir}/{task}: OK ({', '.join(f'{k} {v}' for k, v in n.items() if k != 'short_texts')} rows"
+                + (f"; {n['short_texts']} texts under ingest.min_chars" if n["short_texts"] else "")
+                + ")"
+            )
 
 
 def _cmd_params(args) -> int:
@@ -53,8 +55,10 @@ def _cmd_params(args) -> int:
     try:
         if args.action == "check":
             params = load_params(args.file, args.profile)
-            print(f"{args.file}{' + profile ' + args.profile if args.profile else ''}: OK "
-                  f"({len(params.pipeline.tasks)} tasks: {', '.join(params.pipeline.tasks)})")
+            print(
+                f"{args.file}{' + profile ' + args.profile if args.profile else ''}: OK "
+                f"({len(params.pipeline.tasks)} tasks: {', '.join(params.pipeline.tasks)})"
+            )
             preflight(params, Path(args.file).resolve().parent)
         else:
             data = render_params(args.file, args.profile)
@@ -80,14 +84,18 @@ def _cmd_data(args) -> int:
 
         folder = Path(args.dir) if Path(args.dir).is_absolute() else root / args.dir
         written = write_example_inputs(folder)
-        print(f"wrote {len(written)} files: {', '.join(f'{folder}/{t}/' for t in TASKS)} "
-              f"(reference, pool, audit, test .parquet each)")
+        print(
+            f"wrote {len(written)} files: {', '.join(f'{folder}/{t}/' for t in TASKS)} "
+            f"(reference, pool, audit, test .parquet each)"
+        )
         return 0
     try:
         params = load_params(root / "params.yaml", args.profile)
         if params.ingest.source != "files":
-            print(f"ingest.source is 'demo': the {len(params.pipeline.tasks)} tasks are built from packaged "
-                  f"corpora; nothing under {params.ingest.files_dir}/ is read")
+            print(
+                f"ingest.source is 'demo': the {len(params.pipeline.tasks)} tasks are built from packaged "
+                f"corpora; nothing under {params.ingest.files_dir}/ is read"
+            )
             return 0
         preflight(params, root)
     except (ParamsError, OSError, ValueError) as exc:
@@ -152,8 +160,10 @@ def _check_dvc_yaml(stage: str, root: Path) -> None:
         return
     path = root / "dvc.yaml"
     if path.is_file() and path.read_text() != project_dvc_yaml(root):
-        raise ValueError(f"{path.resolve()} does not list the files of params.yaml's pipeline.tasks (it was written "
-                         f"for other tasks, or by other code): run `crucible dag write`, then `dvc repro` again")
+        raise ValueError(
+            f"{path.resolve()} does not list the files of params.yaml's pipeline.tasks (it was written "
+            f"for other tasks, or by other code): run `crucible dag write`, then `dvc repro` again"
+        )
 
 
 def _cmd_dag(args) -> int:
@@ -171,8 +181,11 @@ def _cmd_dag(args) -> int:
             return 0
         if args.action == "check":
             if not path.is_file() or path.read_text() != project_dvc_yaml(root):
-                print(f"error: {path} is stale: it differs from the stages' declarations (tasks/stages/*.py) for "
-                      f"pipeline.tasks ({', '.join(tasks)}); run `crucible dag write`", file=sys.stderr)
+                print(
+                    f"error: {path} is stale: it differs from the stages' declarations (tasks/stages/*.py) for "
+                    f"pipeline.tasks ({', '.join(tasks)}); run `crucible dag write`",
+                    file=sys.stderr,
+                )
                 return 1
             print(f"{path} matches the stages' declarations")
             return 0
@@ -262,8 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--root", default=".", help="project folder (default: .)")
     p.set_defaults(func=_cmd_dag)
 
-    p = sub.add_parser("data", help="check your input files (ingest.source: files) as ingest will read them; "
-                                     "`example` writes two example tasks in that format")
+    p = sub.add_parser(
+        "data",
+        help="check your input files (ingest.source: files) as ingest will read them; "
+        "`example` writes two example tasks in that format",
+    )
     p.add_argument("action", choices=["check", "example"])
     p.add_argument("--dir", default="inputs", help="example: the folder to write the tasks into (default inputs)")
     p.add_argument("--profile")
@@ -277,8 +293,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output")
     p.set_defaults(func=_cmd_params)
 
-    p = sub.add_parser("compare", help="the figures to compare (accuracy per task, eps_hat, CC-MMD, size, bits per "
-                                        "weight, gate) in the work tree, HEAD and HEAD's DVC experiments, or given revisions")
+    p = sub.add_parser(
+        "compare",
+        help="the figures to compare (accuracy per task, eps_hat, CC-MMD, size, bits per "
+        "weight, gate) in the work tree, HEAD and HEAD's DVC experiments, or given revisions",
+    )
     p.add_argument("revs", nargs="*", metavar="REV", help="git revisions or DVC experiment names")
     p.add_argument("--root", default=".")
     p.set_defaults(func=_cmd_compare)
@@ -289,14 +308,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefect-port", type=int, default=4200)
     p.set_defaults(func=cmd_ui)
 
-    p = sub.add_parser("deploy", help="serve prefect.yaml's scheduled deployments (starts a Prefect server on 127.0.0.1)")
+    p = sub.add_parser(
+        "deploy", help="serve prefect.yaml's scheduled deployments (starts a Prefect server on 127.0.0.1)"
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=4200, help="the Prefect server's port (default 4200)")
     p.add_argument("--timeout", type=float, default=180, help="seconds to wait for the server to start")
     p.add_argument("--root", default=".")
     p.set_defaults(func=cmd_deploy)
 
-    p = sub.add_parser("serve", help="serve the registered model over HTTP (MLflow's scoring app, request limits from params' serve section) on 127.0.0.1")
+    p = sub.add_parser(
+        "serve",
+        help="serve the registered model over HTTP (MLflow's scoring app, request limits from params' serve section) on 127.0.0.1",
+    )
     p.add_argument("--alias", default="champion", help="alias or version number (default: champion)")
     p.add_argument("--port", type=int, default=5001)
     p.add_argument("--host", default="127.0.0.1")

@@ -28,15 +28,18 @@ def experiments(root: Path, baseline: str = "HEAD") -> dict[str, str]:
     sha = _git(root, "rev-parse", baseline).stdout.strip()
     refs = _git(root, "for-each-ref", "--format=%(refname)", "refs/exps").stdout.split()
     prefix = f"refs/exps/{sha[:2]}/{sha[2:]}/"
-    return {ref[len(prefix):]: ref for ref in refs if sha and ref.startswith(prefix)}
+    return {ref[len(prefix) :]: ref for ref in refs if sha and ref.startswith(prefix)}
 
 
 def resolve(root: Path, rev: str) -> str:
     """A git revision, or the name of a DVC experiment (any baseline): what `git show` reads."""
     if _git(root, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}").returncode == 0:
         return rev
-    refs = [r for r in _git(root, "for-each-ref", "--format=%(refname)", "refs/exps").stdout.split()
-            if r.rsplit("/", 1)[1] == rev]
+    refs = [
+        r
+        for r in _git(root, "for-each-ref", "--format=%(refname)", "refs/exps").stdout.split()
+        if r.rsplit("/", 1)[1] == rev
+    ]
     if not refs:
         raise ValueError(f"{rev!r} is neither a git revision nor a DVC experiment of {root}")
     return refs[-1]
@@ -83,8 +86,11 @@ def table(root: Path | str, revs: list[str] | None = None) -> str:
         columns = {WORKSPACE: WORKSPACE, **{r: resolve(root, r) for r in revs}}
     else:
         has_head = _git(root, "rev-parse", "--verify", "--quiet", "HEAD").returncode == 0
-        columns = {WORKSPACE: WORKSPACE, **({"HEAD": "HEAD"} if has_head else {}),
-                   **(experiments(root) if has_head else {})}
+        columns = {
+            WORKSPACE: WORKSPACE,
+            **({"HEAD": "HEAD"} if has_head else {}),
+            **(experiments(root) if has_head else {}),
+        }
     values = {name: figures(root, rev) for name, rev in columns.items()}
     rows = list(dict.fromkeys(k for v in values.values() for k in v))
     if not rows:
@@ -97,5 +103,7 @@ def table(root: Path | str, revs: list[str] | None = None) -> str:
     cols = {name: max(len(name), *(len(fmt(values[name].get(r, "-"))) for r in rows)) for name in columns}
     lines = [f"{'':<{width}}  " + "  ".join(f"{name:>{cols[name]}}" for name in columns)]
     for r in rows:
-        lines.append(f"{r:<{width}}  " + "  ".join(f"{fmt(values[name].get(r, '-')):>{cols[name]}}" for name in columns))
+        lines.append(
+            f"{r:<{width}}  " + "  ".join(f"{fmt(values[name].get(r, '-')):>{cols[name]}}" for name in columns)
+        )
     return "\n".join(lines)

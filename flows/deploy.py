@@ -54,12 +54,16 @@ def load_spec(root: Path | str) -> list[dict]:
             if isinstance(limit, int):
                 limit = {"limit": limit}
             if not isinstance(limit, dict) or not isinstance(limit.get("limit"), int) or limit["limit"] < 1:
-                raise ValueError(f"{where}.concurrency_limit must be {{limit: N >= 1, collision_strategy: "
-                                 f"{'|'.join(STRATEGIES)}}}, got {dep['concurrency_limit']!r}")
+                raise ValueError(
+                    f"{where}.concurrency_limit must be {{limit: N >= 1, collision_strategy: "
+                    f"{'|'.join(STRATEGIES)}}}, got {dep['concurrency_limit']!r}"
+                )
             strategy = limit.get("collision_strategy", "ENQUEUE")
             if strategy not in STRATEGIES:
-                raise ValueError(f"{where}.concurrency_limit.collision_strategy must be one of "
-                                 f"{', '.join(STRATEGIES)}, got {strategy!r}")
+                raise ValueError(
+                    f"{where}.concurrency_limit.collision_strategy must be one of "
+                    f"{', '.join(STRATEGIES)}, got {strategy!r}"
+                )
     return deps
 
 
@@ -88,13 +92,21 @@ def build_deployments(root: Path | str) -> list:
         limit = dep.get("concurrency_limit")
         if isinstance(limit, int):
             limit = {"limit": limit}
-        out.append(_flow(dep["entrypoint"]).to_deployment(
-            name=dep["name"], description=dep.get("description"), parameters=params,
-            schedules=[Cron(s["cron"], timezone=s.get("timezone", "UTC")) for s in dep.get("schedules") or []],
-            concurrency_limit=None if limit is None else ConcurrencyLimitConfig(
-                limit=limit["limit"],
-                collision_strategy=ConcurrencyLimitStrategy(limit.get("collision_strategy", "ENQUEUE"))),
-            tags=["crucible"]))
+        out.append(
+            _flow(dep["entrypoint"]).to_deployment(
+                name=dep["name"],
+                description=dep.get("description"),
+                parameters=params,
+                schedules=[Cron(s["cron"], timezone=s.get("timezone", "UTC")) for s in dep.get("schedules") or []],
+                concurrency_limit=None
+                if limit is None
+                else ConcurrencyLimitConfig(
+                    limit=limit["limit"],
+                    collision_strategy=ConcurrencyLimitStrategy(limit.get("collision_strategy", "ENQUEUE")),
+                ),
+                tags=["crucible"],
+            )
+        )
     return out
 
 

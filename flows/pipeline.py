@@ -40,15 +40,24 @@ class StageFailed(RuntimeError):
 
 
 @task(name="stage", task_run_name="{sid}", retries=0)
-def run_stage(stage: str, task_name: str | None, root: str, parent_run_id: str, share: int,
-              lock_token: str | None = None, sid: str = "", device: str | None = None) -> dict:
+def run_stage(
+    stage: str,
+    task_name: str | None,
+    root: str,
+    parent_run_id: str,
+    share: int,
+    lock_token: str | None = None,
+    sid: str = "",
+    device: str | None = None,
+) -> dict:
     """One stage run on whatever worker the task runner picked. `share`: how many stage runs go
     side by side; each takes cores // share torch threads of the machine it runs on (not of the
     flow's). `share` 0: a switched-off stage, which leaves the threads alone. `device`: the GPU
     the flow assigned this run (flows/resources.py), or None (the runtime section decides)."""
     threads = max(1, (os.cpu_count() or 1) // share) if share else None
-    return execute(stage, task_name, root, parent_run_id=parent_run_id, threads=threads,
-                   lock_token=lock_token, device=device).to_dict()
+    return execute(
+        stage, task_name, root, parent_run_id=parent_run_id, threads=threads, lock_token=lock_token, device=device
+    ).to_dict()
 
 
 EXTRA_HINT = "pip install -e '.[{0}]' (or: pip install prefect-{0})"
@@ -72,9 +81,16 @@ def task_runner(params: Params):
         if address:
             return DaskTaskRunner(address=address)
         # processes, one thread each: a stage sets its own torch threads (cores // max_workers)
-        return DaskTaskRunner(cluster_kwargs={"n_workers": p.max_workers, "threads_per_worker": 1,
-                                              "processes": True, "dashboard_address": None,
-                                              "silence_logs": logging.WARNING, **local_cluster_gpus(params)})
+        return DaskTaskRunner(
+            cluster_kwargs={
+                "n_workers": p.max_workers,
+                "threads_per_worker": 1,
+                "processes": True,
+                "dashboard_address": None,
+                "silence_logs": logging.WARNING,
+                **local_cluster_gpus(params),
+            }
+        )
     try:
         from prefect_ray import RayTaskRunner
     except ImportError:
@@ -82,8 +98,14 @@ def task_runner(params: Params):
     address = os.environ.get("CRUCIBLE_RAY_ADDRESS") or p.address
     if address:
         return RayTaskRunner(address=address)
-    return RayTaskRunner(init_kwargs={"num_cpus": p.max_workers, "include_dashboard": False,
-                                      "log_to_driver": False, **local_cluster_gpus(params)})
+    return RayTaskRunner(
+        init_kwargs={
+            "num_cpus": p.max_workers,
+            "include_dashboard": False,
+            "log_to_driver": False,
+            **local_cluster_gpus(params),
+        }
+    )
 
 
 @flow(name="crucible-pipeline")
@@ -99,12 +121,14 @@ def pipeline(root: str = ".", stages: list[str] | None = None) -> dict:
         logger.warning("%s is not a DVC project (no .dvc/ or dvc.yaml): stages run, nothing is recorded", root_path)
     for stage in NAMES:
         module(stage)  # import in this thread: module imports are not all thread-safe
+
     def tell(message: str) -> None:  # on stderr as `crucible stage` says it, and in the flow run's log
         tracking.say(message)
         logger.warning(message)
 
-    lock = WorkspaceLock(root_path, "flow", params.pipeline.lock_timeout, require_dvc_idle=use_dvc,
-                         on_wait=tell, on_stale=tell)
+    lock = WorkspaceLock(
+        root_path, "flow", params.pipeline.lock_timeout, require_dvc_idle=use_dvc, on_wait=tell, on_stale=tell
+    )
     with lock:
         return _run(root_path, params, stages, use_dvc, lock.token, logger)
 
@@ -129,8 +153,12 @@ def _run(root_path: Path, params: Params, stages: list[str] | None, use_dvc: boo
     off = {s.sid(t) for s, t in instances(specs, tasks) if s.switch and not _switched_on(params, s.switch)}
     width = overlaps({sid: ups - off for sid, ups in edges.items() if sid not in off})
     shares = {sid: 0 if sid in off else min(params.pipeline.max_workers, width[sid]) for sid in runs}
-    parent = tracking.start_parent_run(root_path, params.tracking.experiment, "pipeline",
-                                       {"crucible.kind": "pipeline", "crucible.tasks": ",".join(tasks)})
+    parent = tracking.start_parent_run(
+        root_path,
+        params.tracking.experiment,
+        "pipeline",
+        {"crucible.kind": "pipeline", "crucible.tasks": ",".join(tasks)},
+    )
     results: dict[str, object] = {}
     running: dict = {}  # future -> stage id
     slots = GpuSlots(local_gpus(params) if spreads_locally(params) else [])
@@ -164,8 +192,18 @@ def _run(root_path: Path, params: Params, stages: list[str] | None, use_dvc: boo
                     name, task_name = runs[sid]
                     assigned[sid] = slots.take()
                     with requesting(params):  # a cluster's GPUs per run (runtime.gpus_per_task)
-                        running[run_stage.submit(name, task_name, str(root_path), parent, shares[sid], token,
-                                                 sid=sid, device=assigned[sid])] = sid
+                        running[
+                            run_stage.submit(
+                                name,
+                                task_name,
+                                str(root_path),
+                                parent,
+                                shares[sid],
+                                token,
+                                sid=sid,
+                                device=assigned[sid],
+                            )
+                        ] = sid
                 continue
             if not running:
                 break
@@ -230,10 +268,14 @@ def _run_notes(root: Path, params) -> list[str]:
     """What a finished run's summary adds: the smoke-test notice, evaluate's warnings."""
     notes = []
     if params.pipeline.smoke_test:
-        notes.append("note: a smoke test (pipeline.smoke_test, e.g. the tiny profile): it shows every stage runs; its "
-                     "models see a few steps of small samples and are not meant for use")
+        notes.append(
+            "note: a smoke test (pipeline.smoke_test, e.g. the tiny profile): it shows every stage runs; its "
+            "models see a few steps of small samples and are not meant for use"
+        )
     try:
-        notes += [f"warning: {w}" for w in json.loads((root / "metrics" / "evaluate.json").read_text()).get("warnings", [])]
+        notes += [
+            f"warning: {w}" for w in json.loads((root / "metrics" / "evaluate.json").read_text()).get("warnings", [])
+        ]
     except (OSError, ValueError):
         pass
     return notes
@@ -248,8 +290,9 @@ def scheduled(root: str = ".", stages: list[str] | None = None) -> dict:
 
     start = time.perf_counter()
     results = run_pipeline(root, stages)
-    text = summary_table(results, time.perf_counter() - start, Path(root).resolve(),
-                         load_params(Path(root) / "params.yaml"))
+    text = summary_table(
+        results, time.perf_counter() - start, Path(root).resolve(), load_params(Path(root) / "params.yaml")
+    )
     print(text, flush=True)
     get_run_logger().info("%s", text)
     return results

@@ -49,12 +49,19 @@ def cmd_predict(args) -> int:
         return 2
     cols = [c for c in out.columns if c.startswith("proba_") and out[c].notna().all()]
     if args.json:
-        print(json.dumps([{"text": t, **{k: v for k, v in r.items() if k in ["task", "label", *cols]}}
-                          for t, r in zip(args.texts, out.to_dict("records"))], indent=2))
+        print(
+            json.dumps(
+                [
+                    {"text": t, **{k: v for k, v in r.items() if k in ["task", "label", *cols]}}
+                    for t, r in zip(args.texts, out.to_dict("records"))
+                ],
+                indent=2,
+            )
+        )
         return 0
     print(f"{name} version {mv.version} (@{args.alias}), task {args.task}")
     for text, (_, row) in zip(args.texts, out.iterrows()):
-        probs = "  ".join(f"{c[len('proba_'):]} {row[c]:.3f}" for c in cols)
+        probs = "  ".join(f"{c[len('proba_') :]} {row[c]:.3f}" for c in cols)
         print(f"{row['label']:<12} {probs}   {text[:70]}{'...' if len(text) > 70 else ''}")
     return 0
 

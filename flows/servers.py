@@ -23,15 +23,39 @@ def cmd_ui(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     procs = [
-        subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri,
-                          "--default-artifact-root", (root / "mlartifacts").as_uri(),
-                          "--host", "127.0.0.1", "--port", str(args.mlflow_port)]),
-        subprocess.Popen([str(Path(sys.executable).with_name("prefect")), "server", "start",
-                          "--host", "127.0.0.1", "--port", str(args.prefect_port)]),
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "mlflow",
+                "ui",
+                "--backend-store-uri",
+                uri,
+                "--default-artifact-root",
+                (root / "mlartifacts").as_uri(),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(args.mlflow_port),
+            ]
+        ),
+        subprocess.Popen(
+            [
+                str(Path(sys.executable).with_name("prefect")),
+                "server",
+                "start",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(args.prefect_port),
+            ]
+        ),
     ]
     print(f"MLflow UI:      http://127.0.0.1:{args.mlflow_port}")
-    print(f"Prefect server: http://127.0.0.1:{args.prefect_port}  (point flows at it with "
-          f"PREFECT_API_URL=http://127.0.0.1:{args.prefect_port}/api)")
+    print(
+        f"Prefect server: http://127.0.0.1:{args.prefect_port}  (point flows at it with "
+        f"PREFECT_API_URL=http://127.0.0.1:{args.prefect_port}/api)"
+    )
     print("Ctrl-C stops both.")
     try:
         while all(p.poll() is None for p in procs):
@@ -88,28 +112,49 @@ def cmd_deploy(args) -> int:
             log = root / ".prefect" / "server.log"
             log.parent.mkdir(parents=True, exist_ok=True)
             with open(log, "ab") as out:
-                server = subprocess.Popen([str(Path(sys.executable).with_name("prefect")), "server", "start",
-                                           "--host", args.host, "--port", str(args.port)], env=env,
-                                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                server = subprocess.Popen(
+                    [
+                        str(Path(sys.executable).with_name("prefect")),
+                        "server",
+                        "start",
+                        "--host",
+                        args.host,
+                        "--port",
+                        str(args.port),
+                    ],
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
             procs.append(server)
             print(f"starting a Prefect server on {args.host}:{args.port} (log: {log}) ...", flush=True)
             wait_until_serving(api, server, args.timeout, log, path="/health")
-        serving = subprocess.Popen([sys.executable, "-m", "flows.deploy", "--root", str(root)], cwd=root,
-                                   env=env, start_new_session=True)
+        serving = subprocess.Popen(
+            [sys.executable, "-m", "flows.deploy", "--root", str(root)], cwd=root, env=env, start_new_session=True
+        )
         procs.append(serving)
         ui = api.removesuffix("/api")
-        print(f"serving {len(deployments)} deployments from {root}: "
-              + ", ".join(f"{flow_name(d)}/{d['name']}"
-                          + "".join(f" ({s['cron']} {s.get('timezone', 'UTC')})" for s in d.get("schedules") or [])
-                          for d in deployments))
-        print(f"Prefect UI: {ui}   trigger a run:  PREFECT_API_URL={api} prefect deployment run "
-              f"{flow_name(deployments[-1])}/{deployments[-1]['name']}")
+        print(
+            f"serving {len(deployments)} deployments from {root}: "
+            + ", ".join(
+                f"{flow_name(d)}/{d['name']}"
+                + "".join(f" ({s['cron']} {s.get('timezone', 'UTC')})" for s in d.get("schedules") or [])
+                for d in deployments
+            )
+        )
+        print(
+            f"Prefect UI: {ui}   trigger a run:  PREFECT_API_URL={api} prefect deployment run "
+            f"{flow_name(deployments[-1])}/{deployments[-1]['name']}"
+        )
         print("Ctrl-C stops the deployments and the server.", flush=True)
         while all(p.poll() is None for p in procs):
             time.sleep(0.5)
         failed = next(p for p in procs if p.poll() is not None)
-        print(f"error: {'the Prefect server' if failed is server else 'serving'} exited with {failed.returncode}",
-              file=sys.stderr)
+        print(
+            f"error: {'the Prefect server' if failed is server else 'serving'} exited with {failed.returncode}",
+            file=sys.stderr,
+        )
         return 1
     except RuntimeError as exc:  # the server did not come up
         print(f"error: {exc}", file=sys.stderr)
@@ -159,7 +204,10 @@ def cmd_serve(args) -> int:
         try:
             sock.bind((args.host, args.port))
         except OSError as exc:
-            print(f"error: cannot listen on {args.host}:{args.port} ({exc.strerror}); pick another --port", file=sys.stderr)
+            print(
+                f"error: cannot listen on {args.host}:{args.port} ({exc.strerror}); pick another --port",
+                file=sys.stderr,
+            )
             return 2
     sweep(root)  # the copies of servers that are gone
     (root / SCRATCH).mkdir(parents=True, exist_ok=True)
@@ -168,19 +216,24 @@ def cmd_serve(args) -> int:
         model_dir = download_version(root, name, mv.version, folder)
     except (MlflowException, OSError) as exc:
         shutil.rmtree(folder, ignore_errors=True)
-        print(f"error: cannot read the files of {name} version {mv.version} from the registry: {message(exc)}",
-              file=sys.stderr)
+        print(
+            f"error: cannot read the files of {name} version {mv.version} from the registry: {message(exc)}",
+            file=sys.stderr,
+        )
         return 2
     cmd, env = serve_command(model_dir, args.host, args.port, limits, args.workers)
     tasks = (mv.tags.get("crucible.tasks") or "TASK").split(",")
-    print(f"serving {name} version {mv.version} (@{args.alias}) at http://{args.host}:{args.port}/invocations "
-          f"(tasks: {', '.join(tasks)}); Ctrl-C stops it.")
-    print(f"limits per request: {limits['max_rows']} rows (serve.max_rows), {limits['max_chars']} characters per "
-          f"text (serve.max_chars), {limits['max_body_bytes']} bytes of body (serve.max_body_bytes); "
-          f"{limits['max_concurrency']} in flight per worker (serve.max_concurrency)")
+    print(
+        f"serving {name} version {mv.version} (@{args.alias}) at http://{args.host}:{args.port}/invocations "
+        f"(tasks: {', '.join(tasks)}); Ctrl-C stops it."
+    )
+    print(
+        f"limits per request: {limits['max_rows']} rows (serve.max_rows), {limits['max_chars']} characters per "
+        f"text (serve.max_chars), {limits['max_body_bytes']} bytes of body (serve.max_body_bytes); "
+        f"{limits['max_concurrency']} in flight per worker (serve.max_concurrency)"
+    )
     print("try:")
     print(f"  {curl_example(args.host, args.port, tasks[0])}")
-    print(f"  # -> {{\"predictions\": [{{\"task\": \"{tasks[0]}\", \"label\": ..., \"proba_<class>\": ...}}]}}",
-          flush=True)
+    print(f'  # -> {{"predictions": [{{"task": "{tasks[0]}", "label": ..., "proba_<class>": ...}}]}}', flush=True)
     sys.stderr.flush()
     os.execve(cmd[0], cmd, env)  # this process becomes the server: its pid, its scratch folder

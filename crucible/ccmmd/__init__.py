@@ -7,14 +7,30 @@ sums it runs on (torch, or Triton on CUDA); ``rff_matvec`` their random-feature 
 
 from .estimator import CCMMDResult, cc_mmd, mmd_terms
 from .fit import FitResult, fit_min_ccmmd, contaminated_regression, linear_gaussian_sampler
-from .kernels import (GaussianKernel, gaussian_kernel_matrix, kernel_matvec, median_bandwidth,
-                      weighted_kernel_sum, within_kernel_sum)
+from .kernels import (
+    GaussianKernel,
+    gaussian_kernel_matrix,
+    kernel_matvec,
+    median_bandwidth,
+    weighted_kernel_sum,
+    within_kernel_sum,
+)
 from .rff import rff_features, rff_matvec
 
 __all__ = [
-    "CCMMDResult", "cc_mmd", "mmd_terms",
-    "FitResult", "fit_min_ccmmd", "contaminated_regression", "linear_gaussian_sampler",
-    "GaussianKernel", "gaussian_kernel_matrix", "kernel_matvec", "median_bandwidth",
-    "weighted_kernel_sum", "within_kernel_sum",
-    "rff_features", "rff_matvec",
+    "CCMMDResult",
+    "cc_mmd",
+    "mmd_terms",
+    "FitResult",
+    "fit_min_ccmmd",
+    "contaminated_regression",
+    "linear_gaussian_sampler",
+    "GaussianKernel",
+    "gaussian_kernel_matrix",
+    "kernel_matvec",
+    "median_bandwidth",
+    "weighted_kernel_sum",
+    "within_kernel_sum",
+    "rff_features",
+    "rff_matvec",
 ]

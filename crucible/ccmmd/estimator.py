@@ -78,8 +78,9 @@ class CCMMDResult:
         return d
 
 
-def mmd_terms(a: float, r: torch.Tensor, kw: torch.Tensor, w: torch.Tensor, m_ref: int,
-              name: str = "weights") -> tuple[float, torch.Tensor]:
+def mmd_terms(
+    a: float, r: torch.Tensor, kw: torch.Tensor, w: torch.Tensor, m_ref: int, name: str = "weights"
+) -> tuple[float, torch.Tensor]:
     """V(w) and its gradient dV/dw (n,) from the precomputed A, r = K_yx 1 and kw = K_yy^off w.
 
     Raises ValueError when N(w) < 2 or D(w) = N^2 - sum w^2 <= 0 (fewer than two clean items: the
@@ -88,9 +89,11 @@ def mmd_terms(a: float, r: torch.Tensor, kw: torch.Tensor, w: torch.Tensor, m_re
     n_w = float(w.sum())
     d_w = n_w**2 - float((w * w).sum())
     if not (n_w >= 2 and d_w > 0):
-        raise ValueError(f"{name}: the estimated clean count is {n_w:.4g} and the normaliser "
-                         f"N^2 - sum w^2 is {d_w:.4g}; CC-MMD needs at least two estimated clean "
-                         "items (audit more items, or check the scores)")
+        raise ValueError(
+            f"{name}: the estimated clean count is {n_w:.4g} and the normaliser "
+            f"N^2 - sum w^2 is {d_w:.4g}; CC-MMD needs at least two estimated clean "
+            "items (audit more items, or check the scores)"
+        )
     b = float((w * r).sum())
     c = float((w * kw).sum())
     value = a - 2.0 * b / (m_ref * n_w) + c / d_w
@@ -98,10 +101,25 @@ def mmd_terms(a: float, r: torch.Tensor, kw: torch.Tensor, w: torch.Tensor, m_re
     return value, grad
 
 
-def cc_mmd(reference, pool, scores, audited, member, pi, *, kernel: GaussianKernel | None = None,
-           truth=None, labels_reference=None, labels_pool=None, method: str = "exact",
-           n_features: int = 2048, seed: int = 0, block_size: int | None = None,
-           backend: str = "auto", level: float = 0.95) -> CCMMDResult:
+def cc_mmd(
+    reference,
+    pool,
+    scores,
+    audited,
+    member,
+    pi,
+    *,
+    kernel: GaussianKernel | None = None,
+    truth=None,
+    labels_reference=None,
+    labels_pool=None,
+    method: str = "exact",
+    n_features: int = 2048,
+    seed: int = 0,
+    block_size: int | None = None,
+    backend: str = "auto",
+    level: float = 0.95,
+) -> CCMMDResult:
     """Contamination-corrected MMD^2 between ``reference`` and the clean part of ``pool``.
 
     reference: (m, d) features of the clean reference, m >= 2. pool: (n, d). scores: (n,) proxy
@@ -130,8 +148,10 @@ def cc_mmd(reference, pool, scores, audited, member, pi, *, kernel: GaussianKern
     mem = _audited_truth("member", member, aud, n)
     n_members = int(((aud == 1) & (mem == 1)).sum())
     if n_members == 0:
-        raise ValueError(f"member: the audit of {int(aud.sum())} item(s) found no members; the "
-                         "residual correction and the audit-only estimate need at least one")
+        raise ValueError(
+            f"member: the audit of {int(aud.sum())} item(s) found no members; the "
+            "residual correction and the audit-only estimate need at least one"
+        )
     cols = [mvec, torch.ones(n, dtype=torch.float64), aud * mem / p]
     if truth is not None:
         t = as_vector("truth", truth, n)
@@ -144,11 +164,14 @@ def cc_mmd(reference, pool, scores, audited, member, pi, *, kernel: GaussianKern
 
     hs = (kernel or GaussianKernel()).resolve(x, y)
     if method == "exact":
+
         def matvec(a, b, ww, **kw):
             return kernel_matvec(a, b, ww, hs, block_size=block_size, backend=backend, **kw)
     else:
+
         def matvec(a, b, ww, **kw):
             return rff_matvec(a, b, ww, hs, n_features=n_features, seed=seed, **kw)
+
     lab = {"labels_x": labels_reference} if labels_reference is not None else {}
     ones_m = torch.ones(m_ref, dtype=torch.float64)
     a_sum = float(matvec(x, None, ones_m, exclude_diagonal=True, **lab).sum()) / (m_ref * (m_ref - 1))
@@ -170,11 +193,23 @@ def cc_mmd(reference, pool, scores, audited, member, pi, *, kernel: GaussianKern
     n_hat = float(mvec.sum())
     wa = cols[2]
     return CCMMDResult(
-        value=value, se=se, ci_low=value - z * se, ci_high=value + z * se, level=level,
-        naive=naive, audit_only=audit_only, oracle=oracle,
-        n_hat=n_hat, eps_hat=1.0 - n_hat / n,
+        value=value,
+        se=se,
+        ci_low=value - z * se,
+        ci_high=value + z * se,
+        level=level,
+        naive=naive,
+        audit_only=audit_only,
+        oracle=oracle,
+        n_hat=n_hat,
+        eps_hat=1.0 - n_hat / n,
         ess=n_hat**2 / float((mvec**2).sum()),
         ess_audit_only=float(wa.sum()) ** 2 / float((wa**2).sum()),
-        n_pool=n, n_reference=m_ref, n_audited=int(aud.sum()), n_audited_members=n_members,
-        bandwidths=tuple(hs), method=method, weights=mvec,
+        n_pool=n,
+        n_reference=m_ref,
+        n_audited=int(aud.sum()),
+        n_audited_members=n_members,
+        bandwidths=tuple(hs),
+        method=method,
+        weights=mvec,
     )

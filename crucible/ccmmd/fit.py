@@ -32,8 +32,7 @@ from crucible.seeding import numpy_rng, torch_generator
 
 from .kernels import _gammas, check_features, kernel_matvec
 
-__all__ = ["FitResult", "fit_min_ccmmd", "linear_gaussian_sampler", "contaminated_regression",
-           "weighted_mmd_loss"]
+__all__ = ["FitResult", "fit_min_ccmmd", "linear_gaussian_sampler", "contaminated_regression", "weighted_mmd_loss"]
 
 
 def _loss_and_grad(zh, z, v, w, gammas, paired, block):
@@ -41,17 +40,20 @@ def _loss_and_grad(zh, z, v, w, gammas, paired, block):
     d_v = n_v**2 - float((v * v).sum())
     d_vw = n_v * n_w - (float((v * w).sum()) if paired else 0.0)
     if not (d_v > 0 and d_vw > 0):
-        raise ValueError(f"weights: normalisers D_v = {d_v:.4g}, D_vw = {d_vw:.4g} must be > 0 "
-                         "(fewer than two effective items)")
+        raise ValueError(
+            f"weights: normalisers D_v = {d_v:.4g}, D_vw = {d_vw:.4g} must be > 0 (fewer than two effective items)"
+        )
     loss = 0.0
     grad = torch.zeros_like(zh, dtype=torch.float64)
     zh64, z64 = zh.to(torch.float64), z.to(torch.float64)
     for gm in gammas:
         h = (0.5 / gm) ** 0.5
-        kv = kernel_matvec(zh, None, torch.cat([v[:, None], v[:, None] * zh64], 1), h,
-                           exclude_diagonal=True, block_size=block)
-        kw = kernel_matvec(zh, z, torch.cat([w[:, None], w[:, None] * z64], 1), h,
-                           exclude_diagonal=paired, block_size=block)
+        kv = kernel_matvec(
+            zh, None, torch.cat([v[:, None], v[:, None] * zh64], 1), h, exclude_diagonal=True, block_size=block
+        )
+        kw = kernel_matvec(
+            zh, z, torch.cat([w[:, None], w[:, None] * z64], 1), h, exclude_diagonal=paired, block_size=block
+        )
         loss += float((v * kv[:, 0]).sum()) / d_v - 2.0 * float((v * kw[:, 0]).sum()) / d_vw
         g_vv = 2.0 * v[:, None] * (zh64 * kv[:, :1] - kv[:, 1:])
         g_vw = v[:, None] * (zh64 * kw[:, :1] - kw[:, 1:])
@@ -72,14 +74,23 @@ class _MMDModelTerms(torch.autograd.Function):
         return g_out * grad, None, None, None, None, None, None
 
 
-def weighted_mmd_loss(z_hat: torch.Tensor, z: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
-                      bandwidths, *, paired: bool, block_size: int | None = None) -> torch.Tensor:
+def weighted_mmd_loss(
+    z_hat: torch.Tensor,
+    z: torch.Tensor,
+    v: torch.Tensor,
+    w: torch.Tensor,
+    bandwidths,
+    *,
+    paired: bool,
+    block_size: int | None = None,
+) -> torch.Tensor:
     """The theta-dependent part of the weighted MMD^2, differentiable in z_hat (n_hat, d).
 
     z: (n, d) pool; v: (n_hat,) model weights; w: (n,) pool weights (float64). Returns a scalar.
     """
-    return _MMDModelTerms.apply(z_hat, z, v.to(torch.float64), w.to(torch.float64),
-                                _gammas(bandwidths), paired, block_size)
+    return _MMDModelTerms.apply(
+        z_hat, z, v.to(torch.float64), w.to(torch.float64), _gammas(bandwidths), paired, block_size
+    )
 
 
 @dataclass(frozen=True)
@@ -91,11 +102,22 @@ class FitResult:
     bandwidths: tuple
 
 
-def fit_min_ccmmd(sampler: Callable[[dict, torch.Tensor], torch.Tensor], params: dict,
-                  pool: torch.Tensor, weights: torch.Tensor, bandwidths, *, noise_shape,
-                  model_weights: torch.Tensor | None = None, paired: bool = True,
-                  steps: int = 300, lr: float = 0.05, seed: int = 0,
-                  resample: bool = False, block_size: int | None = None) -> FitResult:
+def fit_min_ccmmd(
+    sampler: Callable[[dict, torch.Tensor], torch.Tensor],
+    params: dict,
+    pool: torch.Tensor,
+    weights: torch.Tensor,
+    bandwidths,
+    *,
+    noise_shape,
+    model_weights: torch.Tensor | None = None,
+    paired: bool = True,
+    steps: int = 300,
+    lr: float = 0.05,
+    seed: int = 0,
+    resample: bool = False,
+    block_size: int | None = None,
+) -> FitResult:
     """Minimum-CC-MMD: Adam on ``params`` to minimise the CC-MMD^2 between model and clean pool.
 
     sampler(params, noise) -> (n_hat, d) model samples, differentiable in params. params: dict of
@@ -111,9 +133,15 @@ def fit_min_ccmmd(sampler: Callable[[dict, torch.Tensor], torch.Tensor], params:
         raise ValueError(f"weights: expected shape ({z.shape[0]},), got {tuple(w.shape)}")
     g = torch_generator(seed)
     noise = torch.randn(noise_shape, generator=g, dtype=torch.float64)
-    v = w if (model_weights is None and paired) else (
-        torch.ones(noise_shape[0], dtype=torch.float64) if model_weights is None
-        else torch.as_tensor(model_weights, dtype=torch.float64))
+    v = (
+        w
+        if (model_weights is None and paired)
+        else (
+            torch.ones(noise_shape[0], dtype=torch.float64)
+            if model_weights is None
+            else torch.as_tensor(model_weights, dtype=torch.float64)
+        )
+    )
     leaves = [p.requires_grad_(True) for p in params.values()]
     opt = torch.optim.Adam(leaves, lr=lr)
     losses = []
@@ -121,8 +149,7 @@ def fit_min_ccmmd(sampler: Callable[[dict, torch.Tensor], torch.Tensor], params:
         if resample:
             noise = torch.randn(noise_shape, generator=g, dtype=torch.float64)
         opt.zero_grad()
-        loss = weighted_mmd_loss(sampler(params, noise), z, v, w, bandwidths,
-                                 paired=paired, block_size=block_size)
+        loss = weighted_mmd_loss(sampler(params, noise), z, v, w, bandwidths, paired=paired, block_size=block_size)
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
@@ -145,8 +172,17 @@ def linear_gaussian_sampler(x: torch.Tensor) -> Callable[[dict, torch.Tensor], t
     return sample
 
 
-def contaminated_regression(n: int, eps: float, *, p: int = 3, sigma: float = 0.5, seed: int = 0,
-                            beta=None, contaminant_beta=None, contaminant_shift: float = 2.0) -> dict:
+def contaminated_regression(
+    n: int,
+    eps: float,
+    *,
+    p: int = 3,
+    sigma: float = 0.5,
+    seed: int = 0,
+    beta=None,
+    contaminant_beta=None,
+    contaminant_shift: float = 2.0,
+) -> dict:
     """Synthetic pool for the demo: clean y = x beta + sigma e, contaminants y = x beta_c + shift + e.
 
     Membership M_j ~ Bernoulli(1 - eps); x ~ N(0, I_p) for both. Returns numpy arrays x (n, p),

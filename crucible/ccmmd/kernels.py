@@ -75,8 +75,7 @@ def median_bandwidth(*samples: torch.Tensor, subsample: int = 1000, seed: int = 
     d = torch.pdist(z)
     h = float(d.median()) if d.numel() else 0.0
     if not h > 0:
-        raise ValueError("bandwidth: the median pairwise distance is 0 (identical points); "
-                         "give bandwidths explicitly")
+        raise ValueError("bandwidth: the median pairwise distance is 0 (identical points); give bandwidths explicitly")
     return h
 
 
@@ -172,6 +171,7 @@ def _dispatch(backend: str, x: torch.Tensor) -> str:
     if backend == "auto":
         if x.is_cuda:
             from . import triton_kernels
+
             return "triton" if triton_kernels.available() else "torch"
         return "torch"
     return backend
@@ -185,13 +185,23 @@ def _matvec_one(x, y, w, gammas, exclude_diagonal, block, backend):
     w32 = w.to(device=x.device, dtype=torch.float32).contiguous()
     if _dispatch(backend, x) == "triton":
         from . import triton_kernels
+
         return triton_kernels.triton_matvec(xa, ya, w32, gammas, exclude_diagonal)
     return _torch_blocks(xa, ya, w32, gammas, exclude_diagonal, symmetric, block)
 
 
-def kernel_matvec(x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor, bandwidths, *,
-                  exclude_diagonal: bool = False, labels_x=None, labels_y=None,
-                  block_size: int | None = None, backend: str = "auto") -> torch.Tensor:
+def kernel_matvec(
+    x: torch.Tensor,
+    y: torch.Tensor | None,
+    w: torch.Tensor,
+    bandwidths,
+    *,
+    exclude_diagonal: bool = False,
+    labels_x=None,
+    labels_y=None,
+    block_size: int | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
     """out[i, c] = sum_j k(x_i, y_j) w[j, c], blockwise, never forming the kernel matrix.
 
     x: (n_x, d). y: (n_y, d), or None for y = x (the symmetric within-sample sum, half the work).
@@ -231,8 +241,10 @@ def _labelled(x, y, w, gammas, exclude_diagonal, block, backend, labels_x, label
     ly = lx if y is None and labels_y is None else torch.as_tensor(labels_y).to(x.device)
     ny = x.shape[0] if y is None else y.shape[0]
     if lx.shape != (x.shape[0],) or ly.shape != (ny,):
-        raise ValueError(f"labels_x, labels_y: expected shapes ({x.shape[0]},) and ({ny},), "
-                         f"got {tuple(lx.shape)} and {tuple(ly.shape)}")
+        raise ValueError(
+            f"labels_x, labels_y: expected shapes ({x.shape[0]},) and ({ny},), "
+            f"got {tuple(lx.shape)} and {tuple(ly.shape)}"
+        )
     if exclude_diagonal and y is not None and not torch.equal(lx, ly):
         raise ValueError("labels_y: with exclude_diagonal on two samples the labels must agree pairwise")
     out = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float64, device=x.device)

@@ -26,8 +26,9 @@ from .kernels import _gammas, check_features
 __all__ = ["rff_features", "rff_matvec"]
 
 
-def rff_features(z: torch.Tensor, bandwidths, n_features: int, seed: int = 0,
-                 shift: torch.Tensor | None = None) -> torch.Tensor:
+def rff_features(
+    z: torch.Tensor, bandwidths, n_features: int, seed: int = 0, shift: torch.Tensor | None = None
+) -> torch.Tensor:
     """Features (n, L * n_features), float64, with phi(x).phi(y) ~= sum_b k_b(x, y).
 
     z: (n, d). bandwidths: float or sequence of L floats. seed: frequencies come from a
@@ -51,9 +52,19 @@ def rff_features(z: torch.Tensor, bandwidths, n_features: int, seed: int = 0,
     return torch.cat(feats, 1)
 
 
-def rff_matvec(x: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor, bandwidths, *,
-               n_features: int = 2048, seed: int = 0, exclude_diagonal: bool = False,
-               labels_x=None, labels_y=None, **_unused) -> torch.Tensor:
+def rff_matvec(
+    x: torch.Tensor,
+    y: torch.Tensor | None,
+    w: torch.Tensor,
+    bandwidths,
+    *,
+    n_features: int = 2048,
+    seed: int = 0,
+    exclude_diagonal: bool = False,
+    labels_x=None,
+    labels_y=None,
+    **_unused,
+) -> torch.Tensor:
     """RFF approximation of ``kernels.kernel_matvec``: out[i, c] ~= sum_j k(x_i, y_j) w[j, c].
 
     Same shapes and arguments (block_size/backend are accepted and ignored); y = None means y = x.

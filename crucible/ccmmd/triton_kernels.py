@@ -39,9 +39,22 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def _gauss_matvec(xa_ptr, ya_ptr, w_ptr, g_ptr, out_ptr, nx, ny, da,
-                      NB: tl.constexpr, EXCLUDE: tl.constexpr, K: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _gauss_matvec(
+        xa_ptr,
+        ya_ptr,
+        w_ptr,
+        g_ptr,
+        out_ptr,
+        nx,
+        ny,
+        da,
+        NB: tl.constexpr,
+        EXCLUDE: tl.constexpr,
+        K: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
         pid = tl.program_id(0)
         rm = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         rk = tl.arange(0, K)
@@ -51,10 +64,12 @@ def _build():
             dot = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for d0 in range(0, da, BLOCK_D):
                 rd = d0 + tl.arange(0, BLOCK_D)
-                xt = tl.load(xa_ptr + rm[:, None] * da + rd[None, :],
-                             mask=(rm[:, None] < nx) & (rd[None, :] < da), other=0.0).to(tl.float32)
-                yt = tl.load(ya_ptr + rn[None, :] * da + rd[:, None],
-                             mask=(rn[None, :] < ny) & (rd[:, None] < da), other=0.0).to(tl.float32)
+                xt = tl.load(
+                    xa_ptr + rm[:, None] * da + rd[None, :], mask=(rm[:, None] < nx) & (rd[None, :] < da), other=0.0
+                ).to(tl.float32)
+                yt = tl.load(
+                    ya_ptr + rn[None, :] * da + rd[:, None], mask=(rn[None, :] < ny) & (rd[:, None] < da), other=0.0
+                ).to(tl.float32)
                 dot += tl.dot(xt, yt, input_precision="ieee")
             # A distance is never negative; rounding can make the exponent slightly positive.
             dot = tl.minimum(dot, 0.0)
@@ -74,9 +89,16 @@ def _build():
     return _gauss_matvec
 
 
-def triton_matvec(xa: torch.Tensor, ya: torch.Tensor, w: torch.Tensor, gammas,
-                  exclude_diagonal: bool, block_m: int = 64, block_n: int = 64,
-                  block_d: int = 32) -> torch.Tensor:
+def triton_matvec(
+    xa: torch.Tensor,
+    ya: torch.Tensor,
+    w: torch.Tensor,
+    gammas,
+    exclude_diagonal: bool,
+    block_m: int = 64,
+    block_n: int = 64,
+    block_d: int = 32,
+) -> torch.Tensor:
     """out = K w as float64 (n_x, k), from augmented fp32 features (see module docstring).
 
     xa: (n_x, d+2), ya: (n_y, d+2), w: (n_y, k); any float dtype, upcast to float32 in the kernel.
@@ -97,7 +119,20 @@ def triton_matvec(xa: torch.Tensor, ya: torch.Tensor, w: torch.Tensor, gammas,
     g = torch.tensor([gm * _LOG2E for gm in gammas], dtype=torch.float32, device=xa.device)
     out = torch.empty(nx, kp, dtype=torch.float64, device=xa.device)
     grid = (triton.cdiv(nx, block_m),)
-    _KERNEL[grid](xa.contiguous(), ya.contiguous(), wp, g, out, nx, ny, da,
-                  NB=len(gammas), EXCLUDE=bool(exclude_diagonal), K=kp,
-                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d)
+    _KERNEL[grid](
+        xa.contiguous(),
+        ya.contiguous(),
+        wp,
+        g,
+        out,
+        nx,
+        ny,
+        da,
+        NB=len(gammas),
+        EXCLUDE=bool(exclude_diagonal),
+        K=kp,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+    )
     return out[:, :k]

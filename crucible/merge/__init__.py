@@ -18,8 +18,7 @@ failed `add` leaves the merger exactly as it was.
 from __future__ import annotations
 
 from crucible.merge.arithmetic import TaskArithmetic, WeightAverage
-from crucible.merge.base import (DEFAULT_EXCLUDE, ContinualMerger, energy_rank, global_norm,
-                                 merge_sequence, task_vector)
+from crucible.merge.base import DEFAULT_EXCLUDE, ContinualMerger, energy_rank, global_norm, merge_sequence, task_vector
 from crucible.merge.gs3r import GS3R
 from crucible.merge.magmax import MagMax
 from crucible.merge.opcm import OPCM
@@ -40,6 +39,19 @@ def make_merger(name: str, **kwargs) -> ContinualMerger:
     return MERGERS[name](**kwargs)
 
 
-__all__ = ["ContinualMerger", "DEFAULT_EXCLUDE", "GS3R", "MERGERS", "MagMax", "OPCM", "TIES",
-           "TaskArithmetic", "WeightAverage", "energy_rank", "global_norm", "make_merger",
-           "merge_sequence", "task_vector"]
+__all__ = [
+    "ContinualMerger",
+    "DEFAULT_EXCLUDE",
+    "GS3R",
+    "MERGERS",
+    "MagMax",
+    "OPCM",
+    "TIES",
+    "TaskArithmetic",
+    "WeightAverage",
+    "energy_rank",
+    "global_norm",
+    "make_merger",
+    "merge_sequence",
+    "task_vector",
+]

@@ -44,8 +44,7 @@ StateDict = Mapping[str, Tensor]
 
 
 def nonfinite_report(x: Tensor) -> str | None:
-    """None when every entry of x is finite, else e.g. '3 non-finite values (2 NaN, 1 inf) of 12'.
-    """
+    """None when every entry of x is finite, else e.g. '3 non-finite values (2 NaN, 1 inf) of 12'."""
     if x.numel() == 0:
         return None
     # one reduction, no mask: min and max propagate NaN, and an inf is one of them (~25x faster
@@ -67,17 +66,25 @@ def check_finite(tensors: StateDict, where: str) -> None:
         return
     listed = "; ".join(f"{k!r} has {r}" for k, r in bad[:5])
     more = f"; and {len(bad) - 5} more parameters" if len(bad) > 5 else ""
-    raise ValueError(f"{where}: non-finite weights: parameter {listed}{more}. Weights must be "
-                     f"finite: a NaN or inf usually means the fine-tuning diverged or the file "
-                     f"is corrupt")
+    raise ValueError(
+        f"{where}: non-finite weights: parameter {listed}{more}. Weights must be "
+        f"finite: a NaN or inf usually means the fine-tuning diverged or the file "
+        f"is corrupt"
+    )
 
 
 def _label(where: str, source: str | None) -> str:
     return f"{where} ({source})" if source else where
 
 
-def task_vector(theta_t: StateDict, theta_0: StateDict, inplace: bool = False, *,
-                source: str | None = None, base_source: str | None = None) -> dict[str, Tensor]:
+def task_vector(
+    theta_t: StateDict,
+    theta_0: StateDict,
+    inplace: bool = False,
+    *,
+    source: str | None = None,
+    base_source: str | None = None,
+) -> dict[str, Tensor]:
     """tau = theta_t - theta_0 over the floating tensors of theta_0, in float32.
 
     Non-floating entries (e.g. a BERT `position_ids` buffer) are left out: they are not weights.
@@ -88,19 +95,22 @@ def task_vector(theta_t: StateDict, theta_0: StateDict, inplace: bool = False, *
     floating key, a shape differs, a tensor of theta_t is not floating, or a tensor of either
     holds a NaN or inf; then nothing has been modified.
     """
-    fine, base = _label("task_vector: fine-tuned model", source), \
-        _label("task_vector: base model", base_source)
+    fine, base = _label("task_vector: fine-tuned model", source), _label("task_vector: base model", base_source)
     keys = [k for k, v in theta_0.items() if v.is_floating_point()]
     extra = sorted(k for k, v in theta_t.items() if v.is_floating_point() and k not in theta_0)
     missing = sorted(k for k in keys if k not in theta_t)
     if missing or extra:
-        raise ValueError(f"{fine} does not match the base: missing "
-                         f"{missing[:5]}{'...' if len(missing) > 5 else ''}, extra "
-                         f"{extra[:5]}{'...' if len(extra) > 5 else ''}")
+        raise ValueError(
+            f"{fine} does not match the base: missing "
+            f"{missing[:5]}{'...' if len(missing) > 5 else ''}, extra "
+            f"{extra[:5]}{'...' if len(extra) > 5 else ''}"
+        )
     for k in keys:
         if theta_t[k].shape != theta_0[k].shape:
-            raise ValueError(f"{fine}: shape of {k!r} is {tuple(theta_t[k].shape)} in the "
-                             f"fine-tuned model but {tuple(theta_0[k].shape)} in the base")
+            raise ValueError(
+                f"{fine}: shape of {k!r} is {tuple(theta_t[k].shape)} in the "
+                f"fine-tuned model but {tuple(theta_0[k].shape)} in the base"
+            )
         if not theta_t[k].is_floating_point():
             raise ValueError(f"{fine}: {k!r} must be a floating tensor, got {theta_t[k].dtype}")
     check_finite({k: theta_t[k] for k in keys}, fine)
@@ -148,17 +158,19 @@ def energy_rank(s: Tensor, energy: float) -> int:
     if not 0.0 < energy <= 1.0:
         raise ValueError(f"energy must be in (0, 1], got {energy}")
     if s.ndim != 1:
-        raise ValueError(f"energy_rank: singular values must be a 1-D tensor, got shape "
-                         f"{tuple(s.shape)}")
+        raise ValueError(f"energy_rank: singular values must be a 1-D tensor, got shape {tuple(s.shape)}")
     if s.numel() == 0:
         return 0
     report = nonfinite_report(s)
     if report is not None:
-        raise ValueError(f"energy_rank: singular values must be finite, got {report} (the "
-                         f"decomposed matrix had non-finite entries)")
+        raise ValueError(
+            f"energy_rank: singular values must be finite, got {report} (the decomposed matrix had non-finite entries)"
+        )
     if float(s.min()) < 0.0 or bool((s[1:] > s[:-1]).any()):
-        raise ValueError(f"energy_rank: singular values must be non-negative and descending, got "
-                         f"{s[:8].tolist()}{'...' if s.numel() > 8 else ''}")
+        raise ValueError(
+            f"energy_rank: singular values must be non-negative and descending, got "
+            f"{s[:8].tolist()}{'...' if s.numel() > 8 else ''}"
+        )
     if float(s[0]) == 0.0:
         return 0
     tol = float(s[0]) * len(s) * torch.finfo(s.dtype).eps
@@ -232,13 +244,13 @@ class ContinualMerger(ABC):
         missing = [k for k in self._spec if k not in theta_0]
         extra = [k for k, v in theta_0.items() if k not in self._spec and v.is_floating_point()]
         if missing or extra:
-            raise ValueError(f"{where} does not match the task vectors: missing {missing[:5]}, "
-                             f"extra floating {extra[:5]}")
+            raise ValueError(
+                f"{where} does not match the task vectors: missing {missing[:5]}, extra floating {extra[:5]}"
+            )
         for k, (shape, _, _) in self._spec.items():
             w = theta_0[k]
             if w.shape != shape:
-                raise ValueError(f"{where}: {k!r} has shape {tuple(w.shape)}, the task vectors "
-                                 f"{tuple(shape)}")
+                raise ValueError(f"{where}: {k!r} has shape {tuple(w.shape)}, the task vectors {tuple(shape)}")
             if not w.is_floating_point():
                 raise ValueError(f"{where}: {k!r} must be a floating tensor, got {w.dtype}")
         check_finite({k: theta_0[k] for k in self._spec}, where)
@@ -286,33 +298,34 @@ class ContinualMerger(ABC):
             raise ValueError(f"{where}: empty task vector")
         for k, v in tv.items():
             if not isinstance(v, Tensor) or not v.is_floating_point():
-                raise ValueError(f"{where}: parameter {k!r} must be a floating tensor, got "
-                                 f"{getattr(v, 'dtype', type(v))}")
+                raise ValueError(
+                    f"{where}: parameter {k!r} must be a floating tensor, got {getattr(v, 'dtype', type(v))}"
+                )
         spec = {k: (v.shape, v.dtype, v.device) for k, v in tv.items()}
         if self._spec:
             missing = sorted(set(self._spec) - set(tv))
             extra = sorted(set(tv) - set(self._spec))
             if missing or extra:
-                raise ValueError(f"{where}: keys differ from task 0: missing {missing[:5]}"
-                                 f"{'...' if len(missing) > 5 else ''}, extra {extra[:5]}"
-                                 f"{'...' if len(extra) > 5 else ''}")
+                raise ValueError(
+                    f"{where}: keys differ from task 0: missing {missing[:5]}"
+                    f"{'...' if len(missing) > 5 else ''}, extra {extra[:5]}"
+                    f"{'...' if len(extra) > 5 else ''}"
+                )
             for k, (shape, dtype, device) in spec.items():
                 shape_0, dtype_0, device_0 = self._spec[k]
                 if shape != shape_0:
-                    raise ValueError(f"{where}: parameter {k!r} has shape {tuple(shape)}, task 0 "
-                                     f"had {tuple(shape_0)}")
+                    raise ValueError(f"{where}: parameter {k!r} has shape {tuple(shape)}, task 0 had {tuple(shape_0)}")
                 if dtype != dtype_0:
-                    raise ValueError(f"{where}: parameter {k!r} has dtype {dtype}, task 0 had "
-                                     f"{dtype_0}")
+                    raise ValueError(f"{where}: parameter {k!r} has dtype {dtype}, task 0 had {dtype_0}")
                 if device != device_0:
-                    raise ValueError(f"{where}: parameter {k!r} is on {device}, task 0 was on "
-                                     f"{device_0}")
+                    raise ValueError(f"{where}: parameter {k!r} is on {device}, task 0 was on {device_0}")
         check_finite(tv, where)
         return spec
 
 
-def merge_sequence(theta_0: StateDict, task_vectors: Iterable[StateDict],
-                   merger: ContinualMerger) -> Iterator[dict[str, Tensor]]:
+def merge_sequence(
+    theta_0: StateDict, task_vectors: Iterable[StateDict], merger: ContinualMerger
+) -> Iterator[dict[str, Tensor]]:
     """Feed task vectors one by one; yield the merged weights after each arrival.
 
     `task_vectors` should be lazy (a generator loading theta_t and returning task_vector(theta_t,

@@ -82,8 +82,7 @@ def _orthonormal_residual(basis: Tensor, held: Tensor, tol: float) -> Tensor:
     return q.to(basis.dtype)
 
 
-def separate(tau: Tensor, U: Tensor, V: Tensor, energy: float,
-             sep_tol: float = 1e-4) -> tuple[Tensor, Tensor]:
+def separate(tau: Tensor, U: Tensor, V: Tensor, energy: float, sep_tol: float = 1e-4) -> tuple[Tensor, Tensor]:
     """Step 1: the new task's singular bases, truncated by energy and separated from U, V.
 
     tau (m, n); U (m, r), V (n, r) orthonormal (r may be 0). Returns U_t' (m, k_u), V_t' (n, k_v)
@@ -91,8 +90,7 @@ def separate(tau: Tensor, U: Tensor, V: Tensor, energy: float,
     """
     p, s, qh = thin_svd(tau)
     k = energy_rank(s, energy)
-    return (_orthonormal_residual(p[:, :k], U, sep_tol),
-            _orthonormal_residual(qh[:k].T, V, sep_tol))
+    return (_orthonormal_residual(p[:, :k], U, sep_tol), _orthonormal_residual(qh[:k].T, V, sep_tol))
 
 
 def restoration(tau: Tensor, U_t: Tensor, V_t: Tensor) -> Tensor:
@@ -153,17 +151,26 @@ class GS3R(ContinualMerger):
 
     name = "gs3r"
 
-    def __init__(self, energy: float = 0.9, rank_budget: float | int = 0.5, balance: float = 1.0,
-                 balance_scope: str = "model", scale: float = 1.0,
-                 other_lambda: float | None = None, sep_tol: float = 1e-4,
-                 dtype: torch.dtype = torch.float32, *, exclude: str | None = DEFAULT_EXCLUDE):
+    def __init__(
+        self,
+        energy: float = 0.9,
+        rank_budget: float | int = 0.5,
+        balance: float = 1.0,
+        balance_scope: str = "model",
+        scale: float = 1.0,
+        other_lambda: float | None = None,
+        sep_tol: float = 1e-4,
+        dtype: torch.dtype = torch.float32,
+        *,
+        exclude: str | None = DEFAULT_EXCLUDE,
+    ):
         super().__init__(exclude=exclude)
         energy_rank(torch.ones(1), energy)  # validates energy early
         if isinstance(rank_budget, bool) or not (
-                (isinstance(rank_budget, int) and rank_budget >= 1)
-                or (isinstance(rank_budget, float) and 0.0 < rank_budget <= 1.0)):
-            raise ValueError(f"gs3r: rank_budget must be an int >= 1 or a float in (0, 1], "
-                             f"got {rank_budget!r}")
+            (isinstance(rank_budget, int) and rank_budget >= 1)
+            or (isinstance(rank_budget, float) and 0.0 < rank_budget <= 1.0)
+        ):
+            raise ValueError(f"gs3r: rank_budget must be an int >= 1 or a float in (0, 1], got {rank_budget!r}")
         if balance < 0:
             raise ValueError(f"gs3r: balance must be >= 0, got {balance}")
         if balance_scope not in ("model", "layer"):
@@ -188,8 +195,7 @@ class GS3R(ContinualMerger):
 
     def _add(self, tv: StateDict) -> None:
         t = self.num_tasks
-        first_other = {k: tau.clone() for k, tau in tv.items()
-                       if not self.is_matrix(k) and k not in self.other_sum}
+        first_other = {k: tau.clone() for k, tau in tv.items() if not self.is_matrix(k) and k not in self.other_sum}
         undo: list[tuple] = []
         try:
             for name, tau in tv.items():
@@ -231,12 +237,10 @@ class GS3R(ContinualMerger):
             keep = s > tol
             U_t, V_t, s = U_t @ a[:, keep], V_t @ bh[keep].T, s[keep]
             cand_sigma = torch.cat([sigma, s])
-            cand_owner = torch.cat([owner, torch.full((s.numel(),), t, dtype=torch.int32,
-                                                      device=s.device)])
+            cand_owner = torch.cat([owner, torch.full((s.numel(),), t, dtype=torch.int32, device=s.device)])
             idx = torch.arange(cand_sigma.numel(), device=sigma.device)
             if cand_sigma.numel() > self.budget(name):
-                idx = retruncate(cand_sigma.cpu(), cand_owner.cpu(),
-                                 self.budget(name)).to(sigma.device)
+                idx = retruncate(cand_sigma.cpu(), cand_owner.cpu(), self.budget(name)).to(sigma.device)
             old_kept, new_kept = idx[idx < r], idx[idx >= r] - r
             dropped = torch.ones(r, dtype=torch.bool, device=sigma.device)
             dropped[old_kept] = False
@@ -251,8 +255,7 @@ class GS3R(ContinualMerger):
         self.U[name], self.V[name], self.sigma[name], self.owner[name] = U, V, sigma, owner
         return record
 
-    def _undo_matrix(self, name: str, existed: bool, r: int, dropped: Tensor,
-                     *dropped_parts: Tensor) -> None:
+    def _undo_matrix(self, name: str, existed: bool, r: int, dropped: Tensor, *dropped_parts: Tensor) -> None:
         """Restore one matrix's factors as they were before `_add_matrix` (exact copies)."""
         if not existed:
             for part in (self.U, self.V, self.sigma, self.owner):
@@ -264,7 +267,7 @@ class GS3R(ContinualMerger):
         for part, gone in zip((self.U, self.V, self.sigma, self.owner), dropped_parts):
             new = part[name]
             old = new.new_empty(*new.shape[:-1], r)
-            old[..., kept] = new[..., :kept.numel()]
+            old[..., kept] = new[..., : kept.numel()]
             old[..., dropped] = gone
             part[name] = old
 
@@ -273,7 +276,7 @@ class GS3R(ContinualMerger):
     def task_norms(self, name: str | None = None) -> dict[int, float]:
         """Norm of each task's held components, in one matrix parameter or (None) all of them."""
         sq: dict[int, float] = defaultdict(float)
-        for k in ([name] if name is not None else self.sigma):
+        for k in [name] if name is not None else self.sigma:
             for o, s in zip(self.owner[k].tolist(), self.sigma[k].double().pow(2).tolist()):
                 sq[o] += s
         return {o: math.sqrt(v) for o, v in sorted(sq.items())}
@@ -292,8 +295,7 @@ class GS3R(ContinualMerger):
             return (self.other_sum[name] * lam).to(dtype)
         U, V, sigma, owner = self.U[name], self.V[name], self.sigma[name], self.owner[name]
         b = self._balance(name)
-        factor = torch.tensor([b.get(o, 1.0) for o in owner.tolist()], dtype=sigma.dtype,
-                              device=sigma.device)
+        factor = torch.tensor([b.get(o, 1.0) for o in owner.tolist()], dtype=sigma.dtype, device=sigma.device)
         return ((U * (sigma * factor * self.scale)) @ V.T).to(dtype)
 
     # -- introspection --------------------------------------------------------------------------

@@ -30,26 +30,33 @@ import math
 import torch
 from torch import Tensor
 
-from crucible.merge.base import (DEFAULT_EXCLUDE, ContinualMerger, StateDict, check_finite,
-                                 energy_rank, global_norm, thin_svd)
+from crucible.merge.base import (
+    DEFAULT_EXCLUDE,
+    ContinualMerger,
+    StateDict,
+    check_finite,
+    energy_rank,
+    global_norm,
+    thin_svd,
+)
 
 
-def opcm_project(tau: Tensor, merged_tv: Tensor, alpha: float,
-                 remove_diagonal: bool = True) -> Tensor:
+def opcm_project(tau: Tensor, merged_tv: Tensor, alpha: float, remove_diagonal: bool = True) -> Tensor:
     """tau (m, n) with the components in merged_tv's top singular subspace removed (step 2 above).
 
     Raises ValueError on shape mismatch, non-2-D input, a NaN or inf in either, or alpha outside
     (0, 1].
     """
     if tau.ndim != 2 or tau.shape != merged_tv.shape:
-        raise ValueError(f"opcm_project: need two matrices of one shape, got {tuple(tau.shape)} "
-                         f"and {tuple(merged_tv.shape)}")
+        raise ValueError(
+            f"opcm_project: need two matrices of one shape, got {tuple(tau.shape)} and {tuple(merged_tv.shape)}"
+        )
     check_finite({"tau": tau, "merged_tv": merged_tv}, "opcm_project")
     work = torch.promote_types(tau.dtype, torch.float32)
     u, s, vh = thin_svd(merged_tv.to(work))
     k = energy_rank(s, alpha)
     v = vh.T
-    coef = u.T @ tau.to(work) @ v                    # (r, r) components u_i^T tau v_j
+    coef = u.T @ tau.to(work) @ v  # (r, r) components u_i^T tau v_j
     mask = torch.zeros_like(coef)
     mask[:k, :k] = 1.0
     if remove_diagonal:
@@ -62,8 +69,7 @@ class OPCM(ContinualMerger):
 
     name = "opcm"
 
-    def __init__(self, alpha: float = 0.5, remove_diagonal: bool = True, *,
-                 exclude: str | None = DEFAULT_EXCLUDE):
+    def __init__(self, alpha: float = 0.5, remove_diagonal: bool = True, *, exclude: str | None = DEFAULT_EXCLUDE):
         super().__init__(exclude=exclude)
         energy_rank(torch.ones(1), alpha)  # validates alpha early
         self.alpha, self.remove_diagonal = float(alpha), bool(remove_diagonal)

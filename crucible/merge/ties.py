@@ -58,8 +58,7 @@ def ties_trim(tv: StateDict, density: float, scope: str = "global") -> dict[str,
     if scope == "global":
         thr = threshold(torch.cat([v.detach().abs().flatten() for v in tv.values()]))
         return {k: torch.where(v.abs() >= thr, v, torch.zeros_like(v)) for k, v in tv.items()}
-    return {k: torch.where(v.abs() >= threshold(v.abs().flatten()), v, torch.zeros_like(v))
-            for k, v in tv.items()}
+    return {k: torch.where(v.abs() >= threshold(v.abs().flatten()), v, torch.zeros_like(v)) for k, v in tv.items()}
 
 
 def ties_elect(pos_sum: Tensor, neg_sum: Tensor) -> Tensor:
@@ -67,8 +66,7 @@ def ties_elect(pos_sum: Tensor, neg_sum: Tensor) -> Tensor:
     return torch.where(pos_sum + neg_sum >= 0, 1.0, -1.0).to(pos_sum.dtype)
 
 
-def ties_disjoint_mean(pos_sum: Tensor, neg_sum: Tensor, n_pos: Tensor, n_neg: Tensor,
-                       sign: Tensor) -> Tensor:
+def ties_disjoint_mean(pos_sum: Tensor, neg_sum: Tensor, n_pos: Tensor, n_neg: Tensor, sign: Tensor) -> Tensor:
     """Step 3: mean of the entries agreeing with the elected sign (0 where none does)."""
     pos = pos_sum / n_pos.clamp(min=1).to(pos_sum.dtype)
     neg = neg_sum / n_neg.clamp(min=1).to(neg_sum.dtype)
@@ -81,8 +79,9 @@ class TIES(ContinualMerger):
 
     name = "ties"
 
-    def __init__(self, density: float = 0.2, lam: float = 1.0, scope: str = "global", *,
-                 exclude: str | None = DEFAULT_EXCLUDE):
+    def __init__(
+        self, density: float = 0.2, lam: float = 1.0, scope: str = "global", *, exclude: str | None = DEFAULT_EXCLUDE
+    ):
         super().__init__(exclude=exclude)
         ties_trim({"x": torch.ones(1)}, density, scope)  # validates the arguments early
         self.density, self.lam, self.scope = float(density), float(lam), scope
@@ -98,9 +97,13 @@ class TIES(ContinualMerger):
         if self.pos_sum:
             parts = (self.pos_sum, self.neg_sum, self.n_pos, self.n_neg)
         else:  # first arrival: a fresh state, assigned only once it is complete
-            parts = tuple({k: torch.zeros(x.shape, dtype=x.dtype if dt is None else dt,
-                                          device=x.device) for k, x in trimmed.items()}
-                          for dt in (None, None, torch.int16, torch.int16))
+            parts = tuple(
+                {
+                    k: torch.zeros(x.shape, dtype=x.dtype if dt is None else dt, device=x.device)
+                    for k, x in trimmed.items()
+                }
+                for dt in (None, None, torch.int16, torch.int16)
+            )
         pos_sum, neg_sum, n_pos, n_neg = parts
         size: dict[tuple, int] = {}
         for x in trimmed.values():
@@ -109,8 +112,8 @@ class TIES(ContinualMerger):
         scratch = {key: torch.empty(n, dtype=key[0], device=key[1]) for key, n in size.items()}
         # from here on nothing allocates: in-place arithmetic on validated tensors cannot fail
         for k, x in trimmed.items():
-            f = scratch[(x.dtype, x.device)][:x.numel()].view(x.shape)
-            c = scratch[(torch.int16, x.device)][:x.numel()].view(x.shape)
+            f = scratch[(x.dtype, x.device)][: x.numel()].view(x.shape)
+            c = scratch[(torch.int16, x.device)][: x.numel()].view(x.shape)
             n_pos[k].add_(torch.gt(x, 0, out=c))
             n_neg[k].add_(torch.lt(x, 0, out=c))
             neg_sum[k].add_(torch.clamp(x, max=0, out=f))

@@ -80,8 +80,17 @@ from crucible.hooks import forward_hooks
 from crucible.moe.moefy_fit import _int_param, balanced_groups, fit_router, group_mass, router_quality
 from crucible.seeding import derive_seed
 
-__all__ = ["LayerReport", "MoefyReport", "SUPPORTED", "moefy", "active_share", "set_top_k", "capture_ffn",
-           "all_experts_unit_weight", "save_moe"]
+__all__ = [
+    "LayerReport",
+    "MoefyReport",
+    "SUPPORTED",
+    "moefy",
+    "active_share",
+    "set_top_k",
+    "capture_ffn",
+    "all_experts_unit_weight",
+    "save_moe",
+]
 
 
 @dataclass
@@ -119,10 +128,22 @@ class MoefyReport:
         """One row per layer: shared_mass, active_mass, recall, mass_covered, oracle_mass, r2, load_min, load_max."""
         import pandas as pd
 
-        return pd.DataFrame([{"layer": i, "shared_mass": r.shared_mass, "active_mass": r.active_mass,
-                              "recall": r.recall, "mass_covered": r.mass_covered, "oracle_mass": r.oracle_mass,
-                              "r2": r.r2, "load_min": min(r.load), "load_max": max(r.load)}
-                             for i, r in enumerate(self.layers)])
+        return pd.DataFrame(
+            [
+                {
+                    "layer": i,
+                    "shared_mass": r.shared_mass,
+                    "active_mass": r.active_mass,
+                    "recall": r.recall,
+                    "mass_covered": r.mass_covered,
+                    "oracle_mass": r.oracle_mass,
+                    "r2": r.r2,
+                    "load_min": min(r.load),
+                    "load_max": max(r.load),
+                }
+                for i, r in enumerate(self.layers)
+            ]
+        )
 
 
 def active_share(n_experts: int, top_k: int, shared_share: float) -> float:
@@ -139,23 +160,34 @@ def _check_dense(dense: nn.Module) -> None:
     cfg = getattr(dense, "config", None)
     model_type = getattr(cfg, "model_type", None)
     if model_type not in SUPPORTED or not hasattr(getattr(dense, "model", None), "layers"):
-        why = {"gpt2": "its blocks use Conv1D and an ungated FFN, not gate/up/down projections",
-               "phi": "its FFN is ungated (fc1, fc2)", "gemma": "its attention and norms differ from Llama's"}.get(
-            model_type, "only a gated FFN (gate_proj, up_proj, down_proj) under Llama / Qwen2 attention is split")
-        raise ValueError(f"moefy: dense model_type={model_type!r} ({type(dense).__name__}) is not supported: {why}; "
-                         f"the MoE branch accepts {', '.join(SUPPORTED)} causal LMs (SmolLM2, Llama 2/3, TinyLlama, "
-                         "Qwen2 / Qwen2.5, Mistral without a sliding window)")
+        why = {
+            "gpt2": "its blocks use Conv1D and an ungated FFN, not gate/up/down projections",
+            "phi": "its FFN is ungated (fc1, fc2)",
+            "gemma": "its attention and norms differ from Llama's",
+        }.get(model_type, "only a gated FFN (gate_proj, up_proj, down_proj) under Llama / Qwen2 attention is split")
+        raise ValueError(
+            f"moefy: dense model_type={model_type!r} ({type(dense).__name__}) is not supported: {why}; "
+            f"the MoE branch accepts {', '.join(SUPPORTED)} causal LMs (SmolLM2, Llama 2/3, TinyLlama, "
+            "Qwen2 / Qwen2.5, Mistral without a sliding window)"
+        )
     if getattr(cfg, "mlp_bias", False):
         raise ValueError("moefy: dense config mlp_bias=True is not supported; Qwen2-MoE's experts have no biases")
     if model_type != "qwen2" and getattr(cfg, "attention_bias", False):
-        raise ValueError("moefy: dense config attention_bias=True is not supported (it biases o_proj too); "
-                         "Qwen2-MoE's attention biases q/k/v only")
-    window = getattr(cfg, "sliding_window", None) if model_type == "mistral" else (
-        getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", False) else None)
+        raise ValueError(
+            "moefy: dense config attention_bias=True is not supported (it biases o_proj too); "
+            "Qwen2-MoE's attention biases q/k/v only"
+        )
+    window = (
+        getattr(cfg, "sliding_window", None)
+        if model_type == "mistral"
+        else (getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", False) else None)
+    )
     if window:
-        raise ValueError(f"moefy: dense config sliding_window={window} is not supported; the MoE attends over the "
-                         "whole sequence (set sliding_window to None / use_sliding_window to False if the model "
-                         "was trained without it)")
+        raise ValueError(
+            f"moefy: dense config sliding_window={window} is not supported; the MoE attends over the "
+            "whole sequence (set sliding_window to None / use_sliding_window to False if the model "
+            "was trained without it)"
+        )
     for name, p in dense.named_parameters():
         bad = int((~torch.isfinite(p.detach())).sum())
         if bad:
@@ -181,19 +213,26 @@ def _check_ids(ids, vocab_size: int) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- the steps
 
+
 @torch.no_grad()
-def capture_ffn(dense: nn.Module, input_ids: torch.Tensor, batch_size: int = 8,
-                progress: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def capture_ffn(
+    dense: nn.Module, input_ids: torch.Tensor, batch_size: int = 8, progress: bool = False
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (X [T, H] the FFN input, A [T, I] the activations silu(gate x) * up x) over all
     N * T calibration tokens, float32 on the CPU, captured with forward pre-hooks."""
     layers = dense.model.layers
     xs, acts = [[] for _ in layers], [[] for _ in layers]
     pairs = []
     for i, layer in enumerate(layers):
-        pairs.append((layer.mlp,
-                      lambda m, args, i=i: xs[i].append(args[0].reshape(-1, args[0].shape[-1]).float().cpu())))
-        pairs.append((layer.mlp.down_proj,
-                      lambda m, args, i=i: acts[i].append(args[0].reshape(-1, args[0].shape[-1]).float().cpu())))
+        pairs.append(
+            (layer.mlp, lambda m, args, i=i: xs[i].append(args[0].reshape(-1, args[0].shape[-1]).float().cpu()))
+        )
+        pairs.append(
+            (
+                layer.mlp.down_proj,
+                lambda m, args, i=i: acts[i].append(args[0].reshape(-1, args[0].shape[-1]).float().cpu()),
+            )
+        )
     was_training = dense.training
     dense.eval()
     device = next(dense.parameters()).device
@@ -205,7 +244,7 @@ def capture_ffn(dense: nn.Module, input_ids: torch.Tensor, batch_size: int = 8,
     try:
         with forward_hooks(pairs, pre=True):
             for s in starts:
-                dense.model(input_ids=input_ids[s:s + batch_size].to(device), use_cache=False)  # lm_head not needed
+                dense.model(input_ids=input_ids[s : s + batch_size].to(device), use_cache=False)  # lm_head not needed
     finally:
         dense.train(was_training)
     return [(torch.cat(x), torch.cat(a)) for x, a in zip(xs, acts)]
@@ -216,19 +255,38 @@ def _moe_config(dense, n_experts: int, top_k: int, shared: int, expert_scale: fl
 
     cfg = dense.config
     return Qwen2MoeConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        moe_intermediate_size=(cfg.intermediate_size - shared) // n_experts, shared_expert_intermediate_size=shared,
-        num_experts=n_experts, num_experts_per_tok=top_k, norm_topk_prob=True, decoder_sparse_step=1,
-        mlp_only_layers=[], qkv_bias=_qkv_bias(dense), use_sliding_window=False,
-        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        moe_intermediate_size=(cfg.intermediate_size - shared) // n_experts,
+        shared_expert_intermediate_size=shared,
+        num_experts=n_experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        qkv_bias=_qkv_bias(dense),
+        use_sliding_window=False,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_key_value_heads,
         head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
-        hidden_act=cfg.hidden_act, max_position_embeddings=cfg.max_position_embeddings,
-        initializer_range=cfg.initializer_range, rms_norm_eps=cfg.rms_norm_eps, use_cache=cfg.use_cache,
-        pad_token_id=cfg.pad_token_id, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
-        tie_word_embeddings=cfg.tie_word_embeddings, attention_dropout=cfg.attention_dropout,
-        output_router_logits=False, router_aux_loss_coef=0.0, rope_parameters=copy.deepcopy(cfg.rope_parameters),
-        moefy_expert_scale=float(expert_scale), moefy_shared_share=shared / cfg.intermediate_size)
+        hidden_act=cfg.hidden_act,
+        max_position_embeddings=cfg.max_position_embeddings,
+        initializer_range=cfg.initializer_range,
+        rms_norm_eps=cfg.rms_norm_eps,
+        use_cache=cfg.use_cache,
+        pad_token_id=cfg.pad_token_id,
+        bos_token_id=cfg.bos_token_id,
+        eos_token_id=cfg.eos_token_id,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        attention_dropout=cfg.attention_dropout,
+        output_router_logits=False,
+        router_aux_loss_coef=0.0,
+        rope_parameters=copy.deepcopy(cfg.rope_parameters),
+        moefy_expert_scale=float(expert_scale),
+        moefy_shared_share=shared / cfg.intermediate_size,
+    )
 
 
 ALIGN = 8  # the routed expert width must be a multiple of this: the grouped expert GEMM wants 16-byte strides
@@ -242,17 +300,30 @@ def _shared_width(share, intermediate: int, n_experts: int) -> int:
     width = int(round(float(share) * intermediate))
     rest = intermediate - width
     if rest % n_experts or (rest // n_experts) % ALIGN:
-        good = [f"{s / intermediate:g}" for s in range(0, intermediate)
-                if (intermediate - s) % (n_experts * ALIGN) == 0][:6]
-        raise ValueError(f"moefy: shared_share={share!r} leaves {rest} of intermediate_size={intermediate} neurons "
-                         f"for n_experts={n_experts} routed experts, which must divide them into widths that are "
-                         f"multiples of {ALIGN}; shares that do: {', '.join(good) or 'none (change n_experts)'}")
+        good = [
+            f"{s / intermediate:g}" for s in range(0, intermediate) if (intermediate - s) % (n_experts * ALIGN) == 0
+        ][:6]
+        raise ValueError(
+            f"moefy: shared_share={share!r} leaves {rest} of intermediate_size={intermediate} neurons "
+            f"for n_experts={n_experts} routed experts, which must divide them into widths that are "
+            f"multiples of {ALIGN}; shares that do: {', '.join(good) or 'none (change n_experts)'}"
+        )
     return width
 
 
-def moefy(dense: nn.Module, calib_input_ids: torch.Tensor, n_experts: int = 8, top_k: int = 2,
-          shared_share: float = 0.0, seed: int = 0, expert_scale: float | None = None, ridge: float = 1e-3,
-          iters: int = 30, batch_size: int = 8, progress: bool = False):
+def moefy(
+    dense: nn.Module,
+    calib_input_ids: torch.Tensor,
+    n_experts: int = 8,
+    top_k: int = 2,
+    shared_share: float = 0.0,
+    seed: int = 0,
+    expert_scale: float | None = None,
+    ridge: float = 1e-3,
+    iters: int = 30,
+    batch_size: int = 8,
+    progress: bool = False,
+):
     """Split every FFN of a dense Llama / Qwen2 model into a shared expert and `n_experts` routed
     experts and fit routers: a Qwen2-MoE and its MoefyReport (see the module docstring)."""
     from transformers import Qwen2MoeForCausalLM
@@ -276,8 +347,14 @@ def moefy(dense: nn.Module, calib_input_ids: torch.Tensor, n_experts: int = 8, t
     ids = _check_ids(calib_input_ids, cfg.vocab_size)
     width = (cfg.intermediate_size - shared) // n_experts
 
-    report = MoefyReport(n_experts=n_experts, top_k=top_k, shared_share=shared / cfg.intermediate_size,
-                         expert_scale=scale, seed=int(seed), n_tokens=ids.numel())
+    report = MoefyReport(
+        n_experts=n_experts,
+        top_k=top_k,
+        shared_share=shared / cfg.intermediate_size,
+        expert_scale=scale,
+        seed=int(seed),
+        n_tokens=ids.numel(),
+    )
     t0 = time.perf_counter()
     captured = capture_ffn(dense, ids, batch_size, progress)
     report.seconds["capture"] = time.perf_counter() - t0
@@ -303,9 +380,15 @@ def moefy(dense: nn.Module, calib_input_ids: torch.Tensor, n_experts: int = 8, t
         chosen = (x.double() @ weight.double().T).topk(top_k, dim=1).indices
         active_mass = shared_mass + mass.gather(1, chosen).sum(1) / total
         router_s += time.perf_counter() - t0
-        report.layers.append(LayerReport(groups=groups.tolist(), shared=common.tolist(),
-                                         shared_mass=float(shared_mass.mean()), active_mass=float(active_mass.mean()),
-                                         **quality))
+        report.layers.append(
+            LayerReport(
+                groups=groups.tolist(),
+                shared=common.tolist(),
+                shared_mass=float(shared_mass.mean()),
+                active_mass=float(active_mass.mean()),
+                **quality,
+            )
+        )
         splits.append((common, groups, weight))
     captured.clear()
     report.seconds["cluster"], report.seconds["router"] = cluster_s, router_s
@@ -320,7 +403,8 @@ def moefy(dense: nn.Module, calib_input_ids: torch.Tensor, n_experts: int = 8, t
         mlp = dense.model.layers[i].mlp
         prefix = f"model.layers.{i}.mlp."
         state[prefix + "experts.gate_up_proj"] = torch.cat(
-            [mlp.gate_proj.weight[groups], mlp.up_proj.weight[groups]], dim=1)            # [E, 2w, H]
+            [mlp.gate_proj.weight[groups], mlp.up_proj.weight[groups]], dim=1
+        )  # [E, 2w, H]
         state[prefix + "experts.down_proj"] = mlp.down_proj.weight[:, groups].permute(1, 0, 2) * scale  # [E, H, w]
         state[prefix + "gate.weight"] = weight.to(dtype)
         state[prefix + "shared_expert.gate_proj.weight"] = mlp.gate_proj.weight[common]
@@ -332,10 +416,13 @@ def moefy(dense: nn.Module, calib_input_ids: torch.Tensor, n_experts: int = 8, t
 
     tie_embeddings(moe)
     dense_rope, moe_rope = dense.model.rotary_emb, moe.model.rotary_emb
-    if not (torch.equal(dense_rope.inv_freq, moe_rope.inv_freq)
-            and dense_rope.attention_scaling == moe_rope.attention_scaling):
-        raise RuntimeError(f"moefy: the Qwen2-MoE rotary embedding differs from the dense one "
-                           f"(rope_parameters={cfg.rope_parameters})")
+    if not (
+        torch.equal(dense_rope.inv_freq, moe_rope.inv_freq)
+        and dense_rope.attention_scaling == moe_rope.attention_scaling
+    ):
+        raise RuntimeError(
+            f"moefy: the Qwen2-MoE rotary embedding differs from the dense one (rope_parameters={cfg.rope_parameters})"
+        )
     report.seconds["build"] = time.perf_counter() - t0
     return moe.eval(), report
 
@@ -365,6 +452,7 @@ def set_top_k(model: nn.Module, top_k: int) -> nn.Module:
 
 # --------------------------------------------------------------------------- use and save
 
+
 @contextmanager
 def all_experts_unit_weight(model: nn.Module):
     """Within the block every router selects all experts, each at weight 1 / moefy_expert_scale,
@@ -377,10 +465,13 @@ def all_experts_unit_weight(model: nn.Module):
         index = torch.arange(n_experts, device=logits.device).repeat(n_tokens, 1)
         return logits, torch.full((n_tokens, n_experts), weight, dtype=scores.dtype, device=scores.device), index
 
-    routers = [m.gate for m in model.modules() if isinstance(getattr(m, "gate", None), nn.Module) and hasattr(m, "experts")]
+    routers = [
+        m.gate for m in model.modules() if isinstance(getattr(m, "gate", None), nn.Module) and hasattr(m, "experts")
+    ]
     if not routers:
-        raise ValueError(f"all_experts_unit_weight: {type(model).__name__} has no MoE block (a module with "
-                         "`gate` and `experts`)")
+        raise ValueError(
+            f"all_experts_unit_weight: {type(model).__name__} has no MoE block (a module with `gate` and `experts`)"
+        )
     with forward_hooks([(router, every_expert) for router in routers]):
         yield model
 

@@ -45,6 +45,7 @@ _EXPERT_KEY = re.compile(r"^(?P<module>.+)\.(?P<kind>gate_up|down)_proj\.(?P<e>\
 
 # --------------------------------------------------------------------------- calibration statistics
 
+
 @dataclass
 class ExpertStats:
     """One MoE layer: per expert, the InputStats of the rows routed to it (H side, the input of
@@ -63,7 +64,7 @@ class ExpertStats:
 
 @dataclass
 class MoEStats:
-    experts: dict[str, ExpertStats]                       # experts module name -> its stats
+    experts: dict[str, ExpertStats]  # experts module name -> its stats
     linears: dict[str, lowrank.InputStats] = field(default_factory=dict)
 
 
@@ -82,8 +83,9 @@ def expert_stats(model: nn.Module, batches: Iterable, routes=None, linears: bool
     stats = {}
     for name, block in layers.items():
         e = int(block.gate.weight.shape[0])
-        stats[f"{name}.experts"] = ExpertStats([lowrank.InputStats() for _ in range(e)],
-                                               [lowrank.InputStats() for _ in range(e)], [0] * e)
+        stats[f"{name}.experts"] = ExpertStats(
+            [lowrank.InputStats() for _ in range(e)], [lowrank.InputStats() for _ in range(e)], [0] * e
+        )
     lin_stats = {n: lowrank.InputStats() for n in (quantizable_linears(model) if linears else [])}
 
     def experts_hook(name):
@@ -99,11 +101,13 @@ def expert_stats(model: nn.Module, batches: Iterable, routes=None, linears: bool
                 st.gate_up[e].update(rows)
                 st.down[e].update(module.act_fn(g) * u)
                 st.counts[e] += rows.shape[0]
+
         return fn
 
     def linear_hook(name):
         def fn(module, args):
             lin_stats[name].update(args[0])  # returns None: a pre-hook's return value would replace args
+
         return fn
 
     expert_pairs = [(model.get_submodule(n), experts_hook(n)) for n in stats]
@@ -111,8 +115,11 @@ def expert_stats(model: nn.Module, batches: Iterable, routes=None, linears: bool
     was_training = model.training
     model.eval()
     try:
-        with forward_hooks(expert_pairs, pre=True, with_kwargs=True), forward_hooks(linear_pairs, pre=True), \
-                (replay(model, routes) if routes is not None else contextlib.nullcontext()):
+        with (
+            forward_hooks(expert_pairs, pre=True, with_kwargs=True),
+            forward_hooks(linear_pairs, pre=True),
+            replay(model, routes) if routes is not None else contextlib.nullcontext(),
+        ):
             for batch in batches:
                 forward_batch(model, batch)
     finally:
@@ -124,8 +131,16 @@ def expert_stats(model: nn.Module, batches: Iterable, routes=None, linears: bool
 
 # --------------------------------------------------------------------------- errors, ranks, adapters
 
-def moe_plan(float_model: nn.Module, stats: MoEStats, mode: str = "floor", scaling: str = "qera",
-             attention: bool = True, dense: bool = True, shared: bool = True) -> CompensationPlan:
+
+def moe_plan(
+    float_model: nn.Module,
+    stats: MoEStats,
+    mode: str = "floor",
+    scaling: str = "qera",
+    attention: bool = True,
+    dense: bool = True,
+    shared: bool = True,
+) -> CompensationPlan:
     """The quantization error E = W - dequant(Q(W)) of every expert matrix (key
     "<experts>.gate_up_proj.<e>" / "<experts>.down_proj.<e>") and, with `attention` / `dense`, of the
     linears quantize_moe quantizes (their module names), each factorized once (SVD of E diag(s), s
@@ -145,7 +160,9 @@ def moe_plan(float_model: nn.Module, stats: MoEStats, mode: str = "floor", scali
         for kind, side in (("gate_up", st.gate_up), ("down", st.down)):
             weights = getattr(block.experts, f"{kind}_proj").detach().float()
             if len(side) != weights.shape[0]:
-                raise ValueError(f"moe_plan: statistics of {name} are for {len(side)} experts, the model has {weights.shape[0]}")
+                raise ValueError(
+                    f"moe_plan: statistics of {name} are for {len(side)} experts, the model has {weights.shape[0]}"
+                )
             for e in range(weights.shape[0]):
                 w = weights[e]
                 err = w - mxfp4.dequantize(mxfp4.quantize(w, mode=mode, pad=True))
@@ -157,7 +174,9 @@ def moe_plan(float_model: nn.Module, stats: MoEStats, mode: str = "floor", scali
         if not isinstance(lin, nn.Linear):
             raise ValueError(f"moe_plan: {n} is {type(lin).__name__}; pass the float model")
         if scaling != "plain" and (n not in stats.linears or stats.linears[n].count == 0):
-            raise ValueError(f"moe_plan: scaling {scaling!r} needs calibration statistics of {n!r} (expert_stats(linears=True))")
+            raise ValueError(
+                f"moe_plan: scaling {scaling!r} needs calibration statistics of {n!r} (expert_stats(linears=True))"
+            )
         w = lin.weight.detach().float()
         err = w - mxfp4.dequantize(mxfp4.quantize(w, mode=mode))
         s = None if scaling == "plain" else stats.linears[n].scale(scaling)
@@ -165,8 +184,12 @@ def moe_plan(float_model: nn.Module, stats: MoEStats, mode: str = "floor", scali
     return CompensationPlan(layers, mode, scaling, "routed")
 
 
-def plan_ranks(plan: CompensationPlan | Mapping[str, LayerError], budget: int,
-               allocation: str = "load_aware", loads: Mapping[str, float] | None = None) -> dict[str, int]:
+def plan_ranks(
+    plan: CompensationPlan | Mapping[str, LayerError],
+    budget: int,
+    allocation: str = "load_aware",
+    loads: Mapping[str, float] | None = None,
+) -> dict[str, int]:
     """key -> rank, summing to `budget`: "load_aware" gives rank units by the largest marginal gain
     load * sigma^2 (allocate_ranks, optimal for the load-weighted discarded energy), "uniform"
     spreads the same budget evenly (uniform_ranks). `loads` (key -> load, one for every matrix of
@@ -179,12 +202,16 @@ def plan_ranks(plan: CompensationPlan | Mapping[str, LayerError], budget: int,
     if loads is not None:
         missing = [n for n in layers if n not in loads]
         if missing:
-            raise ValueError(f"plan_ranks: loads for {len(layers) - len(missing)} of the {len(layers)} matrices; "
-                             f"none for {missing[:3]}")
+            raise ValueError(
+                f"plan_ranks: loads for {len(layers) - len(missing)} of the {len(layers)} matrices; "
+                f"none for {missing[:3]}"
+            )
     total = sum(lay.max_rank for lay in layers.values())
     if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or not 0 <= budget <= total:
-        raise ValueError(f"rank budget must be an int in [0, {total}] (the summed rank of the {len(layers)} "
-                         f"matrices), got {budget!r}")
+        raise ValueError(
+            f"rank budget must be an int in [0, {total}] (the summed rank of the {len(layers)} "
+            f"matrices), got {budget!r}"
+        )
     names = list(layers)
     if allocation == "uniform":
         r = rank_allocation.uniform_ranks([layers[n].max_rank for n in names], int(budget))
@@ -208,13 +235,19 @@ def compensate_moe(qmodel: nn.Module, plan: CompensationPlan, ranks: Mapping[str
         try:
             module = qmodel.get_submodule(target)
         except AttributeError:
-            raise ValueError(f"compensate_moe: the quantized model has no module {target!r} (plan key {key!r})") from None
+            raise ValueError(
+                f"compensate_moe: the quantized model has no module {target!r} (plan key {key!r})"
+            ) from None
         want = MXExperts if m else MXLinear
         if not isinstance(module, want):
-            raise ValueError(f"compensate_moe: {target!r} is {type(module).__name__}, expected {want.__name__}; "
-                             f"run quantize_moe first")
+            raise ValueError(
+                f"compensate_moe: {target!r} is {type(module).__name__}, expected {want.__name__}; "
+                f"run quantize_moe first"
+            )
         if module.mode != plan.mode:
-            raise ValueError(f"compensate_moe: {target!r} is quantized in mode {module.mode!r}, the plan in {plan.mode!r}")
+            raise ValueError(
+                f"compensate_moe: {target!r} is quantized in mode {module.mode!r}, the plan in {plan.mode!r}"
+            )
         if m:
             experts.setdefault(target, {k: [None] * module.num_experts for k in KINDS})
             experts[target][m["kind"]][int(m["e"])] = key

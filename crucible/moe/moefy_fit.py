@@ -49,8 +49,12 @@ _TINY = 1e-12
 
 
 def _int_param(value, name: str, low: int, high: int | None = None, where: str = "moefy") -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low \
-            or (high is not None and value > high):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Integral)
+        or value < low
+        or (high is not None and value > high)
+    ):
         bound = f"an int >= {low}" if high is None else f"an int in [{low}, {high}]"
         raise ValueError(f"{where}: {name}={value!r} must be {bound}")
     return int(value)
@@ -64,8 +68,9 @@ def _balanced_assign(sim: np.ndarray, size: int) -> np.ndarray:
     return labels
 
 
-def balanced_groups(acts: torch.Tensor, n_groups: int, seed: int = 0, iters: int = 30,
-                    tol: float = 1e-4) -> torch.Tensor:
+def balanced_groups(
+    acts: torch.Tensor, n_groups: int, seed: int = 0, iters: int = 30, tol: float = 1e-4
+) -> torch.Tensor:
     """Balanced spherical k-means of the neurons' normalised |activation| profiles (see the module
     docstring). acts [T, I] -> LongTensor [n_groups, I / n_groups]."""
     if acts.dim() != 2:
@@ -87,7 +92,9 @@ def balanced_groups(acts: torch.Tensor, n_groups: int, seed: int = 0, iters: int
         sim = (f @ centers.T).numpy()
         new = _balanced_assign(sim, size)
         new_objective = float(sim[np.arange(n_neurons), new].sum())  # the summed cosine never drops
-        if labels is not None and (np.array_equal(new, labels) or new_objective - objective <= tol * abs(new_objective)):
+        if labels is not None and (
+            np.array_equal(new, labels) or new_objective - objective <= tol * abs(new_objective)
+        ):
             labels = new
             break
         labels, objective = new, new_objective
@@ -135,8 +142,9 @@ def fit_router(hidden: torch.Tensor, mass: torch.Tensor, ridge: float = 1e-3) ->
     """Ridge least squares from the FFN input [T, H] to the groups' mass shares [T, E]; the router
     weight [E, H] float32 (Mixtral's router has no bias)."""
     if hidden.dim() != 2 or mass.dim() != 2 or hidden.shape[0] != mass.shape[0]:
-        raise ValueError(f"fit_router: hidden shape={list(hidden.shape)} and mass shape={list(mass.shape)} "
-                         "must be [T, H] and [T, E]")
+        raise ValueError(
+            f"fit_router: hidden shape={list(hidden.shape)} and mass shape={list(mass.shape)} must be [T, H] and [T, E]"
+        )
     if not (math.isfinite(ridge) and ridge >= 0):
         raise ValueError(f"fit_router: ridge={ridge!r} must be finite and >= 0")
     x = hidden.detach().double()
@@ -160,8 +168,10 @@ def router_quality(hidden: torch.Tensor, mass: torch.Tensor, weight: torch.Tenso
     ss_res = float(((logits - logits.mean(1, keepdim=True) - share) ** 2).sum())
     ss_tot = float(((share - share.mean(0)) ** 2).sum())
     load = torch.bincount(chosen.flatten(), minlength=m.shape[1]).double() / chosen.numel()
-    return {"recall": float(hits.mean()),
-            "mass_covered": float((m.gather(1, chosen).sum(1) / total).mean()),
-            "oracle_mass": float((m.gather(1, oracle).sum(1) / total).mean()),
-            "r2": 1.0 - ss_res / ss_tot if ss_tot > 0 else float("nan"),
-            "load": [float(v) for v in load]}
+    return {
+        "recall": float(hits.mean()),
+        "mass_covered": float((m.gather(1, chosen).sum(1) / total).mean()),
+        "oracle_mass": float((m.gather(1, oracle).sum(1) / total).mean()),
+        "r2": 1.0 - ss_res / ss_tot if ss_tot > 0 else float("nan"),
+        "load": [float(v) for v in load],
+    }

@@ -41,8 +41,17 @@ from crucible.moe.routing import moe_layers
 from crucible.quant import mxfp4
 from crucible.quant.linear import ADAPTER_DTYPES, MXLinear, quantize_model
 
-__all__ = ["MXExperts", "quantize_moe", "quantizable_linears", "cache_moe_dequantized", "round_adapters",
-           "ATTENTION_PATTERN", "DENSE_MLP_PATTERN", "SHARED_PATTERN", "KINDS"]
+__all__ = [
+    "MXExperts",
+    "quantize_moe",
+    "quantizable_linears",
+    "cache_moe_dequantized",
+    "round_adapters",
+    "ATTENTION_PATTERN",
+    "DENSE_MLP_PATTERN",
+    "SHARED_PATTERN",
+    "KINDS",
+]
 
 KINDS = ("gate_up", "down")
 ATTENTION_PATTERN = r"\.self_attn\.(q|k|v|o)_proj$"
@@ -52,18 +61,33 @@ SHARED_PATTERN = r"\.mlp\.shared_experts?\.(gate|up|down)_proj$"  # Qwen2-MoE's 
 
 # --------------------------------------------------------------------------- the module
 
+
 class MXExperts(nn.Module):
     """Fused MoE experts in MXFP4 with per-expert low-rank adapters (see the module docstring)."""
 
-    def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, gate_up_packed: torch.Tensor,
-                 gate_up_scales: torch.Tensor, down_packed: torch.Tensor, down_scales: torch.Tensor, act_fn: nn.Module,
-                 mode: str = "floor", adapter_dtype: str = "bfloat16"):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_dim: int,
+        intermediate_dim: int,
+        gate_up_packed: torch.Tensor,
+        gate_up_scales: torch.Tensor,
+        down_packed: torch.Tensor,
+        down_scales: torch.Tensor,
+        act_fn: nn.Module,
+        mode: str = "floor",
+        adapter_dtype: str = "bfloat16",
+    ):
         super().__init__()
         if adapter_dtype not in ADAPTER_DTYPES:
             raise ValueError(f"adapter_dtype must be one of {sorted(ADAPTER_DTYPES)}, got {adapter_dtype!r}")
         if mode not in mxfp4.MODES:
             raise ValueError(f"mode must be one of {mxfp4.MODES}, got {mode!r}")
-        self.num_experts, self.hidden_dim, self.intermediate_dim = int(num_experts), int(hidden_dim), int(intermediate_dim)
+        self.num_experts, self.hidden_dim, self.intermediate_dim = (
+            int(num_experts),
+            int(hidden_dim),
+            int(intermediate_dim),
+        )
         self.mode, self.adapter_dtype = mode, adapter_dtype
         mxfp4.check_packed(gate_up_packed, gate_up_scales, self.weight_shape("gate_up"), where="MXExperts gate_up_proj")
         mxfp4.check_packed(down_packed, down_scales, self.weight_shape("down"), where="MXExperts down_proj")
@@ -81,21 +105,28 @@ class MXExperts(nn.Module):
         self._dense_cache: dict = {}
 
     @classmethod
-    def from_experts(cls, experts: nn.Module, mode: str = "floor", adapter_dtype: str = "bfloat16",
-                     name: str = "experts") -> "MXExperts":
+    def from_experts(
+        cls, experts: nn.Module, mode: str = "floor", adapter_dtype: str = "bfloat16", name: str = "experts"
+    ) -> "MXExperts":
         """Quantize transformers' fused experts. ValueError naming `name` for a non-finite weight or a
         layout other than concatenated [gate; up], untransposed, without bias."""
         for attr, ok in (("has_bias", False), ("is_transposed", False), ("has_gate", True), ("is_concatenated", True)):
             if getattr(experts, attr, ok) != ok:
-                raise ValueError(f"{name}: experts with {attr}={getattr(experts, attr)} are not supported (MXExperts "
-                                 f"holds gate_up_proj [E, 2I, H] as [gate; up] and down_proj [E, H, I], no bias)")
+                raise ValueError(
+                    f"{name}: experts with {attr}={getattr(experts, attr)} are not supported (MXExperts "
+                    f"holds gate_up_proj [E, 2I, H] as [gate; up] and down_proj [E, H, I], no bias)"
+                )
         gu, dn = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
         if not (isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.dim() == 3 and dn.dim() == 3):
-            raise ValueError(f"{name}: expected 3-D gate_up_proj and down_proj parameters, got {type(experts).__name__}")
+            raise ValueError(
+                f"{name}: expected 3-D gate_up_proj and down_proj parameters, got {type(experts).__name__}"
+            )
         e, two_i, h = gu.shape
         if two_i % 2 or tuple(dn.shape) != (e, h, two_i // 2):
-            raise ValueError(f"{name}: gate_up_proj {list(gu.shape)} and down_proj {list(dn.shape)} do not fit "
-                             f"[E, 2I, H] and [E, H, I]")
+            raise ValueError(
+                f"{name}: gate_up_proj {list(gu.shape)} and down_proj {list(dn.shape)} do not fit "
+                f"[E, 2I, H] and [E, H, I]"
+            )
         packs = []
         for leaf, w in (("gate_up_proj", gu), ("down_proj", dn)):
             w = w.detach().to(torch.float32)
@@ -115,8 +146,9 @@ class MXExperts(nn.Module):
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
 
     def quantized(self, kind: str) -> mxfp4.MXFP4Tensor:
-        return mxfp4.MXFP4Tensor(getattr(self, f"{kind}_packed"), getattr(self, f"{kind}_scales"),
-                                 self.weight_shape(kind), self.mode)
+        return mxfp4.MXFP4Tensor(
+            getattr(self, f"{kind}_packed"), getattr(self, f"{kind}_scales"), self.weight_shape(kind), self.mode
+        )
 
     def dequantized(self, kind: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """dequant(Q(W)) [E, out, in]; with cache_dequantized, computed once per (dtype, device, data)."""
@@ -134,7 +166,9 @@ class MXExperts(nn.Module):
         if self.cache_dequantized:
             return self.dequantized(kind, dtype)[e]
         out, inp = self.weight_shape(kind)[1:]
-        q = mxfp4.MXFP4Tensor(getattr(self, f"{kind}_packed")[e], getattr(self, f"{kind}_scales")[e], (out, inp), self.mode)
+        q = mxfp4.MXFP4Tensor(
+            getattr(self, f"{kind}_packed")[e], getattr(self, f"{kind}_scales")[e], (out, inp), self.mode
+        )
         return q.dequantize(dtype)
 
     def offsets(self, kind: str) -> list[int]:
@@ -146,7 +180,10 @@ class MXExperts(nn.Module):
     def adapter(self, kind: str, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's adapter (A [out, r_e], B [r_e, in]) as views of the concatenated parameters."""
         off = self.offsets(kind)
-        return (getattr(self, f"{kind}_lora_a")[:, off[e]:off[e + 1]], getattr(self, f"{kind}_lora_b")[off[e]:off[e + 1]])
+        return (
+            getattr(self, f"{kind}_lora_a")[:, off[e] : off[e + 1]],
+            getattr(self, f"{kind}_lora_b")[off[e] : off[e + 1]],
+        )
 
     def set_adapters(self, kind: str, factors: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Set every expert's adapter of matrix `kind`: factors[e] = (A [out, r_e], B [r_e, in]) or None
@@ -161,8 +198,10 @@ class MXExperts(nn.Module):
             a, b = f
             r = a.shape[1] if a.dim() == 2 else -1
             if a.dim() != 2 or b.dim() != 2 or a.shape[0] != out or tuple(b.shape) != (r, inp):
-                raise ValueError(f"MXExperts {kind} adapter of expert {e}: expected A ({out}, r) and B (r, {inp}), "
-                                 f"got {list(a.shape)} and {list(b.shape)}")
+                raise ValueError(
+                    f"MXExperts {kind} adapter of expert {e}: expected A ({out}, r) and B (r, {inp}), "
+                    f"got {list(a.shape)} and {list(b.shape)}"
+                )
             if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
                 raise ValueError(f"MXExperts {kind} adapter of expert {e}: A or B holds NaN or inf")
             a_parts.append(a.detach().float().cpu())
@@ -174,8 +213,12 @@ class MXExperts(nn.Module):
         store = ADAPTER_DTYPES[self.adapter_dtype]
         dev = self.gate_up_packed.device
         self.ranks[kind] = [int(r) for r in ranks]
-        setattr(self, f"{kind}_lora_a", nn.Parameter(a.detach().to(store).to(device=dev, dtype=torch.float32).contiguous()))
-        setattr(self, f"{kind}_lora_b", nn.Parameter(b.detach().to(store).to(device=dev, dtype=torch.float32).contiguous()))
+        setattr(
+            self, f"{kind}_lora_a", nn.Parameter(a.detach().to(store).to(device=dev, dtype=torch.float32).contiguous())
+        )
+        setattr(
+            self, f"{kind}_lora_b", nn.Parameter(b.detach().to(store).to(device=dev, dtype=torch.float32).contiguous())
+        )
 
     def effective_weight(self, kind: str, e: int) -> torch.Tensor:
         """dequant(Q(W_e)) + A_e B_e, float32 [out, in]: the matrix expert e applies."""
@@ -188,12 +231,14 @@ class MXExperts(nn.Module):
     def _apply(self, kind: str, e: int, x: torch.Tensor, off: list[int]) -> torch.Tensor:
         y = F.linear(x, self._expert_dequantized(kind, e, x.dtype))
         if off[e + 1] > off[e]:
-            a = getattr(self, f"{kind}_lora_a")[:, off[e]:off[e + 1]]
-            b = getattr(self, f"{kind}_lora_b")[off[e]:off[e + 1]]
+            a = getattr(self, f"{kind}_lora_a")[:, off[e] : off[e + 1]]
+            b = getattr(self, f"{kind}_lora_b")[off[e] : off[e + 1]]
             y = y + F.linear(F.linear(x, b.to(x.dtype)), a.to(x.dtype))
         return y
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         final = torch.zeros_like(hidden_states)
         with torch.no_grad():
             mask = F.one_hot(top_k_index.long(), num_classes=self.num_experts).permute(2, 1, 0)  # [E, k, T]
@@ -213,19 +258,24 @@ class MXExperts(nn.Module):
     def nbytes(self) -> dict[str, int]:
         """Bytes: packed codes and scales of both matrices, adapters in their storage dtype."""
         item = torch.empty((), dtype=ADAPTER_DTYPES[self.adapter_dtype]).element_size()
-        return {"packed": self.gate_up_packed.numel() + self.down_packed.numel(),
-                "scales": self.gate_up_scales.numel() + self.down_scales.numel(),
-                "adapter": sum(p.numel() for p in self.adapter_parameters()) * item}
+        return {
+            "packed": self.gate_up_packed.numel() + self.down_packed.numel(),
+            "scales": self.gate_up_scales.numel() + self.down_scales.numel(),
+            "adapter": sum(p.numel() for p in self.adapter_parameters()) * item,
+        }
 
     def num_weights(self) -> int:
         return sum(math.prod(self.weight_shape(k)) for k in KINDS)
 
     def extra_repr(self) -> str:
-        return (f"num_experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, "
-                f"mode={self.mode}, gate_up_ranks={self.ranks['gate_up']}, down_ranks={self.ranks['down']}")
+        return (
+            f"num_experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, "
+            f"mode={self.mode}, gate_up_ranks={self.ranks['gate_up']}, down_ranks={self.ranks['down']}"
+        )
 
 
 # --------------------------------------------------------------------------- quantize a model
+
 
 def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
@@ -236,13 +286,25 @@ def quantizable_linears(model: nn.Module, attention: bool = True, dense: bool = 
     """Names of the linear layers (nn.Linear or MXLinear) quantize_moe quantizes besides the experts:
     attention q/k/v/o if `attention`, the MLPs of dense (router-less) decoder layers if `dense`, the
     shared expert's gate/up/down if `shared` (its sigmoid gate, like the router, stays float)."""
-    rx = [re.compile(p) for p, on in ((ATTENTION_PATTERN, attention), (DENSE_MLP_PATTERN, dense),
-                                      (SHARED_PATTERN, shared)) if on]
-    return [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, MXLinear)) and any(r.search(n) for r in rx)]
+    rx = [
+        re.compile(p)
+        for p, on in ((ATTENTION_PATTERN, attention), (DENSE_MLP_PATTERN, dense), (SHARED_PATTERN, shared))
+        if on
+    ]
+    return [
+        n for n, m in model.named_modules() if isinstance(m, (nn.Linear, MXLinear)) and any(r.search(n) for r in rx)
+    ]
 
 
-def quantize_moe(model: nn.Module, attention: bool = True, mode: str = "floor", dense: bool = True,
-                 adapter_dtype: str = "bfloat16", cache: bool = True, shared: bool = True) -> dict[str, nn.Module]:
+def quantize_moe(
+    model: nn.Module,
+    attention: bool = True,
+    mode: str = "floor",
+    dense: bool = True,
+    adapter_dtype: str = "bfloat16",
+    cache: bool = True,
+    shared: bool = True,
+) -> dict[str, nn.Module]:
     """In place: every MoE layer's experts -> MXExperts; if `attention`, q/k/v/o -> MXLinear; if
     `dense`, the MLP linears of dense decoder layers (Qwen3-MoE mlp_only_layers) -> MXLinear (load
     1). The routers, embeddings, lm_head and norms stay float. All-or-nothing: everything is built
@@ -254,8 +316,9 @@ def quantize_moe(model: nn.Module, attention: bool = True, mode: str = "floor", 
         if isinstance(block.experts, MXExperts):
             raise ValueError(f"{name}.experts is already quantized")
         built[f"{name}.experts"] = MXExperts.from_experts(block.experts, mode, adapter_dtype, name=f"{name}.experts")
-    names = [n for n in quantizable_linears(model, attention, dense, shared)
-             if isinstance(model.get_submodule(n), nn.Linear)]
+    names = [
+        n for n in quantizable_linears(model, attention, dense, shared) if isinstance(model.get_submodule(n), nn.Linear)
+    ]
     linears = {}
     if names:
         pattern = "^(" + "|".join(re.escape(n) for n in names) + ")$"

@@ -32,6 +32,7 @@ def _padded(k: int) -> int:
 
 # --------------------------------------------------------------------------- size
 
+
 def moe_nbytes(model: nn.Module) -> dict:
     """Bytes by kind: expert_weights / linear_weights (MXFP4 codes + scales), expert_adapters /
     linear_adapters (their storage dtype), float (every other parameter and persistent buffer, tied
@@ -73,11 +74,13 @@ def moe_nbytes(model: nn.Module) -> dict:
         "experts_with_adapters": bits(out["expert_weights"] + out["expert_adapters"], n_expert),
         "linears": bits(out["linear_weights"], n_linear),
         "linears_with_adapters": bits(out["linear_weights"] + out["linear_adapters"], n_linear),
-        "model": bits(out["total"], n_expert + n_linear + n_float)}
+        "model": bits(out["total"], n_expert + n_linear + n_float),
+    }
     return out
 
 
 # --------------------------------------------------------------------------- file
+
 
 def _adapter_dtype(model: nn.Module) -> str:
     found = {m.adapter_dtype for m in model.modules() if isinstance(m, (MXExperts, MXLinear))}
@@ -88,8 +91,9 @@ def _adapter_dtype(model: nn.Module) -> str:
     return found.pop()
 
 
-def save_quantized_moe(model: nn.Module, path: Path | str | None = None,
-                       metadata: dict[str, str] | None = None) -> bytes:
+def save_quantized_moe(
+    model: nn.Module, path: Path | str | None = None, metadata: dict[str, str] | None = None
+) -> bytes:
     """The quantized MoE as safetensors bytes (deterministic; also written to `path` if given); the
     format is in the module docstring. Dequantized caches are never written."""
     from crucible.serialize import safetensors_bytes
@@ -115,13 +119,27 @@ def save_quantized_moe(model: nn.Module, path: Path | str | None = None,
             continue
         first[ptr] = key
         tensors[key] = t.detach().contiguous()
-    info = {"experts": {n: {"num_experts": m.num_experts, "hidden": m.hidden_dim, "intermediate": m.intermediate_dim,
-                            "mode": m.mode, "gate_up_ranks": m.ranks["gate_up"], "down_ranks": m.ranks["down"]}
-                        for n, m in experts.items()},
-            "linears": {n: {"in": m.in_features, "out": m.out_features, "mode": m.mode, "rank": m.rank}
-                        for n, m in linears.items()},
-            "adapter_dtype": adapter_dtype, "tied": tied}
-    data = safetensors_bytes(tensors, {**(metadata or {}), "format": "pt", "crucible.moe": json.dumps(info, sort_keys=True)})
+    info = {
+        "experts": {
+            n: {
+                "num_experts": m.num_experts,
+                "hidden": m.hidden_dim,
+                "intermediate": m.intermediate_dim,
+                "mode": m.mode,
+                "gate_up_ranks": m.ranks["gate_up"],
+                "down_ranks": m.ranks["down"],
+            }
+            for n, m in experts.items()
+        },
+        "linears": {
+            n: {"in": m.in_features, "out": m.out_features, "mode": m.mode, "rank": m.rank} for n, m in linears.items()
+        },
+        "adapter_dtype": adapter_dtype,
+        "tied": tied,
+    }
+    data = safetensors_bytes(
+        tensors, {**(metadata or {}), "format": "pt", "crucible.moe": json.dumps(info, sort_keys=True)}
+    )
     if path is not None:
         Path(path).write_bytes(data)
     return data
@@ -129,8 +147,10 @@ def save_quantized_moe(model: nn.Module, path: Path | str | None = None,
 
 def _check(key: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype | None, path) -> torch.Tensor:
     if tuple(t.shape) != tuple(shape) or (dtype is not None and t.dtype != dtype):
-        raise ValueError(f"{path}: tensor '{key}' is {t.dtype} {list(t.shape)} in the file, the architecture needs "
-                         f"{dtype or t.dtype} {list(shape)} (a file of another model?)")
+        raise ValueError(
+            f"{path}: tensor '{key}' is {t.dtype} {list(t.shape)} in the file, the architecture needs "
+            f"{dtype or t.dtype} {list(shape)} (a file of another model?)"
+        )
     if t.is_floating_point() and not bool(torch.isfinite(t).all()):
         raise ValueError(f"{path}: tensor '{key}' holds NaN or inf")
     if dtype == torch.uint8 and key.endswith("scales") and bool((t == mxfp4.E8M0_NAN).any()):
@@ -160,25 +180,34 @@ def load_quantized_moe(path: Path | str, skeleton: nn.Module) -> nn.Module:
     built: dict[str, nn.Module] = {}
     for name, spec in info["experts"].items():
         if name not in blocks:
-            raise ValueError(f"{path}: quantized experts {name!r} are not a MoE layer of the architecture "
-                             f"(it has {list(blocks)[:3]})")
+            raise ValueError(
+                f"{path}: quantized experts {name!r} are not a MoE layer of the architecture "
+                f"(it has {list(blocks)[:3]})"
+            )
         old = blocks[name].experts
         e, two_i, h = old.gate_up_proj.shape
         i = two_i // 2
         module_args = {}
         for kind, (out, inp) in (("gate_up", (2 * i, h)), ("down", (h, i))):
             kp = _padded(inp)
-            module_args[f"{kind}_packed"] = _take(tensors, f"{name}.{kind}_packed", (e, out, kp // 2), torch.uint8, path)
-            module_args[f"{kind}_scales"] = _take(tensors, f"{name}.{kind}_scales", (e, out, kp // 32), torch.uint8, path)
+            module_args[f"{kind}_packed"] = _take(
+                tensors, f"{name}.{kind}_packed", (e, out, kp // 2), torch.uint8, path
+            )
+            module_args[f"{kind}_scales"] = _take(
+                tensors, f"{name}.{kind}_scales", (e, out, kp // 32), torch.uint8, path
+            )
         try:
-            module = MXExperts(e, h, i, act_fn=old.act_fn, mode=spec["mode"], adapter_dtype=adapter_dtype, **module_args)
+            module = MXExperts(
+                e, h, i, act_fn=old.act_fn, mode=spec["mode"], adapter_dtype=adapter_dtype, **module_args
+            )
         except ValueError as exc:
             raise ValueError(f"{path}: experts {name!r}: {exc}") from None
         for kind, (out, inp) in (("gate_up", (2 * i, h)), ("down", (h, i))):
             ranks = [int(r) for r in spec[f"{kind}_ranks"]]
             if len(ranks) != e or any(r < 0 or r > min(out, inp) for r in ranks):
-                raise ValueError(f"{path}: experts {name!r}: {kind}_ranks {ranks} do not fit {e} experts of "
-                                 f"{out} x {inp}")
+                raise ValueError(
+                    f"{path}: experts {name!r}: {kind}_ranks {ranks} do not fit {e} experts of {out} x {inp}"
+                )
             total = sum(ranks)
             if total:
                 a = _take(tensors, f"{name}.{kind}_lora_a", (out, total), store, path)
@@ -191,7 +220,9 @@ def load_quantized_moe(path: Path | str, skeleton: nn.Module) -> nn.Module:
         except AttributeError:
             raise ValueError(f"{path}: quantized layer {name!r} does not exist in the architecture") from None
         if not isinstance(old, nn.Linear):
-            raise ValueError(f"{path}: quantized layer {name!r} is {type(old).__name__} in the architecture, not nn.Linear")
+            raise ValueError(
+                f"{path}: quantized layer {name!r} is {type(old).__name__} in the architecture, not nn.Linear"
+            )
         out, inp = old.out_features, old.in_features
         packed = _take(tensors, f"{name}.packed", (out, _padded(inp) // 2), torch.uint8, path)
         scales = _take(tensors, f"{name}.scales", (out, _padded(inp) // 32), torch.uint8, path)
@@ -202,8 +233,10 @@ def load_quantized_moe(path: Path | str, skeleton: nn.Module) -> nn.Module:
             raise ValueError(f"{path}: layer {name!r}: {exc}") from None
         r = int(spec["rank"])
         if r:
-            layer.set_adapter(_take(tensors, f"{name}.lora_a", (out, r), store, path).float(),
-                              _take(tensors, f"{name}.lora_b", (r, inp), store, path).float())
+            layer.set_adapter(
+                _take(tensors, f"{name}.lora_a", (out, r), store, path).float(),
+                _take(tensors, f"{name}.lora_b", (r, inp), store, path).float(),
+            )
         built[name] = layer
     state = skeleton.state_dict()
     tied = info.get("tied", {})

@@ -98,17 +98,32 @@ def _check(steps, lr, loss, temperature, checkpoint_every, batches, routes: Rout
     if not batches:
         raise ValueError("replay_qat: no batch given")
     if len(routes.batch_tokens) != len(batches):
-        raise ValueError(f"replay_qat: the routes were recorded over {len(routes.batch_tokens)} forward calls, "
-                         f"but {len(batches)} batches are given (record_routes(float_model, batches))")
+        raise ValueError(
+            f"replay_qat: the routes were recorded over {len(routes.batch_tokens)} forward calls, "
+            f"but {len(batches)} batches are given (record_routes(float_model, batches))"
+        )
     check_routes(moe_layers(qmodel), routes, "replay_qat")
 
 
-def replay_qat(qmodel: nn.Module, float_model: nn.Module, batches: Sequence, routes: Routes, steps: int,
-               lr: float = 1e-3, loss: str = "kl", temperature: float = 1.0,
-               checkpoint_dir: Path | str | None = None, checkpoint_every: int = 0, progress: bool = True,
-               seed: int = 0, train_attention: bool = False, weight_decay: float = 0.0, shuffle: bool = True,
-               max_grad_norm: float | None = None,
-               log: Callable[[dict, int], None] | None = None) -> list[dict]:
+def replay_qat(
+    qmodel: nn.Module,
+    float_model: nn.Module,
+    batches: Sequence,
+    routes: Routes,
+    steps: int,
+    lr: float = 1e-3,
+    loss: str = "kl",
+    temperature: float = 1.0,
+    checkpoint_dir: Path | str | None = None,
+    checkpoint_every: int = 0,
+    progress: bool = True,
+    seed: int = 0,
+    train_attention: bool = False,
+    weight_decay: float = 0.0,
+    shuffle: bool = True,
+    max_grad_norm: float | None = None,
+    log: Callable[[dict, int], None] | None = None,
+) -> list[dict]:
     """Train `qmodel`'s adapters for `steps` optimizer steps in total (see the module docstring).
 
     batches[i] is one forward call (routing.forward_batch) and routes its float routes, recorded over
@@ -122,12 +137,22 @@ def replay_qat(qmodel: nn.Module, float_model: nn.Module, batches: Sequence, rou
     _check(steps, lr, loss, temperature, checkpoint_every, batches, routes, qmodel)
     params = adapter_parameters(qmodel, train_attention)
     if not params:
-        raise ValueError("replay_qat: the quantized model has no adapter of rank > 0 to train; set ranks with "
-                         "compensate_moe first" + ("" if train_attention else " (attention adapters need train_attention=True)"))
-    settings = {"lr": float(lr), "loss": loss, "temperature": float(temperature), "seed": int(seed),
-                "train_attention": bool(train_attention), "weight_decay": float(weight_decay), "shuffle": bool(shuffle),
-                "max_grad_norm": None if max_grad_norm is None else float(max_grad_norm), "batches": len(batches),
-                "adapters": {k: list(p.shape) for k, p in params.items()}}
+        raise ValueError(
+            "replay_qat: the quantized model has no adapter of rank > 0 to train; set ranks with "
+            "compensate_moe first" + ("" if train_attention else " (attention adapters need train_attention=True)")
+        )
+    settings = {
+        "lr": float(lr),
+        "loss": loss,
+        "temperature": float(temperature),
+        "seed": int(seed),
+        "train_attention": bool(train_attention),
+        "weight_decay": float(weight_decay),
+        "shuffle": bool(shuffle),
+        "max_grad_norm": None if max_grad_norm is None else float(max_grad_norm),
+        "batches": len(batches),
+        "adapters": {k: list(p.shape) for k, p in params.items()},
+    }
     flags = {p: p.requires_grad for p in qmodel.parameters()}
     float_flags = {p: p.requires_grad for p in float_model.parameters()}
     modes = (qmodel.training, float_model.training)
@@ -137,8 +162,10 @@ def replay_qat(qmodel: nn.Module, float_model: nn.Module, batches: Sequence, rou
     if latest is not None:
         ckpt = load_checkpoint(latest)
         if int(ckpt["step"]) > steps:
-            raise ValueError(f"{latest}: the checkpoint is at step {int(ckpt['step'])}, past steps={steps}; "
-                             f"pass steps >= {int(ckpt['step'])} or another checkpoint_dir")
+            raise ValueError(
+                f"{latest}: the checkpoint is at step {int(ckpt['step'])}, past steps={steps}; "
+                f"pass steps >= {int(ckpt['step'])} or another checkpoint_dir"
+            )
         if ckpt["settings"] != settings:
             diff = {k: (ckpt["settings"].get(k), v) for k, v in settings.items() if ckpt["settings"].get(k) != v}
             raise ValueError(f"{latest}: the checkpoint was written with other settings (checkpoint, this run): {diff}")
@@ -165,17 +192,23 @@ def replay_qat(qmodel: nn.Module, float_model: nn.Module, batches: Sequence, rou
             if b not in targets:
                 with torch.no_grad():
                     out = forward_batch(float_model, batch, output_hidden_states=loss == "hidden")
-                    targets[b] = (torch.log_softmax(out.logits.float() / temperature, dim=-1) if loss == "kl"
-                                  else tuple(h.detach() for h in out.hidden_states[1:]))
+                    targets[b] = (
+                        torch.log_softmax(out.logits.float() / temperature, dim=-1)
+                        if loss == "kl"
+                        else tuple(h.detach() for h in out.hidden_states[1:])
+                    )
             with replay(qmodel, routes.batch(b)):
                 out = forward_batch(qmodel, batch, output_hidden_states=loss == "hidden")
             if loss == "kl":
                 logq = torch.log_softmax(out.logits.float() / temperature, dim=-1)
                 per_token = F.kl_div(logq, targets[b], log_target=True, reduction="none").sum(-1)
-                value = _masked_mean(per_token, mask) * temperature ** 2
+                value = _masked_mean(per_token, mask) * temperature**2
             else:
-                terms = [_masked_mean((h.float() - r.float()).pow(2).sum(-1), mask)
-                         / _masked_mean(r.float().pow(2).sum(-1), mask) for h, r in zip(out.hidden_states[1:], targets[b])]
+                terms = [
+                    _masked_mean((h.float() - r.float()).pow(2).sum(-1), mask)
+                    / _masked_mean(r.float().pow(2).sum(-1), mask)
+                    for h, r in zip(out.hidden_states[1:], targets[b])
+                ]
                 value = torch.stack(terms).mean()
             if not torch.isfinite(value):
                 raise ValueError(f"replay_qat: the loss is {float(value)} at step {step + 1} (batch {b})")
@@ -189,9 +222,17 @@ def replay_qat(qmodel: nn.Module, float_model: nn.Module, batches: Sequence, rou
             bar.update(1)
             bar.set_postfix(loss=f"{history[-1]['loss']:.4g}")
             if checkpoint_dir is not None and ((checkpoint_every and step % checkpoint_every == 0) or step == steps):
-                save_checkpoint(checkpoint_dir, step, {
-                    "step": step, "settings": settings, "history": history, "optimizer": optimizer.state_dict(),
-                    "adapters": {k: p.detach() for k, p in params.items()}})
+                save_checkpoint(
+                    checkpoint_dir,
+                    step,
+                    {
+                        "step": step,
+                        "settings": settings,
+                        "history": history,
+                        "optimizer": optimizer.state_dict(),
+                        "adapters": {k: p.detach() for k, p in params.items()},
+                    },
+                )
             if log is not None:
                 log(dict(history[-1]), step)
     finally:

@@ -21,8 +21,15 @@ from crucible.moe.mx_experts import ATTENTION_PATTERN, SHARED_PATTERN, quantizab
 from crucible.moe.routing import moe_layers
 from crucible.quant import rank_allocation
 
-__all__ = ["compensated_matrices", "max_rank_budget", "default_rank_budget", "matrix_group", "matrix_layer",
-           "rank_metrics", "GROUPS"]
+__all__ = [
+    "compensated_matrices",
+    "max_rank_budget",
+    "default_rank_budget",
+    "matrix_group",
+    "matrix_layer",
+    "rank_metrics",
+    "GROUPS",
+]
 
 GROUPS = ("experts", "attention", "shared", "dense")
 _EXPERT_KEY = re.compile(r"^(?P<module>.+)\.(?P<kind>gate_up|down)_proj\.(?P<e>\d+)$")
@@ -53,12 +60,13 @@ def max_rank_budget(model: nn.Module, attention: bool = True, shared: bool = Tru
 
 def default_rank_budget(model: nn.Module, attention: bool = True, per_matrix: int = 8, shared: bool = True) -> int:
     """per_matrix x the number of compensated matrices (an average rank of `per_matrix` each)."""
-    return min(int(per_matrix) * len(compensated_matrices(model, attention, shared)),
-               max_rank_budget(model, attention, shared))
+    return min(
+        int(per_matrix) * len(compensated_matrices(model, attention, shared)), max_rank_budget(model, attention, shared)
+    )
 
 
 def matrix_group(key: str) -> str:
-    """"experts", "attention", "shared" or "dense" (see the module docstring)."""
+    """ "experts", "attention", "shared" or "dense" (see the module docstring)."""
     if _EXPERT_KEY.match(key):
         return "experts"
     if re.search(ATTENTION_PATTERN, key):
@@ -81,8 +89,15 @@ def _row(key: str, layer, loads: Mapping[str, Mapping[str, float]], ranks: Mappi
     else:
         lm = _LINEAR_KEY.search(key)
         module, kind, expert = key, (lm["kind"] if lm else key.rpartition(".")[2]), None
-    row = {"name": key, "module": module, "kind": kind, "expert": expert, "layer": matrix_layer(key),
-           "group": matrix_group(key), "max_rank": int(layer.max_rank)}
+    row = {
+        "name": key,
+        "module": module,
+        "kind": kind,
+        "expert": expert,
+        "layer": matrix_layer(key),
+        "group": matrix_group(key),
+        "max_rank": int(layer.max_rank),
+    }
     row.update({name: float(v[key]) for name, v in loads.items()})
     row.update({name: int(r[key]) for name, r in ranks.items()})
     return row
@@ -106,21 +121,31 @@ def rank_metrics(plan, ranks: Mapping[str, Mapping[str, int]], prop_loads: Mappi
 
     def werr(loads):
         w = [float(loads[k]) for k in names]
-        out = {a: rank_allocation.weighted_error(spectra, w, [int(r.get(k, 0)) for k in names]) for a, r in ranks.items()}
+        out = {
+            a: rank_allocation.weighted_error(spectra, w, [int(r.get(k, 0)) for k in names]) for a, r in ranks.items()
+        }
         out["none"] = rank_allocation.weighted_error(spectra, w, [0] * len(names))
         return out
 
     routed = {k: float(plan.layers[k].load) for k in names}
     loads = {"load": routed, **({"load_prop": dict(prop_loads)} if prop_loads is not None else {})}
     out = {
-        "budget": budget, "total": totals,
-        "experts_share": {a: (sum(int(r.get(k, 0)) for k in names if matrix_group(k) == "experts") / budget
-                              if budget else 0.0) for a, r in ranks.items()},
-        "groups": {a: {g: sum(int(r.get(k, 0)) for k in names if matrix_group(k) == g) for g in GROUPS}
-                   for a, r in ranks.items()},
-        "layers": {a: [sum(int(r.get(k, 0)) for k in names if matrix_layer(k) == i) for i in range(n_layers)]
-                   for a, r in ranks.items()},
-        "weighted_error": werr(routed)}
+        "budget": budget,
+        "total": totals,
+        "experts_share": {
+            a: (sum(int(r.get(k, 0)) for k in names if matrix_group(k) == "experts") / budget if budget else 0.0)
+            for a, r in ranks.items()
+        },
+        "groups": {
+            a: {g: sum(int(r.get(k, 0)) for k in names if matrix_group(k) == g) for g in GROUPS}
+            for a, r in ranks.items()
+        },
+        "layers": {
+            a: [sum(int(r.get(k, 0)) for k in names if matrix_layer(k) == i) for i in range(n_layers)]
+            for a, r in ranks.items()
+        },
+        "weighted_error": werr(routed),
+    }
     if prop_loads is not None:
         out["weighted_error_prop"] = werr(prop_loads)
     out["matrices"] = [_row(k, plan.layers[k], loads, ranks) for k in names]

@@ -109,14 +109,27 @@ def _check(moe, dense, batches, steps, lr, temperature, checkpoint_every, cache_
         raise ValueError("recover: batches is empty; give at least one batch of calibration token ids")
     vocab_moe, vocab_dense = moe.config.vocab_size, dense.config.vocab_size
     if vocab_moe != vocab_dense:
-        raise ValueError(f"recover: the dense model's vocab_size={vocab_dense} differs from the MoE's {vocab_moe}; "
-                         "distil from the model the MoE was built from")
+        raise ValueError(
+            f"recover: the dense model's vocab_size={vocab_dense} differs from the MoE's {vocab_moe}; "
+            "distil from the model the MoE was built from"
+        )
 
 
-def recover(moe: nn.Module, dense: nn.Module, batches: Sequence, steps: int, lr: float = 1e-3,
-            train: str = "router", temperature: float = 1.0, seed: int = 0,
-            checkpoint_dir: Path | str | None = None, checkpoint_every: int = 0, progress: bool = True,
-            log: Callable[[dict, int], None] | None = None, cache_bytes: int = 2**30) -> list[dict]:
+def recover(
+    moe: nn.Module,
+    dense: nn.Module,
+    batches: Sequence,
+    steps: int,
+    lr: float = 1e-3,
+    train: str = "router",
+    temperature: float = 1.0,
+    seed: int = 0,
+    checkpoint_dir: Path | str | None = None,
+    checkpoint_every: int = 0,
+    progress: bool = True,
+    log: Callable[[dict, int], None] | None = None,
+    cache_bytes: int = 2**30,
+) -> list[dict]:
     """Distil `dense` into `moe`'s routers (and, with train="experts", its experts) for `steps`
     AdamW steps in total; see the module docstring."""
     from crucible.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -124,9 +137,15 @@ def recover(moe: nn.Module, dense: nn.Module, batches: Sequence, steps: int, lr:
     batches = list(batches)
     _check(moe, dense, batches, steps, lr, temperature, checkpoint_every, cache_bytes)
     params = trainable_parameters(moe, train)
-    settings = {"lr": float(lr), "train": train, "temperature": float(temperature), "seed": int(seed),
-                "batches": len(batches), "params": {k: list(p.shape) for k, p in params.items()},
-                "start": _digest(params)}
+    settings = {
+        "lr": float(lr),
+        "train": train,
+        "temperature": float(temperature),
+        "seed": int(seed),
+        "batches": len(batches),
+        "params": {k: list(p.shape) for k, p in params.items()},
+        "start": _digest(params),
+    }
     optimizer = torch.optim.AdamW(list(params.values()), lr=lr, weight_decay=0.0)
     step, history = 0, []
     latest = latest_checkpoint(checkpoint_dir) if checkpoint_dir is not None else None
@@ -136,8 +155,10 @@ def recover(moe: nn.Module, dense: nn.Module, batches: Sequence, steps: int, lr:
             diff = {k: (ckpt["settings"].get(k), v) for k, v in settings.items() if ckpt["settings"].get(k) != v}
             raise ValueError(f"{latest}: the checkpoint was written with other settings (checkpoint, this run): {diff}")
         if int(ckpt["step"]) > steps:
-            raise ValueError(f"{latest}: the checkpoint is at step {int(ckpt['step'])}, past steps={steps}; "
-                             f"pass steps >= {int(ckpt['step'])} or another checkpoint_dir")
+            raise ValueError(
+                f"{latest}: the checkpoint is at step {int(ckpt['step'])}, past steps={steps}; "
+                f"pass steps >= {int(ckpt['step'])} or another checkpoint_dir"
+            )
         with torch.no_grad():
             for k, p in params.items():
                 p.copy_(ckpt["params"][k])
@@ -148,8 +169,9 @@ def recover(moe: nn.Module, dense: nn.Module, batches: Sequence, steps: int, lr:
     modes = (moe.training, dense.training)
     targets: dict[int, torch.Tensor] = {}
     cached = 0  # bytes held in targets
-    bar = Progress(total=steps, initial=min(step, steps), desc=f"moe recovery ({train})", unit="step",
-                   disable=not progress)
+    bar = Progress(
+        total=steps, initial=min(step, steps), desc=f"moe recovery ({train})", unit="step", disable=not progress
+    )
     try:
         for p in moe.parameters():
             p.requires_grad_(False)
@@ -172,7 +194,7 @@ def recover(moe: nn.Module, dense: nn.Module, batches: Sequence, steps: int, lr:
                     targets[b], cached = target, cached + size
             logq = torch.log_softmax(forward_batch(moe, batch).logits.float() / temperature, dim=-1)
             per_token = F.kl_div(logq, target.to(logq.device), log_target=True, reduction="none").sum(-1)
-            value = _masked_mean(per_token, mask) * temperature ** 2
+            value = _masked_mean(per_token, mask) * temperature**2
             if not torch.isfinite(value):
                 raise ValueError(f"recover: the loss is {float(value)} at step {step + 1} (batch {b})")
             optimizer.zero_grad(set_to_none=True)
@@ -183,9 +205,17 @@ def recover(moe: nn.Module, dense: nn.Module, batches: Sequence, steps: int, lr:
             bar.update(1)
             bar.set_postfix(loss=f"{history[-1]['loss']:.4g}")
             if checkpoint_dir is not None and ((checkpoint_every and step % checkpoint_every == 0) or step == steps):
-                save_checkpoint(checkpoint_dir, step, {
-                    "step": step, "settings": settings, "history": history, "optimizer": optimizer.state_dict(),
-                    "params": {k: p.detach() for k, p in params.items()}})
+                save_checkpoint(
+                    checkpoint_dir,
+                    step,
+                    {
+                        "step": step,
+                        "settings": settings,
+                        "history": history,
+                        "optimizer": optimizer.state_dict(),
+                        "params": {k: p.detach() for k, p in params.items()},
+                    },
+                )
             if log is not None:
                 log(dict(history[-1]), step)
     finally:

@@ -52,14 +52,16 @@ def _features(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     width = two_w // 2
     _, weights, index = block.gate(x)
     gate, up = torch.einsum("th,eih->eti", x.double(), experts.gate_up_proj.double()).split(width, dim=-1)
-    h = experts.act_fn(gate) * up                                           # [E, T, w]
+    h = experts.act_fn(gate) * up  # [E, T, w]
     combine = torch.zeros(x.shape[0], n_experts, dtype=torch.float64, device=x.device)
     combine.scatter_add_(1, index, weights.double())
     routed = (h.permute(1, 0, 2) * combine[:, :, None]).reshape(x.shape[0], -1)
     shared = getattr(block, "shared_expert", None)
     if shared is None:
         return routed
-    hs = shared.act_fn(x.double() @ shared.gate_proj.weight.double().T) * (x.double() @ shared.up_proj.weight.double().T)
+    hs = shared.act_fn(x.double() @ shared.gate_proj.weight.double().T) * (
+        x.double() @ shared.up_proj.weight.double().T
+    )
     gate_s = getattr(block, "shared_expert_gate", None)
     if gate_s is not None:
         hs = hs * torch.sigmoid(x.double() @ gate_s.weight.double().T)
@@ -68,7 +70,7 @@ def _features(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _current(block: nn.Module) -> torch.Tensor:
     """[H, S + E * w]: the down projections in the feature order of _features."""
-    down = block.experts.down_proj.detach().double()                       # [E, H, w]
+    down = block.experts.down_proj.detach().double()  # [E, H, w]
     routed = down.permute(1, 0, 2).reshape(down.shape[1], -1)
     shared = getattr(block, "shared_expert", None)
     return routed if shared is None else torch.cat([shared.down_proj.weight.detach().double(), routed], dim=1)
@@ -91,16 +93,24 @@ def refit_down(moe: nn.Module, dense: nn.Module, calib_ids: torch.Tensor, ridge:
     if isinstance(ridge, bool) or not isinstance(ridge, numbers.Real) or not (math.isfinite(ridge) and ridge > 0):
         raise ValueError(f"refit_down: ridge={ridge!r} must be finite and > 0")
     if not isinstance(calib_ids, torch.Tensor) or calib_ids.dim() != 2 or calib_ids.is_floating_point():
-        raise ValueError(f"refit_down: calib_ids must be an integer tensor [N, T], got "
-                         f"{getattr(calib_ids, 'shape', type(calib_ids).__name__)}")
+        raise ValueError(
+            f"refit_down: calib_ids must be an integer tensor [N, T], got "
+            f"{getattr(calib_ids, 'shape', type(calib_ids).__name__)}"
+        )
     blocks = list(moe_layers(moe).values())
     dense_layers = dense.model.layers
     if len(blocks) != len(dense_layers):
-        raise ValueError(f"refit_down: the MoE has {len(blocks)} MoE blocks but the dense model {len(dense_layers)} "
-                         "layers; refit against the model the MoE was split from")
-    saved = [(b.experts.down_proj.detach().clone(),
-              None if getattr(b, "shared_expert", None) is None else b.shared_expert.down_proj.weight.detach().clone())
-             for b in blocks]
+        raise ValueError(
+            f"refit_down: the MoE has {len(blocks)} MoE blocks but the dense model {len(dense_layers)} "
+            "layers; refit against the model the MoE was split from"
+        )
+    saved = [
+        (
+            b.experts.down_proj.detach().clone(),
+            None if getattr(b, "shared_expert", None) is None else b.shared_expert.down_proj.weight.detach().clone(),
+        )
+        for b in blocks
+    ]
     report: list[dict] = []
 
     def hook(i: int):
@@ -115,10 +125,16 @@ def refit_down(moe: nn.Module, dense: nn.Module, calib_ids: torch.Tensor, ridge:
             m = torch.linalg.solve(gram + lam * eye, f.T @ target + lam * m0.T).T
             if not torch.isfinite(m).all():
                 raise ValueError(f"refit_down: layer {i}: the refitted down projections are not finite")
-            norm = float((target ** 2).sum().clamp_min(1e-30))
-            report.append({"layer": i, "before": float(((f @ m0.T - target) ** 2).sum()) / norm,
-                           "after": float(((f @ m.T - target) ** 2).sum()) / norm})
+            norm = float((target**2).sum().clamp_min(1e-30))
+            report.append(
+                {
+                    "layer": i,
+                    "before": float(((f @ m0.T - target) ** 2).sum()) / norm,
+                    "after": float(((f @ m.T - target) ** 2).sum()) / norm,
+                }
+            )
             _write(block, m)
+
         return fn
 
     was = (moe.training, dense.training)

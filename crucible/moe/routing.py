@@ -42,19 +42,36 @@ from torch import nn
 from crucible.device import model_device, to_device
 from crucible.hooks import forward_hooks
 
-__all__ = ["Routes", "moe_layers", "router_renormalises", "record_routes", "replay", "consistency", "expert_load",
-           "hidden_drift", "forward_batch", "read_safetensors", "check_routes"]
+__all__ = [
+    "Routes",
+    "moe_layers",
+    "router_renormalises",
+    "record_routes",
+    "replay",
+    "consistency",
+    "expert_load",
+    "hidden_drift",
+    "forward_batch",
+    "read_safetensors",
+    "check_routes",
+]
 
 FORMAT = "crucible.routes/1"
 
 
 # --------------------------------------------------------------------------- the model's MoE layers
 
+
 def _is_moe_block(m: nn.Module) -> bool:
     gate, experts = getattr(m, "gate", None), getattr(m, "experts", None)
-    return (isinstance(gate, nn.Module) and isinstance(experts, nn.Module) and hasattr(gate, "top_k")
-            and isinstance(getattr(gate, "weight", None), torch.Tensor) and gate.weight.dim() == 2
-            and hasattr(experts, "num_experts"))
+    return (
+        isinstance(gate, nn.Module)
+        and isinstance(experts, nn.Module)
+        and hasattr(gate, "top_k")
+        and isinstance(getattr(gate, "weight", None), torch.Tensor)
+        and gate.weight.dim() == 2
+        and hasattr(experts, "num_experts")
+    )
 
 
 def moe_layers(model: nn.Module) -> dict[str, nn.Module]:
@@ -62,8 +79,10 @@ def moe_layers(model: nn.Module) -> dict[str, nn.Module]:
     Raises ValueError if the model has none."""
     found = {n: m for n, m in model.named_modules() if _is_moe_block(m)}
     if not found:
-        raise ValueError(f"{type(model).__name__} has no MoE layer (a module with a top-k router `.gate` and "
-                         f"`.experts`, as transformers' Mixtral / Qwen3-MoE SparseMoeBlock)")
+        raise ValueError(
+            f"{type(model).__name__} has no MoE layer (a module with a top-k router `.gate` and "
+            f"`.experts`, as transformers' Mixtral / Qwen3-MoE SparseMoeBlock)"
+        )
     return found
 
 
@@ -74,8 +93,10 @@ def router_renormalises(gate: nn.Module) -> bool:
         return bool(gate.norm_topk_prob)
     if type(gate).__name__ == "MixtralTopKRouter":
         return True
-    raise ValueError(f"router {type(gate).__name__}: cannot tell whether it renormalises its top-k weights; "
-                     f"supported are MixtralTopKRouter and routers with a `norm_topk_prob` attribute (Qwen3-MoE)")
+    raise ValueError(
+        f"router {type(gate).__name__}: cannot tell whether it renormalises its top-k weights; "
+        f"supported are MixtralTopKRouter and routers with a `norm_topk_prob` attribute (Qwen3-MoE)"
+    )
 
 
 def forward_batch(model: nn.Module, batch, **kwargs):
@@ -88,10 +109,13 @@ def forward_batch(model: nn.Module, batch, **kwargs):
         return model(**batch, **kwargs)
     if isinstance(batch, (tuple, list)):
         return model(*batch, **kwargs)
-    raise ValueError(f"a batch must be a tensor of input ids, a dict of model inputs or a tuple, got {type(batch).__name__}")
+    raise ValueError(
+        f"a batch must be a tensor of input ids, a dict of model inputs or a tuple, got {type(batch).__name__}"
+    )
 
 
 # --------------------------------------------------------------------------- routes
+
 
 @dataclass
 class Routes:
@@ -114,26 +138,36 @@ class Routes:
         if not self.indices:
             raise ValueError("Routes: no layer recorded")
         if self.num_experts < 1 or not (1 <= self.top_k <= self.num_experts):
-            raise ValueError(f"Routes: need 1 <= top_k <= num_experts, got top_k {self.top_k}, num_experts {self.num_experts}")
+            raise ValueError(
+                f"Routes: need 1 <= top_k <= num_experts, got top_k {self.top_k}, num_experts {self.num_experts}"
+            )
         if any(n < 0 for n in self.batch_tokens):
             raise ValueError(f"Routes: batch_tokens must be >= 0, got {self.batch_tokens}")
         total = sum(self.batch_tokens)
         for name, idx in self.indices.items():
             if idx.dtype not in (torch.int16, torch.int32, torch.int64) or tuple(idx.shape) != (total, self.top_k):
-                raise ValueError(f"Routes: layer {name!r}: indices must be an integer tensor [{total}, {self.top_k}] "
-                                 f"(tokens, top_k), got {idx.dtype} {list(idx.shape)}")
+                raise ValueError(
+                    f"Routes: layer {name!r}: indices must be an integer tensor [{total}, {self.top_k}] "
+                    f"(tokens, top_k), got {idx.dtype} {list(idx.shape)}"
+                )
             if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.num_experts):
-                raise ValueError(f"Routes: layer {name!r}: expert ids must lie in [0, {self.num_experts}), got "
-                                 f"[{int(idx.min())}, {int(idx.max())}]")
+                raise ValueError(
+                    f"Routes: layer {name!r}: expert ids must lie in [0, {self.num_experts}), got "
+                    f"[{int(idx.min())}, {int(idx.max())}]"
+                )
             if idx.numel() and bool((idx.sort(-1).values.diff(dim=-1) == 0).any()):
                 raise ValueError(f"Routes: layer {name!r}: a token's top-{self.top_k} set repeats an expert")
         if self.logits is not None:
             if set(self.logits) != set(self.indices):
-                raise ValueError(f"Routes: logits are for layers {sorted(self.logits)}, indices for {sorted(self.indices)}")
+                raise ValueError(
+                    f"Routes: logits are for layers {sorted(self.logits)}, indices for {sorted(self.indices)}"
+                )
             for name, lg in self.logits.items():
                 if not lg.is_floating_point() or tuple(lg.shape) != (total, self.num_experts):
-                    raise ValueError(f"Routes: layer {name!r}: logits must be float [{total}, {self.num_experts}], "
-                                     f"got {lg.dtype} {list(lg.shape)}")
+                    raise ValueError(
+                        f"Routes: layer {name!r}: logits must be float [{total}, {self.num_experts}], "
+                        f"got {lg.dtype} {list(lg.shape)}"
+                    )
                 if not bool(torch.isfinite(lg).all()):
                     raise ValueError(f"Routes: layer {name!r}: logits hold NaN or inf")
         self.offsets = [0]
@@ -158,14 +192,28 @@ class Routes:
         if not (0 <= start < stop <= n):
             raise ValueError(f"Routes: batches [{start}, {stop}) out of range; {n} forward calls were recorded")
         a, b = self.offsets[start], self.offsets[stop]
-        return Routes({k: v[a:b] for k, v in self.indices.items()}, self.num_experts, self.top_k,
-                      self.batch_tokens[start:stop],
-                      None if self.logits is None else {k: v[a:b] for k, v in self.logits.items()})
+        return Routes(
+            {k: v[a:b] for k, v in self.indices.items()},
+            self.num_experts,
+            self.top_k,
+            self.batch_tokens[start:stop],
+            None if self.logits is None else {k: v[a:b] for k, v in self.logits.items()},
+        )
 
     def metadata(self) -> dict[str, str]:
-        return {"format": "pt", "crucible.routes": json.dumps(
-            {"format": FORMAT, "layers": self.layers, "num_experts": self.num_experts, "top_k": self.top_k,
-             "batch_tokens": self.batch_tokens, "logits": self.logits is not None})}
+        return {
+            "format": "pt",
+            "crucible.routes": json.dumps(
+                {
+                    "format": FORMAT,
+                    "layers": self.layers,
+                    "num_experts": self.num_experts,
+                    "top_k": self.top_k,
+                    "batch_tokens": self.batch_tokens,
+                    "logits": self.logits is not None,
+                }
+            ),
+        }
 
     def save(self, path: Path | str | None = None) -> bytes:
         """safetensors bytes (deterministic): `<layer>.index` (and `<layer>.logits`), metadata
@@ -215,6 +263,7 @@ def read_safetensors(path: Path | str) -> tuple[dict[str, torch.Tensor], dict[st
 
 # --------------------------------------------------------------------------- record
 
+
 def _gate_dims(block: nn.Module) -> tuple[int, int]:
     return int(block.gate.weight.shape[0]), int(block.gate.top_k)
 
@@ -241,6 +290,7 @@ def record_routes(model: nn.Module, batches: Iterable, logits: bool = False) -> 
             calls[name].append(index.shape[0])
             if logits:
                 lg[name].append(output[0].detach().reshape(index.shape[0], -1).to("cpu", torch.float32))
+
         return fn
 
     pairs = [(b.gate, hook(n)) for n, b in layers.items()]
@@ -255,26 +305,38 @@ def record_routes(model: nn.Module, batches: Iterable, logits: bool = False) -> 
     first = next(iter(layers))
     for n in layers:
         if calls[n] != calls[first]:
-            raise ValueError(f"record_routes: layer {n!r} saw calls of {calls[n][:5]} tokens, layer {first!r} "
-                             f"{calls[first][:5]}; every MoE layer must route every token once")
+            raise ValueError(
+                f"record_routes: layer {n!r} saw calls of {calls[n][:5]} tokens, layer {first!r} "
+                f"{calls[first][:5]}; every MoE layer must route every token once"
+            )
     if not calls[first]:
         raise ValueError("record_routes: no batch reached the routers (empty batches?)")
     cat = lambda parts: torch.cat(parts) if parts else torch.zeros(0)  # noqa: E731
-    return Routes({n: cat(v) for n, v in idx.items()}, num_experts, top_k, calls[first],
-                  {n: cat(v) for n, v in lg.items()} if logits else None)
+    return Routes(
+        {n: cat(v) for n, v in idx.items()},
+        num_experts,
+        top_k,
+        calls[first],
+        {n: cat(v) for n, v in lg.items()} if logits else None,
+    )
 
 
 # --------------------------------------------------------------------------- replay
 
+
 def check_routes(model_layers: dict[str, nn.Module], routes: Routes, what: str) -> None:
     if list(model_layers) != routes.layers:
-        raise ValueError(f"{what}: the routes hold {len(routes.layers)} MoE layers {routes.layers[:4]}, the model has "
-                         f"{len(model_layers)} {list(model_layers)[:4]}")
+        raise ValueError(
+            f"{what}: the routes hold {len(routes.layers)} MoE layers {routes.layers[:4]}, the model has "
+            f"{len(model_layers)} {list(model_layers)[:4]}"
+        )
     for n, b in model_layers.items():
         e, k = _gate_dims(b)
         if (e, k) != (routes.num_experts, routes.top_k):
-            raise ValueError(f"{what}: layer {n!r} routes top-{k} of {e} experts, the routes top-{routes.top_k} of "
-                             f"{routes.num_experts}")
+            raise ValueError(
+                f"{what}: layer {n!r} routes top-{k} of {e} experts, the routes top-{routes.top_k} of "
+                f"{routes.num_experts}"
+            )
 
 
 @contextlib.contextmanager
@@ -296,15 +358,18 @@ def replay(model: nn.Module, routes: Routes, strict: bool = True) -> Iterator[di
             t = index.shape[0]
             c = cursor[name]
             if c + t > total:
-                raise ValueError(f"replay: layer {name!r} routes {c + t} tokens so far (this call {t}), but the "
-                                 f"routes recorded {total}")
-            forced = recorded[c:c + t].to(device=index.device, dtype=index.dtype)
+                raise ValueError(
+                    f"replay: layer {name!r} routes {c + t} tokens so far (this call {t}), but the "
+                    f"routes recorded {total}"
+                )
+            forced = recorded[c : c + t].to(device=index.device, dtype=index.dtype)
             probs = torch.softmax(logits.reshape(t, -1).float(), dim=-1)
             w = probs.gather(1, forced.long())
             if renorm:
                 w = w / w.sum(dim=-1, keepdim=True)
             cursor[name] = c + t
             return logits, w.to(weights.dtype), forced
+
         return fn
 
     hooks = {n: hook(n, router_renormalises(b.gate)) for n, b in layers.items()}
@@ -314,19 +379,24 @@ def replay(model: nn.Module, routes: Routes, strict: bool = True) -> Iterator[di
         short = {n: c for n, c in cursor.items() if c != total}
         if short:
             n, c = next(iter(short.items()))
-            raise ValueError(f"replay: layer {n!r} replayed {c} tokens, but the routes recorded {total} "
-                             f"(pass strict=False to replay a prefix)")
+            raise ValueError(
+                f"replay: layer {n!r} replayed {c} tokens, but the routes recorded {total} "
+                f"(pass strict=False to replay a prefix)"
+            )
 
 
 # --------------------------------------------------------------------------- compare
+
 
 def consistency(a: Routes, b: Routes) -> dict[str, dict[str, float]]:
     """Per layer: set_agreement, the share of tokens whose top-k set is the same in a and b, and
     top1_agreement, the share whose first (most probable) expert is the same. ValueError unless a
     and b hold the same layers, tokens and k."""
     if a.layers != b.layers:
-        raise ValueError(f"consistency: routes for different layers: {len(a.layers)} {a.layers[:3]} vs "
-                         f"{len(b.layers)} {b.layers[:3]}")
+        raise ValueError(
+            f"consistency: routes for different layers: {len(a.layers)} {a.layers[:3]} vs "
+            f"{len(b.layers)} {b.layers[:3]}"
+        )
     if (a.tokens, a.top_k) != (b.tokens, b.top_k):
         raise ValueError(f"consistency: routes of {a.tokens} tokens (top-{a.top_k}) vs {b.tokens} (top-{b.top_k})")
     if a.tokens == 0:
@@ -335,8 +405,10 @@ def consistency(a: Routes, b: Routes) -> dict[str, dict[str, float]]:
     for n in a.layers:
         x, y = a.indices[n].long(), b.indices[n].long()
         same_set = (x.sort(-1).values == y.sort(-1).values).all(-1)
-        out[n] = {"set_agreement": float(same_set.double().mean()),
-                  "top1_agreement": float((x[:, 0] == y[:, 0]).double().mean())}
+        out[n] = {
+            "set_agreement": float(same_set.double().mean()),
+            "top1_agreement": float((x[:, 0] == y[:, 0]).double().mean()),
+        }
     return out
 
 
@@ -345,8 +417,10 @@ def expert_load(routes: Routes) -> torch.Tensor:
     to top_k). This is the load of the load-aware rank allocation (docs/methods.md, moe)."""
     if routes.tokens == 0:
         raise ValueError("expert_load: the routes hold no token")
-    rows = [torch.bincount(routes.indices[n].long().flatten(), minlength=routes.num_experts).double() / routes.tokens
-            for n in routes.layers]
+    rows = [
+        torch.bincount(routes.indices[n].long().flatten(), minlength=routes.num_experts).double() / routes.tokens
+        for n in routes.layers
+    ]
     return torch.stack(rows)
 
 

@@ -89,6 +89,7 @@ def _watch(t: torch.Tensor, acc: MatrixSensitivity) -> None:
 
     def hook(g):
         acc.energy += float(g.detach().double().pow(2).sum())
+
     t.register_hook(hook)
 
 
@@ -109,6 +110,7 @@ def _eager_experts(experts: nn.Module, name: str, acc: dict[str, MatrixSensitivi
             _watch(y, acc[f"{name}.down_proj.{e}"])
             final.index_add_(0, tok, (y * top_k_weights[tok, pos, None]).to(final.dtype))
         return final
+
     return forward
 
 
@@ -122,8 +124,9 @@ def _next_token_loss(out, batch) -> torch.Tensor:
     return nll.sum()
 
 
-def output_sensitivity(model: nn.Module, batches: Iterable, routes=None, attention: bool = True, dense: bool = True,
-                       shared: bool = True) -> dict[str, MatrixSensitivity]:
+def output_sensitivity(
+    model: nn.Module, batches: Iterable, routes=None, attention: bool = True, dense: bool = True, shared: bool = True
+) -> dict[str, MatrixSensitivity]:
     """key -> MatrixSensitivity of every matrix compensate.moe_plan covers with the same switches
     (each expert's "<experts>.gate_up_proj.<e>" / "<experts>.down_proj.<e>", then the linears of
     quantizable_linears(model, attention, dense, shared)), over `batches` (each one forward call,
@@ -154,6 +157,7 @@ def output_sensitivity(model: nn.Module, batches: Iterable, routes=None, attenti
     def linear_hook(name):
         def fn(module, args, out):
             _watch(out, acc[name])
+
         return fn
 
     def leaf(module, args, out):  # the embedding output: a leaf that requires grad
@@ -168,8 +172,12 @@ def output_sensitivity(model: nn.Module, batches: Iterable, routes=None, attenti
         for name, mod in experts.items():
             mod.forward = _eager_experts(mod, name, acc, tokens)
         pairs = [(model.get_submodule(n), linear_hook(n)) for n in linear_names]
-        with forward_hooks([(model.get_input_embeddings(), leaf)]), forward_hooks(pairs), torch.enable_grad(), \
-                (replay(model, routes) if routes is not None else contextlib.nullcontext()):
+        with (
+            forward_hooks([(model.get_input_embeddings(), leaf)]),
+            forward_hooks(pairs),
+            torch.enable_grad(),
+            replay(model, routes) if routes is not None else contextlib.nullcontext(),
+        ):
             for batch in batches:
                 out = forward_batch(model, batch)
                 loss = _next_token_loss(out, batch)

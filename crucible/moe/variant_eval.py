@@ -41,13 +41,23 @@ from crucible.hooks import forward_hooks
 from crucible.moe.mx_storage import moe_nbytes
 from crucible.moe.routing import Routes, consistency, expert_load, forward_batch, record_routes
 
-__all__ = ["FloatReference", "float_reference", "evaluate_variant", "reference_metrics", "calibration_fit",
-           "float_log_probs"]
+__all__ = [
+    "FloatReference",
+    "float_reference",
+    "evaluate_variant",
+    "reference_metrics",
+    "calibration_fit",
+    "float_log_probs",
+]
 
 
 def _check_int(value, name: str, low: int, high: int | None = None) -> int:
-    if (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low
-            or (high is not None and value > high)):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Integral)
+        or value < low
+        or (high is not None and value > high)
+    ):
         span = f"[{low}, {high}]" if high is not None else f">= {low}"
         raise ValueError(f"quantize_variants: {name} must be an int {span}, got {value!r}")
     return int(value)
@@ -55,17 +65,22 @@ def _check_int(value, name: str, low: int, high: int | None = None) -> int:
 
 def _check_ids(ids, name: str, vocab: int) -> torch.Tensor:
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point() or ids.dtype == torch.bool:
-        raise ValueError(f"quantize_variants: {name} must be an integer tensor [N, T], got "
-                         f"{type(ids).__name__} {getattr(ids, 'dtype', '')} {list(getattr(ids, 'shape', []))}")
+        raise ValueError(
+            f"quantize_variants: {name} must be an integer tensor [N, T], got "
+            f"{type(ids).__name__} {getattr(ids, 'dtype', '')} {list(getattr(ids, 'shape', []))}"
+        )
     if ids.shape[0] < 1 or ids.shape[1] < 2:
         raise ValueError(f"quantize_variants: {name} shape {list(ids.shape)} needs N >= 1 rows of T >= 2 tokens")
     if int(ids.min()) < 0 or int(ids.max()) >= vocab:
-        raise ValueError(f"quantize_variants: {name} holds ids in [{int(ids.min())}, {int(ids.max())}], outside the "
-                         f"vocabulary [0, {vocab})")
+        raise ValueError(
+            f"quantize_variants: {name} holds ids in [{int(ids.min())}, {int(ids.max())}], outside the "
+            f"vocabulary [0, {vocab})"
+        )
     return ids.long()
 
 
 # --------------------------------------------------------------------------- one evaluation pass
+
 
 @dataclass
 class FloatReference:
@@ -73,24 +88,33 @@ class FloatReference:
 
     perplexity: float
     routes: Routes
-    hidden: list[tuple[torch.Tensor, ...]]      # per eval batch: output_hidden_states[1:] (float32)
-    predictions: list[torch.Tensor]             # per eval batch: argmax next-token ids [B, T - 1]
+    hidden: list[tuple[torch.Tensor, ...]]  # per eval batch: output_hidden_states[1:] (float32)
+    predictions: list[torch.Tensor]  # per eval batch: argmax next-token ids [B, T - 1]
     eval_shape: tuple[int, int]
     batch_size: int
     seconds: float = 0.0
 
 
 def _rows(ids: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
-    return [ids[s:s + batch_size] for s in range(0, ids.shape[0], batch_size)]
+    return [ids[s : s + batch_size] for s in range(0, ids.shape[0], batch_size)]
 
 
 @torch.no_grad()
-def _eval_pass(model: nn.Module, eval_ids: torch.Tensor, batch_size: int, reference: FloatReference | None,
-               keep_hidden: bool, progress: bool, desc: str):
+def _eval_pass(
+    model: nn.Module,
+    eval_ids: torch.Tensor,
+    batch_size: int,
+    reference: FloatReference | None,
+    keep_hidden: bool,
+    progress: bool,
+    desc: str,
+):
     """One forward per batch of eval_ids: perplexity, routes, hidden drift vs reference (if given),
     and the hidden states themselves (if keep_hidden)."""
-    batches = [{"input_ids": b, "attention_mask": torch.ones_like(b), "output_hidden_states": True,
-                "use_cache": False} for b in _rows(eval_ids, batch_size)]
+    batches = [
+        {"input_ids": b, "attention_mask": torch.ones_like(b), "output_hidden_states": True, "use_cache": False}
+        for b in _rows(eval_ids, batch_size)
+    ]
     acc = {"nll": 0.0, "count": 0, "i": 0, "diff": None, "ref": None, "agree": 0}
     kept: list[tuple[torch.Tensor, ...]] = []
     preds: list[torch.Tensor] = []
@@ -129,13 +153,16 @@ def _eval_pass(model: nn.Module, eval_ids: torch.Tensor, batch_size: int, refere
     ppl = math.exp(acc["nll"] / acc["count"])
     drift = None
     if reference is not None:
-        drift = {f"layers.{i}": math.sqrt(d / r) if r > 0 else float("nan")
-                 for i, (d, r) in enumerate(zip(acc["diff"], acc["ref"]))}
+        drift = {
+            f"layers.{i}": math.sqrt(d / r) if r > 0 else float("nan")
+            for i, (d, r) in enumerate(zip(acc["diff"], acc["ref"]))
+        }
     return ppl, routes, drift, kept, preds, acc["agree"] / acc["count"]
 
 
-def float_reference(moe_float: nn.Module, eval_ids: torch.Tensor, batch_size: int = 8,
-                    progress: bool = False) -> FloatReference:
+def float_reference(
+    moe_float: nn.Module, eval_ids: torch.Tensor, batch_size: int = 8, progress: bool = False
+) -> FloatReference:
     """The float MoE's perplexity, routes and hidden states on eval_ids (for quantize_variants)."""
     eval_ids = _check_ids(eval_ids, "eval_ids", int(moe_float.config.vocab_size))
     _check_int(batch_size, "batch_size", 1)
@@ -144,35 +171,54 @@ def float_reference(moe_float: nn.Module, eval_ids: torch.Tensor, batch_size: in
     return FloatReference(ppl, routes, hidden, preds, tuple(eval_ids.shape), int(batch_size), time.perf_counter() - t0)
 
 
-def _metrics(ppl: float, reference: FloatReference, routes: Routes, drift: dict, model: nn.Module,
-             agreement: float) -> dict:
-    cons = {n: {"set": c["set_agreement"], "top1": c["top1_agreement"]}
-            for n, c in consistency(reference.routes, routes).items()}
+def _metrics(
+    ppl: float, reference: FloatReference, routes: Routes, drift: dict, model: nn.Module, agreement: float
+) -> dict:
+    cons = {
+        n: {"set": c["set_agreement"], "top1": c["top1_agreement"]}
+        for n, c in consistency(reference.routes, routes).items()
+    }
     size = moe_nbytes(model)
     d = list(drift.values())
-    return {"perplexity": ppl, "token_agreement": agreement, "consistency": cons,
-            "consistency_mean": {k: sum(c[k] for c in cons.values()) / len(cons) for k in ("set", "top1")},
-            "drift": drift, "drift_mean": sum(d) / len(d), "drift_last": d[-1],
-            "load": {n: [float(x) for x in row] for n, row in zip(routes.layers, expert_load(routes))},
-            "bytes": {k: v for k, v in size.items() if k != "bits_per_weight"},
-            "bits_per_weight": size["bits_per_weight"]["model"], "bits_per_weight_detail": size["bits_per_weight"]}
+    return {
+        "perplexity": ppl,
+        "token_agreement": agreement,
+        "consistency": cons,
+        "consistency_mean": {k: sum(c[k] for c in cons.values()) / len(cons) for k in ("set", "top1")},
+        "drift": drift,
+        "drift_mean": sum(d) / len(d),
+        "drift_last": d[-1],
+        "load": {n: [float(x) for x in row] for n, row in zip(routes.layers, expert_load(routes))},
+        "bytes": {k: v for k, v in size.items() if k != "bits_per_weight"},
+        "bits_per_weight": size["bits_per_weight"]["model"],
+        "bits_per_weight_detail": size["bits_per_weight"],
+    }
 
 
 def reference_metrics(moe_float: nn.Module, reference: FloatReference) -> dict:
     """The float variant's metrics from its reference pass: its routes against themselves (consistency
     1), drift 0, its perplexity and size; `load` is the float MoE's expert load on the eval tokens."""
     n_layers = len(reference.hidden[0])
-    return _metrics(reference.perplexity, reference, reference.routes, {f"layers.{i}": 0.0 for i in range(n_layers)},
-                    moe_float, 1.0)
+    return _metrics(
+        reference.perplexity, reference, reference.routes, {f"layers.{i}": 0.0 for i in range(n_layers)}, moe_float, 1.0
+    )
 
 
-def evaluate_variant(model: nn.Module, eval_ids: torch.Tensor, reference: FloatReference, batch_size: int | None = None,
-                     progress: bool = False, name: str = "variant") -> dict:
+def evaluate_variant(
+    model: nn.Module,
+    eval_ids: torch.Tensor,
+    reference: FloatReference,
+    batch_size: int | None = None,
+    progress: bool = False,
+    name: str = "variant",
+) -> dict:
     """The metrics of one model on eval_ids against the float reference (see the module docstring)."""
     batch_size = reference.batch_size if batch_size is None else batch_size
     if tuple(eval_ids.shape) != reference.eval_shape or batch_size != reference.batch_size:
-        raise ValueError(f"evaluate_variant: eval_ids {list(eval_ids.shape)} in batches of {batch_size}, the reference "
-                         f"was taken on {list(reference.eval_shape)} in batches of {reference.batch_size}")
+        raise ValueError(
+            f"evaluate_variant: eval_ids {list(eval_ids.shape)} in batches of {batch_size}, the reference "
+            f"was taken on {list(reference.eval_shape)} in batches of {reference.batch_size}"
+        )
     ppl, routes, drift, _, _, agree = _eval_pass(model, eval_ids, batch_size, reference, False, progress, name)
     return _metrics(ppl, reference, routes, drift, model, agree)
 

@@ -72,13 +72,30 @@ from crucible.moe.qat import LOSSES, replay_qat
 from crucible.moe.rank_report import compensated_matrices, default_rank_budget, max_rank_budget, rank_metrics
 from crucible.moe.routing import Routes, moe_layers, record_routes
 from crucible.moe.sensitivity import output_sensitivity
-from crucible.moe.variant_eval import (FloatReference, _check_ids, _check_int, _rows, calibration_fit,
-                                       evaluate_variant, float_log_probs, float_reference, reference_metrics)
+from crucible.moe.variant_eval import (
+    FloatReference,
+    _check_ids,
+    _check_int,
+    _rows,
+    calibration_fit,
+    evaluate_variant,
+    float_log_probs,
+    float_reference,
+    reference_metrics,
+)
 from crucible.quant import mxfp4
 from crucible.quant.compensate import CompensationPlan
 
-__all__ = ["VARIANTS", "COMPENSATED", "MoEVariants", "Calibration", "quantize_variants", "compensated_matrices", "max_rank_budget",
-           "default_rank_budget"]
+__all__ = [
+    "VARIANTS",
+    "COMPENSATED",
+    "MoEVariants",
+    "Calibration",
+    "quantize_variants",
+    "compensated_matrices",
+    "max_rank_budget",
+    "default_rank_budget",
+]
 
 VARIANTS = ("dense", "float", "mxfp4", "uniform", "load_aware", "load_aware_prop", "qat")
 COMPENSATED = ("uniform", "load_aware", "load_aware_prop")
@@ -86,6 +103,7 @@ _EXPERT_KEY = re.compile(r"^(?P<module>.+)\.(?P<kind>gate_up|down)_proj\.(?P<e>\
 
 
 # --------------------------------------------------------------------------- the comparison
+
 
 @dataclass
 class Calibration:
@@ -106,23 +124,29 @@ class Calibration:
 @dataclass
 class MoEVariants:
     metrics: dict
-    model: nn.Module | None                     # the QAT model (without QAT: the best compensated one)
-    reference: FloatReference                   # reusable for another call on the same eval_ids
-    ranks: dict[str, dict[str, int]] = field(default_factory=dict)   # allocation -> key -> rank
+    model: nn.Module | None  # the QAT model (without QAT: the best compensated one)
+    reference: FloatReference  # reusable for another call on the same eval_ids
+    ranks: dict[str, dict[str, int]] = field(default_factory=dict)  # allocation -> key -> rank
     qat_history: list[dict] = field(default_factory=list)
-    calibration: Calibration | None = None      # with keep_calibration
+    calibration: Calibration | None = None  # with keep_calibration
 
 
 def _reuse(calibration: Calibration, moe_float, calib_ids, batch_size, mode, attention, shared, propagation):
     """(routes, plan, prop) of this setting from a kept Calibration; ValueError if it does not fit."""
-    if (tuple(calibration.calib_ids.shape) != tuple(calib_ids.shape) or not torch.equal(calibration.calib_ids, calib_ids)
-            or calibration.batch_size != batch_size or calibration.mode != mode):
+    if (
+        tuple(calibration.calib_ids.shape) != tuple(calib_ids.shape)
+        or not torch.equal(calibration.calib_ids, calib_ids)
+        or calibration.batch_size != batch_size
+        or calibration.mode != mode
+    ):
         raise ValueError("quantize_variants: the calibration was kept for other calib_ids, batch_size or mode")
     need = compensated_matrices(moe_float, attention, shared)
     missing = [k for k in need if k not in calibration.plan.layers]
     if missing:
-        raise ValueError(f"quantize_variants: the kept calibration has no plan for {missing[:3]} (keep it from the "
-                         f"setting that compensates the most matrices)")
+        raise ValueError(
+            f"quantize_variants: the kept calibration has no plan for {missing[:3]} (keep it from the "
+            f"setting that compensates the most matrices)"
+        )
     if propagation and calibration.prop is None:
         raise ValueError("quantize_variants: the kept calibration has no propagation-aware loads (propagation=False)")
     old = calibration.plan
@@ -151,8 +175,24 @@ def _clone_quantized(base: nn.Module) -> nn.Module:
     return out
 
 
-def _check_args(moe_float, calib_ids, eval_ids, rank_budget, attention, shared, batch_size, qat_steps, seed,
-                checkpoint_every, qat_lr, qat_loss, mode, reference, qat_start, propagation):
+def _check_args(
+    moe_float,
+    calib_ids,
+    eval_ids,
+    rank_budget,
+    attention,
+    shared,
+    batch_size,
+    qat_steps,
+    seed,
+    checkpoint_every,
+    qat_lr,
+    qat_loss,
+    mode,
+    reference,
+    qat_start,
+    propagation,
+):
     vocab = int(moe_float.config.vocab_size)
     moe_layers(moe_float)  # ValueError for a model without MoE layers
     calib_ids = _check_ids(calib_ids, "calib_ids", vocab)
@@ -163,33 +203,56 @@ def _check_args(moe_float, calib_ids, eval_ids, rank_budget, attention, shared, 
     _check_int(checkpoint_every, "checkpoint_every", 0)
     top = max_rank_budget(moe_float, attention, shared)
     if isinstance(rank_budget, bool) or not isinstance(rank_budget, numbers.Integral) or not 1 <= rank_budget <= top:
-        raise ValueError(f"quantize_variants: rank_budget must be an int in [1, {top}] (the total rank over the "
-                         f"{len(compensated_matrices(moe_float, attention, shared))} compensated matrices, sum of "
-                         f"min(out, in)), got {rank_budget!r}")
+        raise ValueError(
+            f"quantize_variants: rank_budget must be an int in [1, {top}] (the total rank over the "
+            f"{len(compensated_matrices(moe_float, attention, shared))} compensated matrices, sum of "
+            f"min(out, in)), got {rank_budget!r}"
+        )
     if not (isinstance(qat_lr, numbers.Real) and math.isfinite(qat_lr) and qat_lr > 0):
         raise ValueError(f"quantize_variants: qat_lr must be a finite number > 0, got {qat_lr!r}")
     if qat_loss not in LOSSES:
         raise ValueError(f"quantize_variants: qat_loss must be one of {LOSSES}, got {qat_loss!r}")
     if mode not in mxfp4.MODES:
         raise ValueError(f"quantize_variants: mode must be one of {mxfp4.MODES}, got {mode!r}")
-    allowed = ("best", *COMPENSATED[:2 + bool(propagation)])
+    allowed = ("best", *COMPENSATED[: 2 + bool(propagation)])
     if qat_start not in allowed:
         raise ValueError(f"quantize_variants: qat_start must be one of {allowed}, got {qat_start!r}")
     if reference is not None and (tuple(eval_ids.shape) != reference.eval_shape or batch_size != reference.batch_size):
-        raise ValueError(f"quantize_variants: the reference was taken on eval_ids {list(reference.eval_shape)} in "
-                         f"batches of {reference.batch_size}, this call has {list(eval_ids.shape)} in batches of {batch_size}")
+        raise ValueError(
+            f"quantize_variants: the reference was taken on eval_ids {list(reference.eval_shape)} in "
+            f"batches of {reference.batch_size}, this call has {list(eval_ids.shape)} in batches of {batch_size}"
+        )
     return calib_ids, eval_ids, batch_size, qat_steps, int(rank_budget)
 
 
-def quantize_variants(moe_float: nn.Module, calib_ids: torch.Tensor, eval_ids: torch.Tensor, rank_budget: int,
-                      attention: bool = True, qat_steps: int = 24, qat_lr: float = 1e-3, qat_loss: str = "kl",
-                      seed: int = 0, batch_size: int = 8, mode: str = "floor", progress: bool = False,
-                      dense: nn.Module | None = None, log: Callable[[dict, int], None] | None = None,
-                      checkpoint_dir=None, checkpoint_every: int = 0, reference: FloatReference | None = None,
-                      include_float: bool = True, include_mxfp4: bool = True, qat_max_grad_norm: float | None = None,
-                      svd_threads: int | None = 1, shared: bool = True, propagation: bool = True,
-                      qat_start: str = "best", keep_calibration: bool = False,
-                      calibration: Calibration | None = None) -> MoEVariants:
+def quantize_variants(
+    moe_float: nn.Module,
+    calib_ids: torch.Tensor,
+    eval_ids: torch.Tensor,
+    rank_budget: int,
+    attention: bool = True,
+    qat_steps: int = 24,
+    qat_lr: float = 1e-3,
+    qat_loss: str = "kl",
+    seed: int = 0,
+    batch_size: int = 8,
+    mode: str = "floor",
+    progress: bool = False,
+    dense: nn.Module | None = None,
+    log: Callable[[dict, int], None] | None = None,
+    checkpoint_dir=None,
+    checkpoint_every: int = 0,
+    reference: FloatReference | None = None,
+    include_float: bool = True,
+    include_mxfp4: bool = True,
+    qat_max_grad_norm: float | None = None,
+    svd_threads: int | None = 1,
+    shared: bool = True,
+    propagation: bool = True,
+    qat_start: str = "best",
+    keep_calibration: bool = False,
+    calibration: Calibration | None = None,
+) -> MoEVariants:
     """Quantize `moe_float` (a transformers MoE, float, not modified) into the variants of the module
     docstring and evaluate each on eval_ids.
 
@@ -212,8 +275,23 @@ def quantize_variants(moe_float: nn.Module, calib_ids: torch.Tensor, eval_ids: t
     calibration: such a kept one, reused for this call (see Calibration).
     ValueError for bad arguments, before any forward pass."""
     calib_ids, eval_ids, batch_size, qat_steps, rank_budget = _check_args(
-        moe_float, calib_ids, eval_ids, rank_budget, attention, shared, batch_size, qat_steps, seed, checkpoint_every,
-        qat_lr, qat_loss, mode, reference, qat_start, propagation)
+        moe_float,
+        calib_ids,
+        eval_ids,
+        rank_budget,
+        attention,
+        shared,
+        batch_size,
+        qat_steps,
+        seed,
+        checkpoint_every,
+        qat_lr,
+        qat_loss,
+        mode,
+        reference,
+        qat_start,
+        propagation,
+    )
     torch.manual_seed(int(seed))
     seconds: dict[str, float] = {}
     variants: dict[str, dict] = {}
@@ -230,8 +308,12 @@ def quantize_variants(moe_float: nn.Module, calib_ids: torch.Tensor, eval_ids: t
         from crucible.moe.lm import perplexity
 
         ppl = timed("eval dense", perplexity, dense, eval_ids, batch_size, progress)
-        variants["dense"] = {"perplexity": ppl, "bytes": {"total": sum(p.numel() * p.element_size() for p in
-                                                                      {id(p): p for p in dense.parameters()}.values())}}
+        variants["dense"] = {
+            "perplexity": ppl,
+            "bytes": {
+                "total": sum(p.numel() * p.element_size() for p in {id(p): p for p in dense.parameters()}.values())
+            },
+        }
     if reference is None:
         reference = float_reference(moe_float, eval_ids, batch_size, progress)
         seconds["eval float (reference)"] = reference.seconds
@@ -240,20 +322,45 @@ def quantize_variants(moe_float: nn.Module, calib_ids: torch.Tensor, eval_ids: t
 
     calib_batches = _rows(calib_ids, batch_size)
     if calibration is not None:
-        routes, plan, prop = timed("calibration (reused)", _reuse, calibration, moe_float, calib_ids, batch_size, mode,
-                                   attention, shared, propagation)
+        routes, plan, prop = timed(
+            "calibration (reused)",
+            _reuse,
+            calibration,
+            moe_float,
+            calib_ids,
+            batch_size,
+            mode,
+            attention,
+            shared,
+            propagation,
+        )
     else:
         routes = timed("record routes (calib)", record_routes, moe_float, calib_batches)
-        stats = timed("expert stats (calib)", expert_stats, moe_float, calib_batches, routes,
-                      linears=attention or shared)
+        stats = timed(
+            "expert stats (calib)", expert_stats, moe_float, calib_batches, routes, linears=attention or shared
+        )
         with _threads(svd_threads):
-            plan = timed("plan (quantization error SVD)", moe_plan, moe_float, stats, mode=mode, attention=attention,
-                         shared=shared)
+            plan = timed(
+                "plan (quantization error SVD)",
+                moe_plan,
+                moe_float,
+                stats,
+                mode=mode,
+                attention=attention,
+                shared=shared,
+            )
         del stats
         prop = None
         if propagation:
-            sens = timed("output sensitivity (calib)", output_sensitivity, moe_float, calib_batches, routes,
-                         attention=attention, shared=shared)
+            sens = timed(
+                "output sensitivity (calib)",
+                output_sensitivity,
+                moe_float,
+                calib_batches,
+                routes,
+                attention=attention,
+                shared=shared,
+            )
             prop = {k: sens[k].load for k in plan.layers}
     kept = Calibration(calib_ids, batch_size, mode, routes, plan, prop) if keep_calibration else None
     calib_load: dict[str, list[float]] = {}
@@ -269,10 +376,13 @@ def quantize_variants(moe_float: nn.Module, calib_ids: torch.Tensor, eval_ids: t
 
     base = timed("quantize (MXFP4)", quantize)
     if include_mxfp4:
-        variants["mxfp4"] = timed("eval mxfp4", evaluate_variant, base, eval_ids, reference, batch_size, progress,
-                                  "mxfp4")
-    ranks = {"uniform": timed("ranks uniform", plan_ranks, plan, rank_budget, "uniform"),
-             "load_aware": timed("ranks load_aware", plan_ranks, plan, rank_budget, "load_aware")}
+        variants["mxfp4"] = timed(
+            "eval mxfp4", evaluate_variant, base, eval_ids, reference, batch_size, progress, "mxfp4"
+        )
+    ranks = {
+        "uniform": timed("ranks uniform", plan_ranks, plan, rank_budget, "uniform"),
+        "load_aware": timed("ranks load_aware", plan_ranks, plan, rank_budget, "load_aware"),
+    }
     if prop is not None:
         ranks["load_aware_prop"] = timed("ranks load_aware_prop", plan_ranks, plan, rank_budget, "load_aware", prop)
     sums = {a: sum(r.values()) for a, r in ranks.items()}
@@ -291,8 +401,9 @@ def quantize_variants(moe_float: nn.Module, calib_ids: torch.Tensor, eval_ids: t
         if qat_steps and qat_start == "best":
             if float_logp is None:
                 float_logp = timed("float log-probs (calib)", float_log_probs, moe_float, calib_batches)
-            candidates[name] = timed(f"calibration fit {name}", calibration_fit, model, moe_float, calib_batches,
-                                     float_logp)
+            candidates[name] = timed(
+                f"calibration fit {name}", calibration_fit, model, moe_float, calib_batches, float_logp
+            )
             better = best is None or candidates[name]["kl"] < candidates[best_name]["kl"]
         else:
             better = name == (names[-1] if qat_start == "best" else qat_start)
@@ -302,16 +413,41 @@ def quantize_variants(moe_float: nn.Module, calib_ids: torch.Tensor, eval_ids: t
     del base, plan, float_logp
     selection, qat_info, history = None, None, []
     if qat_steps:
-        selection = {"by": "calibration kl" if qat_start == "best" else "named", "candidates": candidates,
-                     "start": best_name}
+        selection = {
+            "by": "calibration kl" if qat_start == "best" else "named",
+            "candidates": candidates,
+            "start": best_name,
+        }
         ckpt_dir = None if checkpoint_dir is None else Path(checkpoint_dir) / "qat"
-        history = timed(f"qat (from {best_name})", replay_qat, best, moe_float, calib_batches, routes, steps=qat_steps,
-                        lr=float(qat_lr), loss=qat_loss, checkpoint_dir=ckpt_dir, checkpoint_every=checkpoint_every,
-                        progress=progress, seed=int(seed), max_grad_norm=qat_max_grad_norm, log=log)
+        history = timed(
+            f"qat (from {best_name})",
+            replay_qat,
+            best,
+            moe_float,
+            calib_batches,
+            routes,
+            steps=qat_steps,
+            lr=float(qat_lr),
+            loss=qat_loss,
+            checkpoint_dir=ckpt_dir,
+            checkpoint_every=checkpoint_every,
+            progress=progress,
+            seed=int(seed),
+            max_grad_norm=qat_max_grad_norm,
+            log=log,
+        )
         variants["qat"] = timed("eval qat", evaluate_variant, best, eval_ids, reference, batch_size, progress, "qat")
         losses = [float(h["loss"]) for h in history]
-        qat_info = {"start": best_name, "steps": qat_steps, "lr": float(qat_lr), "loss": qat_loss,
-                    "batches": len(calib_batches), "loss_first": losses[0], "loss_last": losses[-1], "history": losses}
+        qat_info = {
+            "start": best_name,
+            "steps": qat_steps,
+            "lr": float(qat_lr),
+            "loss": qat_loss,
+            "batches": len(calib_batches),
+            "loss_first": losses[0],
+            "loss_last": losses[-1],
+            "history": losses,
+        }
     moe_float.train(was_training)
     metrics = {
         "variants": variants,
@@ -319,13 +455,29 @@ def quantize_variants(moe_float: nn.Module, calib_ids: torch.Tensor, eval_ids: t
         "load_calib": calib_load,
         "selection": selection,
         "qat": qat_info,
-        "calibration": {"sequences": int(calib_ids.shape[0]), "seq_len": int(calib_ids.shape[1]),
-                        "tokens": int(calib_ids.numel()), "batch_size": batch_size},
-        "evaluation": {"sequences": int(eval_ids.shape[0]), "seq_len": int(eval_ids.shape[1]),
-                       "tokens": int(eval_ids.numel())},
-        "settings": {"rank_budget": rank_budget, "attention": bool(attention), "shared": bool(shared), "mode": mode,
-                     "seed": int(seed), "propagation": bool(propagation), "qat_start": qat_start,
-                     "qat_steps": qat_steps, "qat_lr": float(qat_lr), "qat_loss": qat_loss},
+        "calibration": {
+            "sequences": int(calib_ids.shape[0]),
+            "seq_len": int(calib_ids.shape[1]),
+            "tokens": int(calib_ids.numel()),
+            "batch_size": batch_size,
+        },
+        "evaluation": {
+            "sequences": int(eval_ids.shape[0]),
+            "seq_len": int(eval_ids.shape[1]),
+            "tokens": int(eval_ids.numel()),
+        },
+        "settings": {
+            "rank_budget": rank_budget,
+            "attention": bool(attention),
+            "shared": bool(shared),
+            "mode": mode,
+            "seed": int(seed),
+            "propagation": bool(propagation),
+            "qat_start": qat_start,
+            "qat_steps": qat_steps,
+            "qat_lr": float(qat_lr),
+            "qat_loss": qat_loss,
+        },
         "seconds": seconds,
     }
     return MoEVariants(metrics, best, reference, ranks, history, kept)

@@ -11,13 +11,37 @@ and low-rank compensation of the quantization error under a rank budget.
 """
 
 from crucible.quant.compensate import CompensationPlan, collect_input_stats, collect_output_sensitivity
-from crucible.quant.linear import (MXLinear, cache_dequantized, load_quantized, load_quantized_encoder, quantize_model,
-                                   save_quantized, select_linears)
+from crucible.quant.linear import (
+    MXLinear,
+    cache_dequantized,
+    load_quantized,
+    load_quantized_encoder,
+    quantize_model,
+    save_quantized,
+    select_linears,
+)
 from crucible.quant.lowrank import InputStats, compensate, factorize
 from crucible.quant.mxfp4 import MXFP4Tensor, dequantize, quantize
 from crucible.quant.rank_allocation import allocate_ranks, uniform_ranks, weighted_error
 
-__all__ = ["CompensationPlan", "InputStats", "MXFP4Tensor", "MXLinear", "allocate_ranks", "cache_dequantized", "collect_input_stats",
-           "collect_output_sensitivity",
-           "compensate", "dequantize", "factorize", "load_quantized", "load_quantized_encoder", "quantize", "quantize_model", "save_quantized",
-           "select_linears", "uniform_ranks", "weighted_error"]
+__all__ = [
+    "CompensationPlan",
+    "InputStats",
+    "MXFP4Tensor",
+    "MXLinear",
+    "allocate_ranks",
+    "cache_dequantized",
+    "collect_input_stats",
+    "collect_output_sensitivity",
+    "compensate",
+    "dequantize",
+    "factorize",
+    "load_quantized",
+    "load_quantized_encoder",
+    "quantize",
+    "quantize_model",
+    "save_quantized",
+    "select_linears",
+    "uniform_ranks",
+    "weighted_error",
+]

@@ -50,9 +50,13 @@ ALLOCATIONS = ("uniform", "load_aware")
 
 
 @torch.no_grad()
-def collect_input_stats(model: nn.Module, names: Iterable[str], batches: Iterable[tuple],
-                        forward: Callable | None = None,
-                        masks: Callable[[tuple], torch.Tensor] | None = None) -> dict[str, lowrank.InputStats]:
+def collect_input_stats(
+    model: nn.Module,
+    names: Iterable[str],
+    batches: Iterable[tuple],
+    forward: Callable | None = None,
+    masks: Callable[[tuple], torch.Tensor] | None = None,
+) -> dict[str, lowrank.InputStats]:
     """Per-feature input statistics of the named nn.Linear modules over `batches`.
 
     Each batch is passed as `forward(model, batch)` (default `model(*batch)`), its tensors moved to
@@ -71,6 +75,7 @@ def collect_input_stats(model: nn.Module, names: Iterable[str], batches: Iterabl
             if m is not None and x.dim() == 3 and x.shape[:2] == m.shape:
                 x = x[m.bool()]
             stats[name].update(x)
+
         return fn
 
     pairs = [(model.get_submodule(n), hook(n)) for n in names]
@@ -90,9 +95,13 @@ def collect_input_stats(model: nn.Module, names: Iterable[str], batches: Iterabl
     return stats
 
 
-def collect_output_sensitivity(model: nn.Module, names: Iterable[str], batches: Iterable,
-                               loss_fn: Callable[[nn.Module, object], torch.Tensor],
-                               masks: Callable[[object], torch.Tensor] | None = None) -> dict[str, float]:
+def collect_output_sensitivity(
+    model: nn.Module,
+    names: Iterable[str],
+    batches: Iterable,
+    loss_fn: Callable[[nn.Module, object], torch.Tensor],
+    masks: Callable[[object], torch.Tensor] | None = None,
+) -> dict[str, float]:
     """Mean squared gradient of a loss with respect to each named module's output, per output
     element and counted token: g_l = E ||dL/dy_l||^2 / out_features (the empirical Fisher of the
     layer's output, diagonal and isotropic). A perturbation e of the layer's output then changes
@@ -111,10 +120,16 @@ def collect_output_sensitivity(model: nn.Module, names: Iterable[str], batches: 
             m = current["mask"]
 
             def grad_hook(g):
-                rows = g[m.bool()] if m is not None and g.dim() == 3 and g.shape[:2] == m.shape else g.reshape(-1, g.shape[-1])
+                rows = (
+                    g[m.bool()]
+                    if m is not None and g.dim() == 3 and g.shape[:2] == m.shape
+                    else g.reshape(-1, g.shape[-1])
+                )
                 energy[name] += float((rows.double() ** 2).sum()) / g.shape[-1]
                 count[name] += rows.shape[0]
+
             out.register_hook(grad_hook)
+
         return fwd
 
     flags = {p: p.requires_grad for p in model.parameters()}
@@ -175,10 +190,16 @@ class CompensationPlan:
     load: str
 
     @classmethod
-    def build(cls, linears: dict[str, nn.Linear], stats: dict[str, lowrank.InputStats] | None = None,
-              mode: str = "floor", scaling: str = "qera", load: str = "unit",
-              progress: Callable[[str], None] | None = None,
-              sensitivity: dict[str, float] | None = None) -> "CompensationPlan":
+    def build(
+        cls,
+        linears: dict[str, nn.Linear],
+        stats: dict[str, lowrank.InputStats] | None = None,
+        mode: str = "floor",
+        scaling: str = "qera",
+        load: str = "unit",
+        progress: Callable[[str], None] | None = None,
+        sensitivity: dict[str, float] | None = None,
+    ) -> "CompensationPlan":
         """Quantize each layer's weight, factorize its error (see the module docstring).
         `stats` is needed unless scaling is "plain" and load is "unit"; load "sensitivity" takes
         each layer's load from `sensitivity` (collect_output_sensitivity)."""
@@ -222,21 +243,27 @@ class CompensationPlan:
         if allocation not in ALLOCATIONS:
             raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
         if budget > self.total_rank:
-            raise ValueError(f"rank budget {budget} exceeds the total rank {self.total_rank} of the "
-                             f"{len(self.layers)} quantized matrices (sum of min(out, in))")
+            raise ValueError(
+                f"rank budget {budget} exceeds the total rank {self.total_rank} of the "
+                f"{len(self.layers)} quantized matrices (sum of min(out, in))"
+            )
         names = list(self.layers)
         if allocation == "uniform":
             r = rank_allocation.uniform_ranks([self.layers[n].max_rank for n in names], budget)
         else:
-            r = rank_allocation.allocate_ranks([self.layers[n].spectrum for n in names],
-                                               [self.layers[n].load for n in names], budget)
+            r = rank_allocation.allocate_ranks(
+                [self.layers[n].spectrum for n in names], [self.layers[n].load for n in names], budget
+            )
         return dict(zip(names, (int(x) for x in r)))
 
     def weighted_error(self, ranks: dict[str, int]) -> float:
         """sum_i load_i * sum_{j > r_i} sigma_{i,j}^2 (the error the allocation minimises)."""
         names = list(self.layers)
-        return rank_allocation.weighted_error([self.layers[n].spectrum for n in names],
-                                              [self.layers[n].load for n in names], [ranks.get(n, 0) for n in names])
+        return rank_allocation.weighted_error(
+            [self.layers[n].spectrum for n in names],
+            [self.layers[n].load for n in names],
+            [ranks.get(n, 0) for n in names],
+        )
 
     def adapters(self, ranks: dict[str, int]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """name -> (A, B) for every layer of positive rank."""

@@ -43,8 +43,16 @@ ADAPTER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16
 class MXLinear(nn.Module):
     """nn.Linear with an MXFP4 weight and an optional low-rank adapter (see the module docstring)."""
 
-    def __init__(self, in_features: int, out_features: int, packed: torch.Tensor, scales: torch.Tensor,
-                 bias: torch.Tensor | None = None, mode: str = "floor", adapter_dtype: str = "bfloat16"):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        packed: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        mode: str = "floor",
+        adapter_dtype: str = "bfloat16",
+    ):
         super().__init__()
         if adapter_dtype not in ADAPTER_DTYPES:
             raise ValueError(f"adapter_dtype must be one of {sorted(ADAPTER_DTYPES)}, got {adapter_dtype!r}")
@@ -60,8 +68,14 @@ class MXLinear(nn.Module):
         self.lora_b = nn.Parameter(torch.zeros(0, in_features))
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, mode: str = "floor", adapter: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    adapter_dtype: str = "bfloat16", name: str = "linear") -> "MXLinear":
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        mode: str = "floor",
+        adapter: tuple[torch.Tensor, torch.Tensor] | None = None,
+        adapter_dtype: str = "bfloat16",
+        name: str = "linear",
+    ) -> "MXLinear":
         """Quantize `linear`'s weight (K padded to a multiple of 32 if needed is refused: MXFP4 layers
         need in_features % 32 == 0). Raises ValueError naming `name` for a non-finite weight."""
         w = linear.weight.detach()
@@ -69,8 +83,10 @@ class MXLinear(nn.Module):
             bad = (~torch.isfinite(w)).nonzero()[0].tolist()
             raise ValueError(f"{name}.weight: non-finite value {w[tuple(bad)].item()} at {bad}; cannot quantize")
         if w.shape[1] % mxfp4.BLOCK:
-            raise ValueError(f"{name}.weight: in_features = {w.shape[1]} is not a multiple of {mxfp4.BLOCK}; "
-                             f"MXFP4 blocks run along the input dimension")
+            raise ValueError(
+                f"{name}.weight: in_features = {w.shape[1]} is not a multiple of {mxfp4.BLOCK}; "
+                f"MXFP4 blocks run along the input dimension"
+            )
         q = mxfp4.quantize(w, mode=mode)
         layer = cls(w.shape[1], w.shape[0], q.packed, q.scales, linear.bias, mode=mode, adapter_dtype=adapter_dtype)
         if adapter is not None:
@@ -85,8 +101,10 @@ class MXLinear(nn.Module):
         """Set the adapter A (out, r), B (r, in), rounded to the storage dtype."""
         r = a.shape[1] if a.dim() == 2 else -1
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != self.out_features or b.shape != (r, self.in_features):
-            raise ValueError(f"MXLinear adapter: expected A ({self.out_features}, r) and B (r, {self.in_features}), got "
-                             f"{list(a.shape)} and {list(b.shape)}")
+            raise ValueError(
+                f"MXLinear adapter: expected A ({self.out_features}, r) and B (r, {self.in_features}), got "
+                f"{list(a.shape)} and {list(b.shape)}"
+            )
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise ValueError("MXLinear adapter: A or B holds NaN or inf")
         store = ADAPTER_DTYPES[self.adapter_dtype]
@@ -108,8 +126,14 @@ class MXLinear(nn.Module):
         if not getattr(self, "cache_dequantized", False):
             return self.weight_dequantized(dtype)
         store = getattr(self, "cache_dtype", torch.bfloat16)
-        key = (store, self.packed.device, self.packed.data_ptr(), self.packed._version, self.scales.data_ptr(),
-               self.scales._version)
+        key = (
+            store,
+            self.packed.device,
+            self.packed.data_ptr(),
+            self.packed._version,
+            self.scales.data_ptr(),
+            self.scales._version,
+        )
         cached = getattr(self, "_dense_cache", None)
         if cached is None or cached[0] != key:
             self._dense_cache = None  # the stale copy goes before the new one is made
@@ -134,9 +158,12 @@ class MXLinear(nn.Module):
     def nbytes(self) -> dict[str, int]:
         """Bytes on disk: codes, scales, adapter (in its storage dtype), bias."""
         item = torch.empty((), dtype=ADAPTER_DTYPES[self.adapter_dtype]).element_size()
-        return {"packed": self.packed.numel(), "scales": self.scales.numel(),
-                "adapter": (self.lora_a.numel() + self.lora_b.numel()) * item,
-                "bias": 0 if self.bias is None else self.bias.numel() * 4}
+        return {
+            "packed": self.packed.numel(),
+            "scales": self.scales.numel(),
+            "adapter": (self.lora_a.numel() + self.lora_b.numel()) * item,
+            "bias": 0 if self.bias is None else self.bias.numel() * 4,
+        }
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
@@ -144,8 +171,15 @@ class MXLinear(nn.Module):
         if x.is_cuda and _triton_ok():
             from crucible.quant import triton_kernels
 
-            return triton_kernels.mx_linear(x, self.packed, self.scales, self.in_features, self.bias,
-                                            self.lora_a if self.rank else None, self.lora_b if self.rank else None)
+            return triton_kernels.mx_linear(
+                x,
+                self.packed,
+                self.scales,
+                self.in_features,
+                self.bias,
+                self.lora_a if self.rank else None,
+                self.lora_b if self.rank else None,
+            )
         w = self._dense_weight(x.dtype)
         y = nn.functional.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
         if self.rank:
@@ -153,16 +187,25 @@ class MXLinear(nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}, "
-                f"rank={self.rank}, bias={self.bias is not None}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}, "
+            f"rank={self.rank}, bias={self.bias is not None}"
+        )
 
 
 class MXEmbedding(nn.Module):
     """nn.Embedding with an MXFP4 table: each looked-up row is dequantized on the fly (blocks of 32
     along the embedding dimension), so the float table is never materialised."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, packed: torch.Tensor, scales: torch.Tensor,
-                 padding_idx: int | None = None, mode: str = "floor"):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        packed: torch.Tensor,
+        scales: torch.Tensor,
+        padding_idx: int | None = None,
+        mode: str = "floor",
+    ):
         super().__init__()
         mxfp4.check_packed(packed, scales, (num_embeddings, embedding_dim), where="MXEmbedding")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
@@ -261,8 +304,10 @@ def select_modules(model: nn.Module, pattern: str, kind: type = nn.Linear, what:
     chosen = {n: m for n, m in found.items() if rx.search(n)}
     if not chosen:
         some = ", ".join(list(found)[:6]) or "none"
-        raise ValueError(f"{what} regex '{pattern}' matches no nn.{kind.__name__} of the model; its "
-                         f"{kind.__name__} modules are: {some}{', ...' if len(found) > 6 else ''}")
+        raise ValueError(
+            f"{what} regex '{pattern}' matches no nn.{kind.__name__} of the model; its "
+            f"{kind.__name__} modules are: {some}{', ...' if len(found) > 6 else ''}"
+        )
     return chosen
 
 
@@ -276,9 +321,13 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
 
 
-def quantize_model(model: nn.Module, pattern: str, mode: str = "floor",
-                   adapters: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
-                   adapter_dtype: str = "bfloat16") -> dict[str, MXLinear]:
+def quantize_model(
+    model: nn.Module,
+    pattern: str,
+    mode: str = "floor",
+    adapters: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    adapter_dtype: str = "bfloat16",
+) -> dict[str, MXLinear]:
     """Replace, in place, every nn.Linear matching `pattern` by an MXLinear (with the adapter of
     `adapters[name]`, if given). All-or-nothing: every layer is built before any is swapped, so an
     error leaves the model as it was. Returns name -> MXLinear."""
@@ -320,12 +369,19 @@ def quantized_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[s
             tensors[name] = tensor.detach().contiguous()
     for name, m in layers.items():
         info[name] = {"in": m.in_features, "out": m.out_features, "mode": m.mode, "rank": m.rank}
-    meta = {"crucible.mx": json.dumps(info, sort_keys=True), "crucible.adapter_dtype": next(iter(layers.values())).adapter_dtype}
+    meta = {
+        "crucible.mx": json.dumps(info, sort_keys=True),
+        "crucible.adapter_dtype": next(iter(layers.values())).adapter_dtype,
+    }
     embs = {n: m for n, m in model.named_modules() if isinstance(m, MXEmbedding)}
     if embs:
         meta["crucible.mx_embeddings"] = json.dumps(
-            {n: {"num": m.num_embeddings, "dim": m.embedding_dim, "mode": m.mode, "padding_idx": m.padding_idx}
-             for n, m in embs.items()}, sort_keys=True)
+            {
+                n: {"num": m.num_embeddings, "dim": m.embedding_dim, "mode": m.mode, "padding_idx": m.padding_idx}
+                for n, m in embs.items()
+            },
+            sort_keys=True,
+        )
     return tensors, meta
 
 
@@ -360,14 +416,22 @@ def load_quantized(path: Path | str, skeleton: nn.Module) -> nn.Module:
         except AttributeError:
             raise ValueError(f"{path}: quantized embedding {name!r} does not exist in the model architecture") from None
         if not isinstance(old, nn.Embedding) or (old.num_embeddings, old.embedding_dim) != (spec["num"], spec["dim"]):
-            raise ValueError(f"{path}: embedding {name!r} is {spec['num']} x {spec['dim']} in the file but "
-                             f"{type(old).__name__} {tuple(getattr(old, 'weight', torch.empty(0)).shape)} in the architecture")
+            raise ValueError(
+                f"{path}: embedding {name!r} is {spec['num']} x {spec['dim']} in the file but "
+                f"{type(old).__name__} {tuple(getattr(old, 'weight', torch.empty(0)).shape)} in the architecture"
+            )
         for leaf in ("packed", "scales"):
             if f"{name}.{leaf}" not in tensors:
                 raise ValueError(f"{path}: tensor '{name}.{leaf}' is missing")
         try:
-            layers[name] = MXEmbedding(spec["num"], spec["dim"], tensors.pop(f"{name}.packed"),
-                                       tensors.pop(f"{name}.scales"), spec["padding_idx"], spec["mode"])
+            layers[name] = MXEmbedding(
+                spec["num"],
+                spec["dim"],
+                tensors.pop(f"{name}.packed"),
+                tensors.pop(f"{name}.scales"),
+                spec["padding_idx"],
+                spec["mode"],
+            )
         except ValueError as exc:
             raise ValueError(f"{path}: embedding {name!r}: {exc}") from None
     for name, spec in info.items():
@@ -376,16 +440,25 @@ def load_quantized(path: Path | str, skeleton: nn.Module) -> nn.Module:
         except AttributeError:
             raise ValueError(f"{path}: quantized layer {name!r} does not exist in the model architecture") from None
         if not isinstance(old, nn.Linear) or (old.in_features, old.out_features) != (spec["in"], spec["out"]):
-            raise ValueError(f"{path}: layer {name!r} is {spec['out']} x {spec['in']} in the file but "
-                             f"{type(old).__name__} {getattr(old, 'out_features', '?')} x {getattr(old, 'in_features', '?')} "
-                             f"in the architecture")
+            raise ValueError(
+                f"{path}: layer {name!r} is {spec['out']} x {spec['in']} in the file but "
+                f"{type(old).__name__} {getattr(old, 'out_features', '?')} x {getattr(old, 'in_features', '?')} "
+                f"in the architecture"
+            )
         for leaf in ("packed", "scales") + (("lora_a", "lora_b") if spec["rank"] else ()):
             if f"{name}.{leaf}" not in tensors:
                 raise ValueError(f"{path}: tensor '{name}.{leaf}' is missing")
         bias = tensors.pop(f"{name}.bias", None)
         try:
-            layer = MXLinear(spec["in"], spec["out"], tensors.pop(f"{name}.packed"), tensors.pop(f"{name}.scales"),
-                             bias, mode=spec["mode"], adapter_dtype=adapter_dtype)
+            layer = MXLinear(
+                spec["in"],
+                spec["out"],
+                tensors.pop(f"{name}.packed"),
+                tensors.pop(f"{name}.scales"),
+                bias,
+                mode=spec["mode"],
+                adapter_dtype=adapter_dtype,
+            )
         except ValueError as exc:
             raise ValueError(f"{path}: layer {name!r}: {exc}") from None
         if spec["rank"]:

@@ -57,12 +57,19 @@ SCALE_FLOOR = 1e-6  # smallest activation scale, relative to the largest (raw, b
 KINDS = ("qera", "lqer", "plain")
 
 __all__ = [
-    "SCALE_FLOOR", "KINDS", "InputStats", "activation_scale", "ErrorSVD", "factorize", "error_spectrum",
+    "SCALE_FLOOR",
+    "KINDS",
+    "InputStats",
+    "activation_scale",
+    "ErrorSVD",
+    "factorize",
+    "error_spectrum",
     "compensate",
 ]
 
 
 # --------------------------------------------------------------------------- activation scales
+
 
 def _nonfinite_message(t: torch.Tensor, what: str) -> str | None:
     n_nan = int(torch.isnan(t).sum())
@@ -99,8 +106,9 @@ def activation_scale(sum_abs, sum_sq, count: int, kind: str = "qera", floor: flo
     sum_abs = _as_vector(sum_abs, "sum_abs")
     sum_sq = _as_vector(sum_sq, "sum_sq")
     if sum_abs.shape != sum_sq.shape:
-        raise ValueError(f"sum_abs and sum_sq must have the same shape, got {list(sum_abs.shape)} and "
-                         f"{list(sum_sq.shape)}")
+        raise ValueError(
+            f"sum_abs and sum_sq must have the same shape, got {list(sum_abs.shape)} and {list(sum_sq.shape)}"
+        )
     if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count <= 0:
         raise ValueError(f"count must be a positive int (rows of calibration data), got {count!r}")
     for name, t in (("sum_abs", sum_abs), ("sum_sq", sum_sq)):
@@ -164,6 +172,7 @@ class InputStats:
 
 # --------------------------------------------------------------------------- SVD of the scaled error
 
+
 @dataclass
 class ErrorSVD:
     """Thin SVD of E diag(s): U (N, m), S (m,) non-increasing, Vh (m, K), float64; s (K,) or None."""
@@ -206,17 +215,17 @@ def _gram_svd(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     """Thin SVD of M (float64) through the eigendecomposition of the smaller Gram matrix."""
     n, k = M.shape
     if n >= k:
-        _, V = torch.linalg.eigh(M.T @ M)          # (k, k), ascending
+        _, V = torch.linalg.eigh(M.T @ M)  # (k, k), ascending
         V = V.flip(-1)
-        P = M @ V                                   # columns u_j sigma_j
+        P = M @ V  # columns u_j sigma_j
         S = torch.linalg.vector_norm(P, dim=0)
         order = torch.argsort(S, descending=True, stable=True)
         S, V, P = S[order], V[:, order], P[:, order]
         U = torch.where(S > 0, P / torch.where(S > 0, S, 1.0), torch.zeros_like(P))
         return U, S, V.T
-    _, U = torch.linalg.eigh(M @ M.T)              # (n, n)
+    _, U = torch.linalg.eigh(M @ M.T)  # (n, n)
     U = U.flip(-1)
-    P = U.T @ M                                     # rows sigma_j v_j^T
+    P = U.T @ M  # rows sigma_j v_j^T
     S = torch.linalg.vector_norm(P, dim=1)
     order = torch.argsort(S, descending=True, stable=True)
     S, U, P = S[order], U[:, order], P[order]

@@ -96,6 +96,7 @@ def _e2m1_codes(scaled: torch.Tensor) -> torch.Tensor:
     torch.signbit(scaled, out=buf)
     return mag.add_(buf, alpha=8)
 
+
 _LUT16 = torch.tensor(E2M1_VALUES, dtype=torch.float32)
 # byte -> (value of the low nibble, value of the high nibble)
 _LUT256 = torch.stack([_LUT16[torch.arange(256) & 0xF], _LUT16[torch.arange(256) >> 4]], dim=1).contiguous()
@@ -137,8 +138,10 @@ def check_packed(packed: torch.Tensor, scales: torch.Tensor, shape: tuple[int, .
     kp = -(-k // BLOCK) * BLOCK
     lead = tuple(shape[:-1])
     if tuple(packed.shape) != (*lead, kp // 2) or tuple(scales.shape) != (*lead, kp // BLOCK):
-        raise ValueError(f"{where}: for shape {list(shape)} expected packed {[*lead, kp // 2]} and scales "
-                         f"{[*lead, kp // BLOCK]}, got {list(packed.shape)} and {list(scales.shape)}")
+        raise ValueError(
+            f"{where}: for shape {list(shape)} expected packed {[*lead, kp // 2]} and scales "
+            f"{[*lead, kp // BLOCK]}, got {list(packed.shape)} and {list(scales.shape)}"
+        )
 
 
 def pow2(n: torch.Tensor) -> torch.Tensor:
@@ -177,8 +180,10 @@ def quantize(x: torch.Tensor, mode: str = "floor", pad: bool = False) -> MXFP4Te
     k = shape[-1]
     if k % BLOCK:
         if not pad:
-            raise ValueError(f"the last dimension of shape {list(shape)} is {k}, not a multiple of {BLOCK}; "
-                             f"pass pad=True to zero-pad it to {-(-k // BLOCK) * BLOCK}")
+            raise ValueError(
+                f"the last dimension of shape {list(shape)} is {k}, not a multiple of {BLOCK}; "
+                f"pass pad=True to zero-pad it to {-(-k // BLOCK) * BLOCK}"
+            )
         x = torch.nn.functional.pad(x, (0, -(-k // BLOCK) * BLOCK - k))
     x = x.to(torch.float32).contiguous()
     lead = x.shape[:-1]
@@ -194,7 +199,9 @@ def quantize(x: torch.Tensor, mode: str = "floor", pad: bool = False) -> MXFP4Te
     codes = _e2m1_codes(scaled)
     if nan_block.any():
         # defined from x itself, not from x * 0 (whose NaN sign differs between devices)
-        special = (torch.signbit(blocks).to(torch.uint8) << 3) | torch.where(torch.isfinite(blocks), 0, 3).to(torch.uint8)
+        special = (torch.signbit(blocks).to(torch.uint8) << 3) | torch.where(torch.isfinite(blocks), 0, 3).to(
+            torch.uint8
+        )
         codes = torch.where(nan_block.unsqueeze(-1), special, codes)
     codes = codes.view(*lead, -1, 2)
     packed = codes[..., 0] | (codes[..., 1] << 4)
@@ -214,7 +221,7 @@ def dequantize(q: MXFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tens
     values = pairs.view(*lead, -1, BLOCK) * scale_values(q.scales).unsqueeze(-1)
     values = values.view(*lead, q.padded_k)
     if q.padded_k != q.shape[-1]:
-        values = values[..., :q.shape[-1]]
+        values = values[..., : q.shape[-1]]
     return values.to(dtype)
 
 
@@ -226,8 +233,10 @@ def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
 def pack_codes(codes: torch.Tensor) -> torch.Tensor:
     """4-bit codes uint8 [..., K] (K even, values < 16) -> uint8 [..., K // 2]."""
     if codes.dtype != torch.uint8 or codes.shape[-1] % 2 or bool((codes > 15).any()):
-        raise ValueError(f"pack_codes expects uint8 codes < 16 with an even last dimension, got {codes.dtype} "
-                         f"of shape {list(codes.shape)}")
+        raise ValueError(
+            f"pack_codes expects uint8 codes < 16 with an even last dimension, got {codes.dtype} "
+            f"of shape {list(codes.shape)}"
+        )
     pairs = codes.view(*codes.shape[:-1], -1, 2)
     return (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
 

@@ -75,8 +75,10 @@ def _check_spectra(spectra) -> list[np.ndarray]:
         up = np.flatnonzero(np.diff(a) > 0)
         if up.size:
             j = int(up[0])
-            raise ValueError(f"spectra[{i}] must be non-increasing, but spectra[{i}][{j}] = {a[j]} < "
-                             f"spectra[{i}][{j + 1}] = {a[j + 1]}")
+            raise ValueError(
+                f"spectra[{i}] must be non-increasing, but spectra[{i}][{j}] = {a[j]} < "
+                f"spectra[{i}][{j + 1}] = {a[j + 1]}"
+            )
         out.append(a)
     return out
 

@@ -55,9 +55,15 @@ def build() -> dict:
         # 4-bit code of float32 s (already divided by the scale): nearest E2M1 magnitude, ties to the
         # even code, saturating at 6; sign from the sign bit; NaN -> 3 | sign
         a = tl.abs(s)
-        mag = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-               + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-               + (a > 5.0).to(tl.int32))
+        mag = (
+            (a > 0.25).to(tl.int32)
+            + (a >= 0.75).to(tl.int32)
+            + (a > 1.25).to(tl.int32)
+            + (a >= 1.75).to(tl.int32)
+            + (a > 2.5).to(tl.int32)
+            + (a >= 3.5).to(tl.int32)
+            + (a > 5.0).to(tl.int32)
+        )
         mag = tl.where(s != s, 3, mag)
         sign = (s.to(tl.int32, bitcast=True) >> 31) & 1
         return mag | (sign << 3)
@@ -92,8 +98,9 @@ def build() -> dict:
         return (r & 0xFFFF).to(tl.uint16).to(tl.int16, bitcast=True)
 
     @triton.jit
-    def _quantize_kernel(x_ptr, packed_ptr, scales_ptr, nblocks,
-                         CEIL: tl.constexpr, BF16_BITS: tl.constexpr, BLOCK_B: tl.constexpr):
+    def _quantize_kernel(
+        x_ptr, packed_ptr, scales_ptr, nblocks, CEIL: tl.constexpr, BF16_BITS: tl.constexpr, BLOCK_B: tl.constexpr
+    ):
         # x viewed as (nblocks, 32): one row per MX block, split into its even and odd elements
         pid = tl.program_id(0)
         rb = pid.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -128,8 +135,7 @@ def build() -> dict:
         tl.store(packed_ptr + rb[:, None] * 16 + rj[None, :], (ce | (co << 4)).to(tl.uint8), mask=m2)
 
     @triton.jit
-    def _dequantize_kernel(packed_ptr, scales_ptr, out_ptr, nblocks,
-                           OUT: tl.constexpr, BLOCK_B: tl.constexpr):
+    def _dequantize_kernel(packed_ptr, scales_ptr, out_ptr, nblocks, OUT: tl.constexpr, BLOCK_B: tl.constexpr):
         # OUT: 0 float32, 1 bfloat16 (out viewed as int16), 2 float16
         pid = tl.program_id(0)
         rb = pid.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -149,12 +155,31 @@ def build() -> dict:
             tl.store(out_ptr + offs, tl.interleave(ve, vo), mask=m2)
 
     @triton.jit
-    def _mx_linear_kernel(x_ptr, p_ptr, s_ptr, bias_ptr, a_ptr, b_ptr, y_ptr, M, N, K, r,
-                          HAS_BIAS: tl.constexpr, HAS_LR: tl.constexpr, R: tl.constexpr,
-                          X_BITS: tl.constexpr, DOT_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
-                          PREC: tl.constexpr, EPI_PREC: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          GROUP_M: tl.constexpr):
+    def _mx_linear_kernel(
+        x_ptr,
+        p_ptr,
+        s_ptr,
+        bias_ptr,
+        a_ptr,
+        b_ptr,
+        y_ptr,
+        M,
+        N,
+        K,
+        r,
+        HAS_BIAS: tl.constexpr,
+        HAS_LR: tl.constexpr,
+        R: tl.constexpr,
+        X_BITS: tl.constexpr,
+        DOT_BF16: tl.constexpr,
+        OUT_BF16: tl.constexpr,
+        PREC: tl.constexpr,
+        EPI_PREC: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+    ):
         pid = tl.program_id(0)
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -187,11 +212,13 @@ def build() -> dict:
             # W tile (BLOCK_N, BLOCK_K), dequantized in registers: packed bytes (BLOCK_N, BLOCK_K // 2),
             # scales (BLOCK_N, BLOCK_K // 32) broadcast over their 16 bytes, low/high nibbles interleaved
             jk = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            pb = tl.load(p_ptr + rn64[:, None] * kp + jk[None, :], mask=nmask[:, None] & (jk < kp)[None, :],
-                         other=0).to(tl.int32)
+            pb = tl.load(
+                p_ptr + rn64[:, None] * kp + jk[None, :], mask=nmask[:, None] & (jk < kp)[None, :], other=0
+            ).to(tl.int32)
             sk = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-            sb = tl.load(s_ptr + rn64[:, None] * ks + sk[None, :], mask=nmask[:, None] & (sk < ks)[None, :],
-                         other=127).to(tl.int32)
+            sb = tl.load(
+                s_ptr + rn64[:, None] * ks + sk[None, :], mask=nmask[:, None] & (sk < ks)[None, :], other=127
+            ).to(tl.int32)
             sv = _mx_scale_value(sb)
             sv = tl.reshape(tl.broadcast_to(sv[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)), (BLOCK_N, BLOCK_K // 2))
             lo = _mx_e2m1_value(pb & 0xF) * sv
@@ -203,8 +230,7 @@ def build() -> dict:
                 w = tl.interleave(lo, hi)
                 acc = tl.dot(xt, tl.trans(w), acc, input_precision=PREC)
             if HAS_LR:
-                bt = tl.load(b_ptr + rr[None, :] * K + rk[:, None],
-                             mask=(rr[None, :] < r) & kmask[:, None], other=0.0)
+                bt = tl.load(b_ptr + rr[None, :] * K + rk[:, None], mask=(rr[None, :] < r) & kmask[:, None], other=0.0)
                 if DOT_BF16:
                     t = tl.dot(xt, bt.to(tl.bfloat16), t)
                 else:

@@ -71,8 +71,9 @@ def _interpreting() -> bool:
 def _kernels() -> dict:
     global _KERNELS
     if not available():
-        raise RuntimeError("the MXFP4 Triton kernels need triton, which is not importable; "
-                           "use crucible.quant.mxfp4 (the torch path)")
+        raise RuntimeError(
+            "the MXFP4 Triton kernels need triton, which is not importable; use crucible.quant.mxfp4 (the torch path)"
+        )
     if _KERNELS is None:
         from crucible.quant.triton_jit import build
 
@@ -82,6 +83,7 @@ def _kernels() -> dict:
 
 # ---------------------------------------------------------------------------------------------
 # validation
+
 
 def _shape(t: torch.Tensor) -> list[int]:
     return list(t.shape)
@@ -103,11 +105,14 @@ def _check_devices(where: str, **tensors) -> torch.device:
     dev = named[0][1].device
     for n, t in named[1:]:
         if t.device != dev:
-            raise ValueError(f"{where}: {n} is on {t.device} but {named[0][0]} is on {dev}; "
-                             f"all tensors must be on one device")
+            raise ValueError(
+                f"{where}: {n} is on {t.device} but {named[0][0]} is on {dev}; all tensors must be on one device"
+            )
     if dev.type != "cuda" and not (dev.type == "cpu" and _interpreting()):
-        raise ValueError(f"{where}: tensors on {dev} need a CUDA device, or TRITON_INTERPRET=1 (set "
-                         f"before triton is imported) for CPU tensors; use crucible.quant.mxfp4 otherwise")
+        raise ValueError(
+            f"{where}: tensors on {dev} need a CUDA device, or TRITON_INTERPRET=1 (set "
+            f"before triton is imported) for CPU tensors; use crucible.quant.mxfp4 otherwise"
+        )
     return dev
 
 
@@ -124,8 +129,10 @@ def _check_packed(where: str, packed, scales, k: int, lead=None) -> tuple[int, .
     if lead is not None and plead != tuple(lead):
         raise ValueError(f"{where}: packed must have shape {[*lead, k // 2]}, got {_shape(packed)}")
     if tuple(scales.shape) != (*plead, k // BLOCK):
-        raise ValueError(f"{where}: scales must have shape {[*plead, k // BLOCK]} (packed is "
-                         f"{_shape(packed)}, k = {k}), got {_shape(scales)}")
+        raise ValueError(
+            f"{where}: scales must have shape {[*plead, k // BLOCK]} (packed is "
+            f"{_shape(packed)}, k = {k}), got {_shape(scales)}"
+        )
     return plead
 
 
@@ -146,6 +153,7 @@ def _pow2_at_least(n: int, lo: int, hi: int) -> int:
 # ---------------------------------------------------------------------------------------------
 # wrappers
 
+
 def quantize(x: torch.Tensor, mode: str = "floor", *, block_b: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """x (..., K) float (float32, bfloat16 and float16 read directly, others cast to float32 first,
     as the torch path does), K % 32 == 0 -> (packed uint8 (..., K // 2), scales uint8 (..., K // 32)),
@@ -158,8 +166,9 @@ def quantize(x: torch.Tensor, mode: str = "floor", *, block_b: int = 64) -> tupl
     if not x.is_floating_point():
         raise ValueError(f"{where}: x must be a floating-point tensor, got {x.dtype} (shape {_shape(x)})")
     if x.dim() == 0 or x.shape[-1] == 0 or x.shape[-1] % BLOCK:
-        raise ValueError(f"{where}: the last dimension of x must be a positive multiple of {BLOCK}, "
-                         f"got shape {_shape(x)}")
+        raise ValueError(
+            f"{where}: the last dimension of x must be a positive multiple of {BLOCK}, got shape {_shape(x)}"
+        )
     if isinstance(block_b, bool) or not isinstance(block_b, int) or block_b < 1 or block_b & (block_b - 1):
         raise ValueError(f"{where}: block_b must be a power of two, got {block_b!r}")
     _check_devices(where, x=x)
@@ -176,16 +185,16 @@ def quantize(x: torch.Tensor, mode: str = "floor", *, block_b: int = 64) -> tupl
         bf16 = x.dtype == torch.bfloat16
         xin = x.view(torch.int16) if bf16 else x
         grid = (-(-nblocks // block_b),)
-        kern[grid](xin, packed, scales, nblocks, CEIL=mode == "ceil", BF16_BITS=bf16, BLOCK_B=block_b,
-                   num_warps=4)
+        kern[grid](xin, packed, scales, nblocks, CEIL=mode == "ceil", BF16_BITS=bf16, BLOCK_B=block_b, num_warps=4)
     return packed, scales
 
 
 _OUT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-def dequantize(packed: torch.Tensor, scales: torch.Tensor, k: int, dtype: torch.dtype = torch.float32,
-               *, block_b: int = 64) -> torch.Tensor:
+def dequantize(
+    packed: torch.Tensor, scales: torch.Tensor, k: int, dtype: torch.dtype = torch.float32, *, block_b: int = 64
+) -> torch.Tensor:
     """packed uint8 (..., k // 2), scales uint8 (..., k // 32), k % 32 == 0 -> (..., k) in dtype,
     equal to ``crucible.quant.mxfp4.dequantize``: float32, bfloat16 and float16 written by the kernel
     (bit-equal; NaN payloads may differ where the torch path's own conversions do), other float
@@ -205,8 +214,9 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, k: int, dtype: torch.
     if nblocks:
         grid = (-(-nblocks // block_b),)
         dst = out.view(torch.int16) if kdt == torch.bfloat16 else out
-        kern[grid](packed.contiguous(), scales.contiguous(), dst, nblocks, OUT=_OUT_CODE[kdt], BLOCK_B=block_b,
-                   num_warps=4)
+        kern[grid](
+            packed.contiguous(), scales.contiguous(), dst, nblocks, OUT=_OUT_CODE[kdt], BLOCK_B=block_b, num_warps=4
+        )
     return out if kdt == dtype else out.to(dtype)
 
 
@@ -214,8 +224,14 @@ _PRECISIONS = ("tf32x3", "tf32", "ieee")
 _SM_COUNT: dict = {}
 
 
-def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16, precision: str = "tf32x3",
-                   device: torch.device | str | None = None) -> dict:
+def default_config(
+    m: int,
+    n: int,
+    k: int,
+    dtype: torch.dtype = torch.bfloat16,
+    precision: str = "tf32x3",
+    device: torch.device | str | None = None,
+) -> dict:
     """The block sizes, warps and stages ``mx_linear`` uses by default for an (m, k) x (n, k)^T product.
 
     bfloat16: 128 x 128 x 64 tiles, 8 warps, 3 stages; float32: BLOCK_K = 32 (32 x 32 tiles for the
@@ -243,11 +259,23 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16, 
     return {"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages}
 
 
-def mx_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, k: int,
-              bias: torch.Tensor | None = None, a: torch.Tensor | None = None, b: torch.Tensor | None = None,
-              *, block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
-              group_m: int = 8, num_warps: int | None = None, num_stages: int | None = None,
-              precision: str = "tf32x3") -> torch.Tensor:
+def mx_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    k: int,
+    bias: torch.Tensor | None = None,
+    a: torch.Tensor | None = None,
+    b: torch.Tensor | None = None,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    group_m: int = 8,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    precision: str = "tf32x3",
+) -> torch.Tensor:
     """y = x @ dequantize(W)^T (+ bias) (+ (x @ b^T) @ a^T), fused (see the module docstring).
 
     x: (..., k) float32 or bfloat16; packed: uint8 (N, k // 2); scales: uint8 (N, k // 32), k % 32 == 0;
@@ -274,11 +302,14 @@ def mx_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, k: in
     if bias is not None:
         _check_tensor("bias", bias, where)
         if not bias.is_floating_point() or tuple(bias.shape) != (n,):
-            raise ValueError(f"{where}: bias must be a float tensor of shape [{n}], got {bias.dtype} of "
-                             f"shape {_shape(bias)}")
+            raise ValueError(
+                f"{where}: bias must be a float tensor of shape [{n}], got {bias.dtype} of shape {_shape(bias)}"
+            )
     if (a is None) != (b is None):
-        raise ValueError(f"{where}: pass both a (N, r) and b (r, k) or neither, got "
-                         f"a={'None' if a is None else _shape(a)} and b={'None' if b is None else _shape(b)}")
+        raise ValueError(
+            f"{where}: pass both a (N, r) and b (r, k) or neither, got "
+            f"a={'None' if a is None else _shape(a)} and b={'None' if b is None else _shape(b)}"
+        )
     r = 0
     if a is not None:
         _check_tensor("a", a, where)
@@ -291,8 +322,7 @@ def mx_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, k: in
         if b.dim() != 2 or tuple(b.shape) != (r, k):
             raise ValueError(f"{where}: b must have shape (r, k) = {[r, k]} (a is {_shape(a)}), got {_shape(b)}")
         if not 1 <= r <= _MAX_RANK:
-            raise ValueError(f"{where}: the adapter rank r = a.shape[1] must be in [1, {_MAX_RANK}], got "
-                             f"a {_shape(a)}")
+            raise ValueError(f"{where}: the adapter rank r = a.shape[1] must be in [1, {_MAX_RANK}], got a {_shape(a)}")
     if precision not in _PRECISIONS:
         raise ValueError(f"{where}: precision must be one of {_PRECISIONS}, got {precision!r}")
     lead = tuple(x.shape[:-1])
@@ -335,11 +365,31 @@ def mx_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, k: in
     xin = x2.view(torch.int16) if (bf16 and not dot_bf16) else x2
     yout = y.view(m, n)
     dummy = torch.empty(1, dtype=f32, device=dev)
-    kern[grid](xin, packed.contiguous(), scales.contiguous(),
-               bias_c if bias_c is not None else dummy, a_c if a_c is not None else dummy,
-               b_c if b_c is not None else dummy,
-               yout.view(torch.int16) if bf16 else yout, m, n, k, max(r, 1),
-               HAS_BIAS=bias is not None, HAS_LR=r > 0, R=rp, X_BITS=bf16 and not dot_bf16,
-               DOT_BF16=dot_bf16, OUT_BF16=bf16, PREC=precision, EPI_PREC="tf32" if bf16 else precision,
-               BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages)
+    kern[grid](
+        xin,
+        packed.contiguous(),
+        scales.contiguous(),
+        bias_c if bias_c is not None else dummy,
+        a_c if a_c is not None else dummy,
+        b_c if b_c is not None else dummy,
+        yout.view(torch.int16) if bf16 else yout,
+        m,
+        n,
+        k,
+        max(r, 1),
+        HAS_BIAS=bias is not None,
+        HAS_LR=r > 0,
+        R=rp,
+        X_BITS=bf16 and not dot_bf16,
+        DOT_BF16=dot_bf16,
+        OUT_BF16=bf16,
+        PREC=precision,
+        EPI_PREC="tf32" if bf16 else precision,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        GROUP_M=group_m,
+        num_warps=warps,
+        num_stages=stages,
+    )
     return y

@@ -68,8 +68,9 @@ class TextClassifier(mlflow.pyfunc.PythonModel):
         folder = Path(context.artifacts["model_dir"])
         self.config = json.loads((folder / "crucible_config.json").read_text())
         self.tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
-        encoder = build_from_config(AutoConfig.from_pretrained(str(folder), local_files_only=True),
-                                    self.config.get("dtype", "float32"))
+        encoder = build_from_config(
+            AutoConfig.from_pretrained(str(folder), local_files_only=True), self.config.get("dtype", "float32")
+        )
         state, _ = read_safetensors(folder / "model.safetensors", "fine-tuned encoder", REBUILD)
         encoder.load_state_dict(state, strict=False)
         head, meta = read_safetensors(folder / "head.safetensors", "head", REBUILD)
@@ -142,8 +143,12 @@ def load_encoder_from(folder: Path, kind: str, dtype: str = "float32"):
     from crucible.serialize import read_safetensors
 
     encoder = build_from_config(AutoConfig.from_pretrained(str(folder / "encoder"), local_files_only=True), dtype)
-    state, _ = read_safetensors(folder / "model.safetensors", "merged encoder", REBUILD,
-                                shapes={k: tuple(v.shape) for k, v in encoder.state_dict().items()})
+    state, _ = read_safetensors(
+        folder / "model.safetensors",
+        "merged encoder",
+        REBUILD,
+        shapes={k: tuple(v.shape) for k, v in encoder.state_dict().items()},
+    )
     encoder.load_state_dict(state, strict=True)
     encoder.eval()
     return encoder, prepare_tokenizer(AutoTokenizer.from_pretrained(str(folder / "encoder"), local_files_only=True))
@@ -169,15 +174,24 @@ class MultiTaskClassifier(mlflow.pyfunc.PythonModel):
         self.max_length: dict[str, int] = {t: int(self.config["max_length"].get(t, 64)) for t in self.order}
         self.batch_size = int(self.config.get("batch_size", 64))
         self.columns = proba_columns(self.classes, self.order)
-        self.encoder, self.tokenizer = load_encoder_from(folder, self.config["kind"], self.config.get("dtype", "float32"))
+        self.encoder, self.tokenizer = load_encoder_from(
+            folder, self.config["kind"], self.config.get("dtype", "float32")
+        )
         # CRUCIBLE_DEVICE / CRUCIBLE_PRECISION, else auto: on CUDA the MXFP4 layers run the fused
         # Triton dequant-matmul; on a CPU each keeps its dequantized weight (bf16) between calls
         self.device, self.autocast = from_environment()
         self.encoder.to(self.device)
         self.pooling = self.config.get("pooling", "mean")
-        heads, _ = read_safetensors(folder / "heads.safetensors", "task heads", REBUILD,
-                                    shapes={f"{t}.{k}": shape for t, cls in self.classes.items()
-                                            for k, shape in (("weight", (len(cls), None)), ("bias", (len(cls),)))})
+        heads, _ = read_safetensors(
+            folder / "heads.safetensors",
+            "task heads",
+            REBUILD,
+            shapes={
+                f"{t}.{k}": shape
+                for t, cls in self.classes.items()
+                for k, shape in (("weight", (len(cls), None)), ("bias", (len(cls),)))
+            },
+        )
         self.models = {}
         for t in self.order:
             model = EncoderClassifier(self.encoder, len(self.classes[t]), dropout=0.0, pooling=self.pooling)
@@ -200,13 +214,17 @@ class MultiTaskClassifier(mlflow.pyfunc.PythonModel):
             except ValueError as exc:
                 raise _invalid(f"input: cannot make a table of {sorted(model_input)} ({exc})") from None
         if not isinstance(model_input, pd.DataFrame):
-            raise _invalid(f"input must be a table with columns 'text' and 'task' (one of: {self._valid_tasks()}); "
-                           f"got {type(model_input).__name__}")
+            raise _invalid(
+                f"input must be a table with columns 'text' and 'task' (one of: {self._valid_tasks()}); "
+                f"got {type(model_input).__name__}"
+            )
         missing = [c for c in ("text", "task") if c not in model_input.columns]
         if missing:
-            raise _invalid(f"input is missing column{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))}: "
-                           f"every row needs a 'text' and a 'task' (one of: {self._valid_tasks()}); "
-                           f"got columns {[str(c) for c in model_input.columns]}")
+            raise _invalid(
+                f"input is missing column{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))}: "
+                f"every row needs a 'text' and a 'task' (one of: {self._valid_tasks()}); "
+                f"got columns {[str(c) for c in model_input.columns]}"
+            )
         for i, (text, task) in enumerate(zip(model_input["text"], model_input["task"])):
             if not isinstance(task, str) or task not in self.models:
                 raise _invalid(f"row {i}: unknown task {task!r}; valid tasks: {self._valid_tasks()}")
@@ -302,11 +320,18 @@ def stage_multitask_folder(dest: Path, source: Path, kind: str, base_model_dir: 
     save_architecture(dest / "encoder", base_model_dir)
     shutil.copy2(source / "model.safetensors", dest / "model.safetensors")
     shutil.copy2(source / "heads.safetensors", dest / "heads.safetensors")
-    config = {"kind": kind, "base_model": src_config.get("base_model"), "classes": src_config["classes"],
-              "max_length": src_config.get("max_length") or {}, "order": src_config.get("order") or list(src_config["classes"]),
-              "pooling": src_config.get("pooling", "mean"), "dtype": src_config.get("dtype", "float32"),
-              "base_model_hash": src_config.get("base_model_hash"),
-              "source_config": src_config, **(extra or {})}
+    config = {
+        "kind": kind,
+        "base_model": src_config.get("base_model"),
+        "classes": src_config["classes"],
+        "max_length": src_config.get("max_length") or {},
+        "order": src_config.get("order") or list(src_config["classes"]),
+        "pooling": src_config.get("pooling", "mean"),
+        "dtype": src_config.get("dtype", "float32"),
+        "base_model_hash": src_config.get("base_model_hash"),
+        "source_config": src_config,
+        **(extra or {}),
+    }
     (dest / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return dest
 
@@ -318,13 +343,25 @@ def multitask_signature(classes: dict[str, list[str]], order: list[str]):
     # not `required` in the schema: a missing column then reaches `validate`, whose message names
     # the valid tasks, instead of MLflow's generic one
     inputs = Schema([ColSpec("string", "text", required=False), ColSpec("string", "task", required=False)])
-    outputs = Schema([ColSpec("string", "task"), ColSpec("string", "label"),
-                      *[ColSpec("double", c, required=False) for c in proba_columns(classes, order)]])
+    outputs = Schema(
+        [
+            ColSpec("string", "task"),
+            ColSpec("string", "label"),
+            *[ColSpec("double", c, required=False) for c in proba_columns(classes, order)],
+        ]
+    )
     return ModelSignature(inputs=inputs, outputs=outputs)
 
 
-def save_multitask_model(dest: Path, source: Path, kind: str, base_model_dir: str, example: pd.DataFrame,
-                         extra: dict | None = None, mlflow_model=None) -> Path:
+def save_multitask_model(
+    dest: Path,
+    source: Path,
+    kind: str,
+    base_model_dir: str,
+    example: pd.DataFrame,
+    extra: dict | None = None,
+    mlflow_model=None,
+) -> Path:
     """Write the deployable multi-task pyfunc to `dest` (a folder that must not exist), from a stage
     folder (`source`: models/quantize/ with kind 'quantized', models/merge/ with kind 'float').
     `example`: a few (text, task) rows, the model's input example; `mlflow_model`: the
@@ -334,16 +371,22 @@ def save_multitask_model(dest: Path, source: Path, kind: str, base_model_dir: st
         config = json.loads((folder / CONFIG_NAME).read_text())
         library = _copy_library(Path(tmp) / "code")
         mlflow.pyfunc.save_model(
-            path=str(dest), python_model=str(Path(__file__).resolve()), artifacts={"model_dir": str(folder)},
+            path=str(dest),
+            python_model=str(Path(__file__).resolve()),
+            artifacts={"model_dir": str(folder)},
             model_config={MODEL_CLASS_KEY: MultiTaskClassifier.__name__},
-            code_paths=[str(library)], pip_requirements=pip_requirements(), mlflow_model=mlflow_model,
+            code_paths=[str(library)],
+            pip_requirements=pip_requirements(),
+            mlflow_model=mlflow_model,
             signature=multitask_signature(config["classes"], config["order"]),
-            input_example=example[["text", "task"]].reset_index(drop=True))
+            input_example=example[["text", "task"]].reset_index(drop=True),
+        )
     return dest
 
 
-def save_text_classifier(dest: Path, finetune_dir: Path, base_model_dir: str, example: pd.DataFrame, *,
-                         tokenizer=None, config=None) -> Path:
+def save_text_classifier(
+    dest: Path, finetune_dir: Path, base_model_dir: str, example: pd.DataFrame, *, tokenizer=None, config=None
+) -> Path:
     """Write one task's fine-tuned pyfunc (a `TextClassifier`) to `dest` (a folder that must not
     exist), from the finetune stage's folder (model.safetensors, head.safetensors, config.json).
     Logged from code like the multi-task model: no pickle."""
@@ -356,11 +399,15 @@ def save_text_classifier(dest: Path, finetune_dir: Path, base_model_dir: str, ex
         shutil.copy2(finetune_dir / "config.json", folder / "crucible_config.json")
         library = _copy_library(Path(tmp) / "code")
         mlflow.pyfunc.save_model(
-            path=str(dest), python_model=str(Path(__file__).resolve()), artifacts={"model_dir": str(folder)},
+            path=str(dest),
+            python_model=str(Path(__file__).resolve()),
+            artifacts={"model_dir": str(folder)},
             model_config={MODEL_CLASS_KEY: TextClassifier.__name__},
-            code_paths=[str(library)], pip_requirements=pip_requirements(),
+            code_paths=[str(library)],
+            pip_requirements=pip_requirements(),
             signature=infer_signature(example[["text"]], pd.DataFrame({"label": ["x"]})),
-            input_example=example[["text"]].head(2))
+            input_example=example[["text"]].head(2),
+        )
     return dest
 
 

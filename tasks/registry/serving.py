@@ -38,34 +38,55 @@ def load_registered(root: Path, ref: str = CHAMPION, name: str | None = None, ds
     client = registry_client(root)
     mv = resolve_version(client, name, ref)
     # the version's storage location, not models:/...: that would go through the global registry URI
-    local = mlflow.artifacts.download_artifacts(artifact_uri=client.get_model_version_download_uri(name, mv.version),
-                                                tracking_uri=tracking_uri(root), dst_path=str(dst) if dst else None)
+    local = mlflow.artifacts.download_artifacts(
+        artifact_uri=client.get_model_version_download_uri(name, mv.version),
+        tracking_uri=tracking_uri(root),
+        dst_path=str(dst) if dst else None,
+    )
     return mlflow.pyfunc.load_model(local), mv
 
 
 def version_summary(name: str, mv) -> list[str]:
     """A few lines on a registered version: aliases, kind, hash, gate, accuracy, sizes."""
     t = mv.tags
-    lines = [f"{name} version {mv.version}" + (f" (aliases: {', '.join(sorted(mv.aliases))})" if mv.aliases else ""),
-             f"model: {t.get('crucible.model_kind', '?')} ({t.get('crucible.variant', '?')}), hash "
-             f"{t.get(HASH_TAG, '?')}, run {mv.run_id}"]
-    made = ([f"in DVC experiment {t['crucible.experiment']!r}"] if t.get("crucible.experiment") else []) + \
-        ([f"from a {'dirty' if t['crucible.git_dirty'] == 'true' else 'clean'} git work tree"]
-         if t.get("crucible.git_dirty") in ("true", "false") else [])
+    lines = [
+        f"{name} version {mv.version}" + (f" (aliases: {', '.join(sorted(mv.aliases))})" if mv.aliases else ""),
+        f"model: {t.get('crucible.model_kind', '?')} ({t.get('crucible.variant', '?')}), hash "
+        f"{t.get(HASH_TAG, '?')}, run {mv.run_id}",
+    ]
+    made = ([f"in DVC experiment {t['crucible.experiment']!r}"] if t.get("crucible.experiment") else []) + (
+        [f"from a {'dirty' if t['crucible.git_dirty'] == 'true' else 'clean'} git work tree"]
+        if t.get("crucible.git_dirty") in ("true", "false")
+        else []
+    )
     if made:
         lines.append("made " + ", ".join(made))
     if "crucible.gate.decision" in t:
-        lines.append(f"gate at registration: {t['crucible.gate.decision']} ({t.get('crucible.gate.reason', '')})"
-                     + (f"; since superseded by version {t['crucible.gate.superseded_by']}"
-                        if "crucible.gate.superseded_by" in t else ""))
-    accs = {k[len("crucible.metric.accuracy."):]: float(v) for k, v in t.items() if k.startswith("crucible.metric.accuracy.")}
+        lines.append(
+            f"gate at registration: {t['crucible.gate.decision']} ({t.get('crucible.gate.reason', '')})"
+            + (
+                f"; since superseded by version {t['crucible.gate.superseded_by']}"
+                if "crucible.gate.superseded_by" in t
+                else ""
+            )
+        )
+    accs = {
+        k[len("crucible.metric.accuracy.") :]: float(v)
+        for k, v in t.items()
+        if k.startswith("crucible.metric.accuracy.")
+    }
     if accs:
-        lines.append("test accuracy: " + ", ".join(f"{k} {v:.4f}" for k, v in accs.items())
-                     + f"; mean {float(t.get('crucible.metric.mean_accuracy', 'nan')):.4f}")
+        lines.append(
+            "test accuracy: "
+            + ", ".join(f"{k} {v:.4f}" for k, v in accs.items())
+            + f"; mean {float(t.get('crucible.metric.mean_accuracy', 'nan')):.4f}"
+        )
     if "crucible.size.served_bytes" in t:
         served, flt = int(t["crucible.size.served_bytes"]), int(t.get("crucible.size.float_bytes", 0))
-        lines.append(f"size: {served / 2**20:.1f} MB served" + (f" vs {flt / 2**20:.1f} MB float "
-                                                                 f"({served / flt:.1%})" if flt else ""))
+        lines.append(
+            f"size: {served / 2**20:.1f} MB served"
+            + (f" vs {flt / 2**20:.1f} MB float ({served / flt:.1%})" if flt else "")
+        )
     return lines
 
 
@@ -80,8 +101,11 @@ def download_version(root: Path, name: str, version: str, dst: Path) -> Path:
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     client = registry_client(root)
-    local = mlflow.artifacts.download_artifacts(artifact_uri=client.get_model_version_download_uri(name, str(version)),
-                                                tracking_uri=tracking_uri(Path(root).resolve()), dst_path=str(dst))
+    local = mlflow.artifacts.download_artifacts(
+        artifact_uri=client.get_model_version_download_uri(name, str(version)),
+        tracking_uri=tracking_uri(Path(root).resolve()),
+        dst_path=str(dst),
+    )
     return Path(local)
 
 
@@ -100,13 +124,30 @@ def serve_command(model_dir: Path, host: str, port: int, limits: dict, workers: 
     from tasks.registry import serving_app
 
     code_root = str(Path(serving_app.__file__).resolve().parents[2])  # where `tasks` imports from
-    cmd = [sys.executable, "-m", "uvicorn", "--factory", f"{serving_app.__name__}:create_app", "--host", host,
-           "--port", str(port), "--workers", str(workers), "--limit-concurrency", str(limits["max_concurrency"])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "--factory",
+        f"{serving_app.__name__}:create_app",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--workers",
+        str(workers),
+        "--limit-concurrency",
+        str(limits["max_concurrency"]),
+    ]
     path = os.pathsep.join([code_root, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])
-    return cmd, {**os.environ, "PYTHONPATH": path, serving_app.MODEL_ENV: str(Path(model_dir).resolve()),
-                 serving_app.LIMITS_ENV: json.dumps({k: int(limits[k]) for k in serving_app.LIMITS}),
-                 serving_app.ANNOUNCE_ENV: f"http://{host}:{port}",
-                 "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
+    return cmd, {
+        **os.environ,
+        "PYTHONPATH": path,
+        serving_app.MODEL_ENV: str(Path(model_dir).resolve()),
+        serving_app.LIMITS_ENV: json.dumps({k: int(limits[k]) for k in serving_app.LIMITS}),
+        serving_app.ANNOUNCE_ENV: f"http://{host}:{port}",
+        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+    }
 
 
 def invocation_body(rows: list[tuple[str, str]]) -> dict:
@@ -116,8 +157,10 @@ def invocation_body(rows: list[tuple[str, str]]) -> dict:
 
 def curl_example(host: str, port: int, task: str, text: str = "An example text to classify.") -> str:
     body = json.dumps(invocation_body([(text, task)]))
-    return (f"curl -s http://{host}:{port}/invocations -H 'Content-Type: application/json' "
-            f"-d '{body.replace(chr(39), chr(39) + chr(92) + chr(39) + chr(39))}'")
+    return (
+        f"curl -s http://{host}:{port}/invocations -H 'Content-Type: application/json' "
+        f"-d '{body.replace(chr(39), chr(39) + chr(92) + chr(39) + chr(39))}'"
+    )
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -64,12 +64,16 @@ def json_rows(body: bytes) -> tuple[int, list] | None:
 def limit_problem(n: int, texts, max_rows: int, max_chars: int) -> str | None:
     """What a request of `n` rows with these texts breaks, naming the limit and its param; None if nothing."""
     if n > max_rows:
-        return (f"request has {n} rows; the limit is {max_rows} rows per request (serve.max_rows). "
-                f"Split it into requests of at most {max_rows} rows")
+        return (
+            f"request has {n} rows; the limit is {max_rows} rows per request (serve.max_rows). "
+            f"Split it into requests of at most {max_rows} rows"
+        )
     for i, text in enumerate(texts):
         if isinstance(text, str) and len(text) > max_chars:
-            return (f"row {i}: column 'text' has {len(text)} characters; the limit is {max_chars} characters per "
-                    f"text (serve.max_chars). Shorten it; nothing is truncated for you")
+            return (
+                f"row {i}: column 'text' has {len(text)} characters; the limit is {max_chars} characters per "
+                f"text (serve.max_chars). Shorten it; nothing is truncated for you"
+            )
     return None
 
 
@@ -84,14 +88,25 @@ class RequestLimits:
         self.max_rows, self.max_chars = int(max_rows), int(max_chars)
 
     def _too_large(self, size: str) -> tuple[int, bytes]:
-        return _json_error(413, "REQUEST_LIMIT_EXCEEDED",
-                           f"request body {size}; the limit is {self.max_bytes} bytes ({self.param}). Send fewer "
-                           f"or shorter texts per request")
+        return _json_error(
+            413,
+            "REQUEST_LIMIT_EXCEEDED",
+            f"request body {size}; the limit is {self.max_bytes} bytes ({self.param}). Send fewer "
+            f"or shorter texts per request",
+        )
 
     async def _answer(self, send, status: int, body: bytes) -> None:
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
     async def __call__(self, scope, receive, send):
@@ -102,8 +117,9 @@ class RequestLimits:
             try:
                 size = int(declared)
             except ValueError:
-                return await self._answer(send, *_json_error(400, "BAD_REQUEST",
-                                                             f"Content-Length {declared[:40]!r} is not a number"))
+                return await self._answer(
+                    send, *_json_error(400, "BAD_REQUEST", f"Content-Length {declared[:40]!r} is not a number")
+                )
             if size > self.max_bytes:
                 return await self._answer(send, *self._too_large(f"of {size} bytes (Content-Length)"))
         chunks, total = [], 0
@@ -186,8 +202,10 @@ def read_limits(text: str | None) -> dict:
     except json.JSONDecodeError:
         limits = None
     if not isinstance(limits, dict) or any(not isinstance(limits.get(k), int) or limits[k] < 1 for k in LIMITS):
-        raise ValueError(f"{LIMITS_ENV} must be a JSON object of positive integers {', '.join(LIMITS)}; "
-                         f"got {text!r} (`crucible serve` sets it from params' serve section)")
+        raise ValueError(
+            f"{LIMITS_ENV} must be a JSON object of positive integers {', '.join(LIMITS)}; "
+            f"got {text!r} (`crucible serve` sets it from params' serve section)"
+        )
     return limits
 
 

@@ -20,14 +20,41 @@ FRAMES = {
     "cells": ["variant", "family", "method", "arrival", "task", "metric", "value"],
     "summary": ["method", "family", "interface", "acc", "bwt"],
     "curves": ["method", "interface", "arrival", "acc"],
-    "curation": ["task", "eps_true", "eps_hat", "ccmmd", "ccmmd_ci_low", "ccmmd_ci_high", "naive", "audit_only",
-                 "oracle", "keep_precision", "keep_recall", "n_keep", "n_pool"],
-    "pseudolabel": ["task", "accuracy", "accuracy_ci_low", "accuracy_ci_high", "accuracy_true", "naive_accuracy",
-                    "n_selected"],
+    "curation": [
+        "task",
+        "eps_true",
+        "eps_hat",
+        "ccmmd",
+        "ccmmd_ci_low",
+        "ccmmd_ci_high",
+        "naive",
+        "audit_only",
+        "oracle",
+        "keep_precision",
+        "keep_recall",
+        "n_keep",
+        "n_pool",
+    ],
+    "pseudolabel": [
+        "task",
+        "accuracy",
+        "accuracy_ci_low",
+        "accuracy_ci_high",
+        "accuracy_true",
+        "naive_accuracy",
+        "n_selected",
+    ],
     "finetune": ["task", "test_accuracy", "dev_accuracy", "steps", "n_train"],
 }
-FIGURE_HOME = {"merge": "curves", "quantize": "quantize", "curate": "curation", "pseudolabel": "pseudolabel",
-               "finetune": "finetune", "moe": "moe", "moe_curve": "moe"}  # where a stage's own figure is inlined
+FIGURE_HOME = {
+    "merge": "curves",
+    "quantize": "quantize",
+    "curate": "curation",
+    "pseudolabel": "pseudolabel",
+    "finetune": "finetune",
+    "moe": "moe",
+    "moe_curve": "moe",
+}  # where a stage's own figure is inlined
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -83,7 +110,8 @@ def interface_label(interface: str) -> str:
 
 def interface_phrase(interface: str) -> str:
     return {"head": "task head (accuracy)", "probe": "linear probe (accuracy)"}.get(
-        interface, f"{interface} clustering (NMI)")
+        interface, f"{interface} clustering (NMI)"
+    )
 
 
 def flatten(d: dict, prefix: str = "") -> list[tuple[str, object]]:

@@ -6,8 +6,14 @@ from __future__ import annotations
 import pandas as pd
 
 ORDER = ("float", "mxfp4", "uniform", "load_aware", "load_aware_prop", "qat")
-COLORS = {"float": "#444444", "mxfp4": "#d62728", "uniform": "#1f77b4", "load_aware": "#2ca02c",
-          "load_aware_prop": "#ff7f0e", "qat": "#9467bd"}
+COLORS = {
+    "float": "#444444",
+    "mxfp4": "#d62728",
+    "uniform": "#1f77b4",
+    "load_aware": "#2ca02c",
+    "load_aware_prop": "#ff7f0e",
+    "qat": "#9467bd",
+}
 
 
 def figure(tables: dict[str, pd.DataFrame], metrics: dict):
@@ -32,20 +38,33 @@ def figure(tables: dict[str, pd.DataFrame], metrics: dict):
     axes[1].set_yscale("log")
     axes[1].legend(fontsize=7)
     experts = ranks[ranks["expert"].notna()] if "expert" in ranks else ranks
-    for col, marker, color in (("uniform", "o", COLORS["uniform"]), ("load_aware", "^", COLORS["load_aware"]),
-                               ("load_aware_prop", "v", COLORS["load_aware_prop"])):
+    for col, marker, color in (
+        ("uniform", "o", COLORS["uniform"]),
+        ("load_aware", "^", COLORS["load_aware"]),
+        ("load_aware_prop", "v", COLORS["load_aware_prop"]),
+    ):
         if col not in experts:
             continue
         axes[2].scatter(experts["load"], experts[col], s=10, marker=marker, alpha=0.6, color=color, label=col)
-    axes[2].set(title=f"rank per expert matrix vs load (total {metrics.get('rank_budget')})",
-                xlabel="expert load (share of tokens)", ylabel="adapter rank")
+    axes[2].set(
+        title=f"rank per expert matrix vs load (total {metrics.get('rank_budget')})",
+        xlabel="expert load (share of tokens)",
+        ylabel="adapter rank",
+    )
     axes[2].legend(fontsize=7)
     fig.tight_layout()
     return fig
 
 
-SUMMARY_COLUMNS = ["variant", "perplexity", "routing consistency (set)", "top-1 agreement", "drift (last layer)",
-                   "bits / weight", "MB"]
+SUMMARY_COLUMNS = [
+    "variant",
+    "perplexity",
+    "routing consistency (set)",
+    "top-1 agreement",
+    "drift (last layer)",
+    "bits / weight",
+    "MB",
+]
 
 
 def summary_rows(moe: dict) -> list[list]:
@@ -59,17 +78,28 @@ def summary_rows(moe: dict) -> list[list]:
         v = variants[name]
         c = v.get("consistency_mean") or {}
         size = (v.get("bytes") or {}).get("total")
-        rows.append([name, v.get("perplexity"), c.get("set"), c.get("top1"), v.get("drift_last"),
-                     v.get("bits_per_weight"), None if size is None else size / 1e6])
+        rows.append(
+            [
+                name,
+                v.get("perplexity"),
+                c.get("set"),
+                c.get("top1"),
+                v.get("drift_last"),
+                v.get("bits_per_weight"),
+                None if size is None else size / 1e6,
+            ]
+        )
     return rows
 
 
 def summary_note(moe: dict) -> str:
     ranks = moe.get("ranks", {})
     qat = moe.get("qat") or {}
-    return (f"{moe.get('source', 'the source model')} split into {moe.get('n_experts', '?')} experts, top-"
-            f"{moe.get('top_k', '?')}. uniform, load_aware (routed loads) and load_aware_prop (routed share x "
-            f"output-gradient sensitivity): the same total adapter rank ({ranks.get('budget')}); qat: "
-            f"{qat.get('start', 'load_aware')} (lowest calibration KL) + {qat.get('steps', 0)} steps of routing replay QAT "
-            f"({qat.get('loss', '')} loss). Consistency and drift are measured without replay, against the "
-            "float MoE's routes and hidden states on the same held-out tokens.")
+    return (
+        f"{moe.get('source', 'the source model')} split into {moe.get('n_experts', '?')} experts, top-"
+        f"{moe.get('top_k', '?')}. uniform, load_aware (routed loads) and load_aware_prop (routed share x "
+        f"output-gradient sensitivity): the same total adapter rank ({ranks.get('budget')}); qat: "
+        f"{qat.get('start', 'load_aware')} (lowest calibration KL) + {qat.get('steps', 0)} steps of routing replay QAT "
+        f"({qat.get('loss', '')} loss). Consistency and drift are measured without replay, against the "
+        "float MoE's routes and hidden states on the same held-out tokens."
+    )

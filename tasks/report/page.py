@@ -49,20 +49,48 @@ from pathlib import Path
 import pandas as pd
 
 from tasks.report.format import (  # noqa: F401 (FRAMES, PNG_SIGNATURE, fmt re-exported for callers and tests)
-    FIGURE_HOME, FORGETTING_TOL, FRAMES, PNG_SIGNATURE, count, fmt,
+    FIGURE_HOME,
+    FORGETTING_TOL,
+    FRAMES,
+    PNG_SIGNATURE,
+    count,
+    fmt,
 )
-from tasks.report.plots import (RC, _pyplot, method_colors, plot_ccmmd, plot_curves, plot_interfaces, plot_matrices,
-                                plot_pseudolabel)
+from tasks.report.plots import (
+    RC,
+    _pyplot,
+    method_colors,
+    plot_ccmmd,
+    plot_curves,
+    plot_interfaces,
+    plot_matrices,
+    plot_pseudolabel,
+)
 from tasks.report.sections import (  # noqa: F401 (findings re-exported for callers and tests)
-    data_uri, findings, provenance, quantize_tables, summary_cards, summary_table, table, variant_tables,
+    data_uri,
+    findings,
+    provenance,
+    quantize_tables,
+    summary_cards,
+    summary_table,
+    table,
+    variant_tables,
 )
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
-TITLES = {"headline": "Headline: continual metrics per interface", "interfaces": "ACC and BWT by interface",
-          "curves": "Accuracy over arrivals", "matrices": "Accuracy matrices", "variants": "Every variant on every task",
-          "curation": "Curation (CC-MMD)", "pseudolabel": "Pseudo-labels", "finetune": "Fine-tunes",
-          "quantize": "Quantization (MXFP4)", "moe": "Mixture of experts (MXFP4, routing replay)",
-          "stage-figures": "Other stage figures"}
+TITLES = {
+    "headline": "Headline: continual metrics per interface",
+    "interfaces": "ACC and BWT by interface",
+    "curves": "Accuracy over arrivals",
+    "matrices": "Accuracy matrices",
+    "variants": "Every variant on every task",
+    "curation": "Curation (CC-MMD)",
+    "pseudolabel": "Pseudo-labels",
+    "finetune": "Fine-tunes",
+    "quantize": "Quantization (MXFP4)",
+    "moe": "Mixture of experts (MXFP4, routing replay)",
+    "stage-figures": "Other stage figures",
+}
 
 
 @lru_cache(maxsize=1)
@@ -70,9 +98,14 @@ def environment():
     """The templates' Jinja2 environment: autoescape on, an undefined name is an error."""
     import jinja2
 
-    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES), encoding="utf-8"), autoescape=True,
-                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True,
-                              keep_trailing_newline=True)
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATES), encoding="utf-8"),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
 
 
 def _frame(results: dict, key: str) -> pd.DataFrame | None:
@@ -88,12 +121,20 @@ def _frame(results: dict, key: str) -> pd.DataFrame | None:
     return None if df.empty else df.reset_index(drop=True)
 
 
-def _figures(summary, curves, matrices: dict, frames: dict, order: list[str], interfaces: list[str],
-             main: str) -> dict[str, bytes]:
+def _figures(
+    summary, curves, matrices: dict, frames: dict, order: list[str], interfaces: list[str], main: str
+) -> dict[str, bytes]:
     """The report's own figures (PNG bytes), each only when its input is there."""
     plt = _pyplot()
-    methods = list(dict.fromkeys([*(summary["method"] if summary is not None else []),
-                                  *(curves["method"] if curves is not None else []), *matrices]))
+    methods = list(
+        dict.fromkeys(
+            [
+                *(summary["method"] if summary is not None else []),
+                *(curves["method"] if curves is not None else []),
+                *matrices,
+            ]
+        )
+    )
     colors = method_colors(methods)
     figures: dict[str, bytes] = {}
     with plt.rc_context(RC):
@@ -102,9 +143,14 @@ def _figures(summary, curves, matrices: dict, frames: dict, order: list[str], in
         if curves is not None:
             figures["curves"] = plot_curves(curves, interfaces, order, main, colors)
         chosen = [m for m in (main, "latest_finetune") if m in matrices]
-        merges = [m for m in methods if summary is not None and m in set(summary.loc[summary["family"] == "merge", "method"])]
-        chosen += [m for m in dict.fromkeys([*merges, *matrices]) if m in matrices and m not in chosen
-                   and m != "base" and "+" not in m][:2]
+        merges = [
+            m for m in methods if summary is not None and m in set(summary.loc[summary["family"] == "merge", "method"])
+        ]
+        chosen += [
+            m
+            for m in dict.fromkeys([*merges, *matrices])
+            if m in matrices and m not in chosen and m != "base" and "+" not in m
+        ][:2]
         if chosen:
             figures["matrices"] = plot_matrices(matrices, chosen, interfaces, order)
         if frames["curation"] is not None:
@@ -133,8 +179,9 @@ def build_report(results: dict) -> dict[str, bytes]:
         if not bytes(data).startswith(PNG_SIGNATURE):
             raise ValueError(f"results['figures'][{name!r}]: not PNG bytes (starts with {bytes(data[:8])!r})")
     if summary is not None and main not in set(summary["method"]):
-        raise ValueError(f"results['main']={main!r} is not a method of results['summary'] "
-                         f"({sorted(set(summary['method']))})")
+        raise ValueError(
+            f"results['main']={main!r} is not a method of results['summary'] ({sorted(set(summary['method']))})"
+        )
     figures = _figures(summary, curves, matrices, frames, order, interfaces, main)
 
     placed = set()
@@ -153,8 +200,12 @@ def build_report(results: dict) -> dict[str, bytes]:
         sections.append({"id": sid, "title": TITLES[sid], "macro": sid.replace("-", "_"), **data})
 
     if summary is not None:
-        add("headline", findings=findings(summary, interfaces, main), summary=summary_table(summary, interfaces, main),
-            main=main)
+        add(
+            "headline",
+            findings=findings(summary, interfaces, main),
+            summary=summary_table(summary, interfaces, main),
+            main=main,
+        )
         add("interfaces", uri=data_uri(figures["interfaces"]), main=main, tol=FORGETTING_TOL)
     if curves is not None:
         add("curves", uri=data_uri(figures["curves"]), main=main, stage_figures=stage_figures_of("curves"))
@@ -165,33 +216,57 @@ def build_report(results: dict) -> dict[str, bytes]:
     cur = frames["curation"]
     if cur is not None:
         cur = cur.assign(n_keep=cur["n_keep"].map(count), n_pool=cur["n_pool"].map(count))
-        add("curation", table=table(FRAMES["curation"], cur[FRAMES["curation"]].values.tolist()),
-            uri=data_uri(figures["ccmmd"]), stage_figures=stage_figures_of("curation"))
+        add(
+            "curation",
+            table=table(FRAMES["curation"], cur[FRAMES["curation"]].values.tolist()),
+            uri=data_uri(figures["ccmmd"]),
+            stage_figures=stage_figures_of("curation"),
+        )
     pl = frames["pseudolabel"]
     if pl is not None:
         pl = pl.assign(n_selected=pl["n_selected"].map(count))
-        add("pseudolabel", table=table(FRAMES["pseudolabel"], pl[FRAMES["pseudolabel"]].values.tolist()),
-            uri=data_uri(figures["pseudolabel"]), stage_figures=stage_figures_of("pseudolabel"))
+        add(
+            "pseudolabel",
+            table=table(FRAMES["pseudolabel"], pl[FRAMES["pseudolabel"]].values.tolist()),
+            uri=data_uri(figures["pseudolabel"]),
+            stage_figures=stage_figures_of("pseudolabel"),
+        )
     ft = frames["finetune"]
     if ft is not None:
         ft = ft.assign(steps=ft["steps"].map(count))
-        add("finetune", table=table(FRAMES["finetune"], ft[FRAMES["finetune"]].values.tolist()),
-            stage_figures=stage_figures_of("finetune"))
+        add(
+            "finetune",
+            table=table(FRAMES["finetune"], ft[FRAMES["finetune"]].values.tolist()),
+            stage_figures=stage_figures_of("finetune"),
+        )
     if results.get("quantize"):
         add("quantize", tables=quantize_tables(results["quantize"], order), stage_figures=stage_figures_of("quantize"))
     if (results.get("moe") or {}).get("enabled"):
         from tasks.report.moe_plots import SUMMARY_COLUMNS, summary_note, summary_rows
 
         moe = results["moe"]
-        add("moe", table=table(SUMMARY_COLUMNS, summary_rows(moe)), note=summary_note(moe),
-            stage_figures=stage_figures_of("moe"))
+        add(
+            "moe",
+            table=table(SUMMARY_COLUMNS, summary_rows(moe)),
+            note=summary_note(moe),
+            stage_figures=stage_figures_of("moe"),
+        )
     rest = [{"name": n, "uri": data_uri(bytes(d))} for n, d in stage_figures.items() if n not in placed]
     if rest:
         add("stage-figures", stage_figures=rest)
 
-    page = environment().get_template("page.html.j2").render(
-        main=main, order=order, interfaces=interfaces, cards=summary_cards(results, summary), page_sections=sections,
-        provenance=provenance(results.get("meta") or {}, order))
+    page = (
+        environment()
+        .get_template("page.html.j2")
+        .render(
+            main=main,
+            order=order,
+            interfaces=interfaces,
+            cards=summary_cards(results, summary),
+            page_sections=sections,
+            provenance=provenance(results.get("meta") or {}, order),
+        )
+    )
     return {"index.html": page.encode("utf-8"), **{f"figures/{n}.png": b for n, b in figures.items()}}
 
 
@@ -210,9 +285,18 @@ def screenshot(html_path, png_path, width: int = 1400, height: int = 2400, timeo
     png_path.parent.mkdir(parents=True, exist_ok=True)
     png_path.unlink(missing_ok=True)
     with tempfile.TemporaryDirectory(prefix="chromium-") as profile:  # own profile: no lock on a shared one
-        cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
-               f"--user-data-dir={profile}", f"--screenshot={png_path}", f"--window-size={width},{height}",
-               Path(html_path).resolve().as_uri()]
+        cmd = [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--no-first-run",
+            f"--user-data-dir={profile}",
+            f"--screenshot={png_path}",
+            f"--window-size={width},{height}",
+            Path(html_path).resolve().as_uri(),
+        ]
         try:
             subprocess.run(cmd, capture_output=True, timeout=timeout, check=False)
         except subprocess.TimeoutExpired:

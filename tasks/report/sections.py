@@ -9,8 +9,18 @@ import base64
 
 import pandas as pd
 
-from tasks.report.format import (DASH, FORGETTING_TOL, Markup, _finite, _is_number, flatten, fmt, interface_label,
-                                 interface_phrase, signed)
+from tasks.report.format import (
+    DASH,
+    FORGETTING_TOL,
+    Markup,
+    _finite,
+    _is_number,
+    flatten,
+    fmt,
+    interface_label,
+    interface_phrase,
+    signed,
+)
 
 # ---------------------------------------------------------------------------------------------------
 # tables and figures as data
@@ -26,8 +36,9 @@ def cell(value, cls: str = "") -> dict:
     return {"text": value if isinstance(value, Markup) else fmt(value), "cls": cls}
 
 
-def table(columns, rows, row_classes=None, head: list[list[dict]] | None = None, tall: bool = False,
-          kind: str = "") -> dict:
+def table(
+    columns, rows, row_classes=None, head: list[list[dict]] | None = None, tall: bool = False, kind: str = ""
+) -> dict:
     """A table in a scroll box (its header sticks while the box scrolls): {box, head, rows}. A cell
     as in `cell`; `head` (rows of {text, cls, rowspan, colspan}) replaces the one-row header of
     `columns` (the first left-aligned, the rest numeric); kind "kv" (key/value, left-aligned) or
@@ -35,8 +46,11 @@ def table(columns, rows, row_classes=None, head: list[list[dict]] | None = None,
     if head is None:
         head = [[{"text": c, "cls": "num" if i else ""} for i, c in enumerate(columns)]]
     classes = row_classes or [""] * len(rows)
-    return {"box": " ".join(["scroll", *(["tall"] if tall else []), *([kind] if kind else [])]), "head": head,
-            "rows": [{"cls": classes[k], "cells": [cell(c) for c in row]} for k, row in enumerate(rows)]}
+    return {
+        "box": " ".join(["scroll", *(["tall"] if tall else []), *([kind] if kind else [])]),
+        "head": head,
+        "rows": [{"cls": classes[k], "cells": [cell(c) for c in row]} for k, row in enumerate(rows)],
+    }
 
 
 def bwt_cell(x):
@@ -60,8 +74,12 @@ def verdict(bwt) -> str:
     return "forgetting" if bwt < -FORGETTING_TOL else "gain" if bwt > FORGETTING_TOL else "none"
 
 
-VERDICT = {"forgetting": "forgetting shows", "none": f"no forgetting beyond \u00b1{FORGETTING_TOL}",
-           "gain": "earlier tasks gained from later arrivals", "undefined": "BWT is undefined"}
+VERDICT = {
+    "forgetting": "forgetting shows",
+    "none": f"no forgetting beyond \u00b1{FORGETTING_TOL}",
+    "gain": "earlier tasks gained from later arrivals",
+    "undefined": "BWT is undefined",
+}
 VERDICT_SHORT = {"forgetting": "forgetting", "none": "no forgetting", "gain": "a gain"}
 
 
@@ -97,12 +115,16 @@ def findings(summary: pd.DataFrame, interfaces: list[str], main: str) -> list[st
         out.append(text + ".")
     kinds = [k for k in ("forgetting", "none", "gain") if k in verdicts.values()]
     if len(kinds) > 1:
-        parts = "; ".join(f"{VERDICT_SHORT[k]} through {', '.join(i for i in verdicts if verdicts[i] == k)}" for k in kinds)
+        parts = "; ".join(
+            f"{VERDICT_SHORT[k]} through {', '.join(i for i in verdicts if verdicts[i] == k)}" for k in kinds
+        )
         out.append(f"The interfaces disagree on {main}: {parts}.")
     elif len(bwts) > 1:
         lo, hi = min(bwts, key=bwts.get), max(bwts, key=bwts.get)
-        out.append(f"The interfaces agree on {main} ({VERDICT_SHORT[kinds[0]]} through every one); BWT runs from "
-                   f"{signed(bwts[lo])} ({lo}) to {signed(bwts[hi])} ({hi}).")
+        out.append(
+            f"The interfaces agree on {main} ({VERDICT_SHORT[kinds[0]]} through every one); BWT runs from "
+            f"{signed(bwts[lo])} ({lo}) to {signed(bwts[hi])} ({hi})."
+        )
     return out
 
 
@@ -115,11 +137,18 @@ def summary_table(summary: pd.DataFrame, interfaces: list[str], main: str) -> di
     look = _look(summary)
     family = dict(zip(summary["method"], summary["family"]))
     methods = list(dict.fromkeys(summary["method"]))
-    best = {i: max((look[(m, i)][0] for m in methods if (m, i) in look and _finite(look[(m, i)][0])), default=None)
-            for i in interfaces}
-    head = [[{"text": "method", "rowspan": 2}, {"text": "family", "rowspan": 2},
-             *[{"text": interface_label(i), "colspan": 2, "cls": "group"} for i in interfaces]],
-            [{"text": t, "cls": "num"} for _ in interfaces for t in ("ACC", "BWT")]]
+    best = {
+        i: max((look[(m, i)][0] for m in methods if (m, i) in look and _finite(look[(m, i)][0])), default=None)
+        for i in interfaces
+    }
+    head = [
+        [
+            {"text": "method", "rowspan": 2},
+            {"text": "family", "rowspan": 2},
+            *[{"text": interface_label(i), "colspan": 2, "cls": "group"} for i in interfaces],
+        ],
+        [{"text": t, "cls": "num"} for _ in interfaces for t in ("ACC", "BWT")],
+    ]
     rows, classes = [], []
     for m in methods:
         row = [m, family[m]]
@@ -140,8 +169,14 @@ def summary_cards(results: dict, summary: pd.DataFrame | None) -> list[dict]:
         for i in results["interfaces"]:
             if (main, i) in look:
                 acc, bwt = look[(main, i)]
-                cards.append({"key": interface_label(i), "value": fmt(acc), "bwt": signed(bwt),
-                              "bwt_cls": {"forgetting": "neg", "gain": "pos"}.get(verdict(bwt), "")})
+                cards.append(
+                    {
+                        "key": interface_label(i),
+                        "value": fmt(acc),
+                        "bwt": signed(bwt),
+                        "bwt_cls": {"forgetting": "neg", "gain": "pos"}.get(verdict(bwt), ""),
+                    }
+                )
     return cards
 
 
@@ -160,8 +195,14 @@ def variant_order(cells: pd.DataFrame) -> list[tuple]:
     rank = {"base": 0, "finetune": 1, "merge": 2, "quantize": 3}
     first_method = {m: k for k, m in enumerate(dict.fromkeys(cells["method"]))}
     rows = list(info.itertuples(index=False, name=None))
-    return sorted(rows, key=lambda r: (rank.get(r[1], 4), first_method[r[2]] if r[1] == "merge" else 0,
-                                       r[3] if r[1] in ("finetune", "merge") else 0))
+    return sorted(
+        rows,
+        key=lambda r: (
+            rank.get(r[1], 4),
+            first_method[r[2]] if r[1] == "merge" else 0,
+            r[3] if r[1] in ("finetune", "merge") else 0,
+        ),
+    )
 
 
 def variant_tables(cells: pd.DataFrame, order: list[str], interfaces: list[str], main: str) -> dict:
@@ -199,15 +240,19 @@ def quantize_tables(q: dict, order: list[str]) -> dict:
     if acc:
         tasks = [t for t in order if any(t in a for a in acc.values())]
         tasks += [t for t in dict.fromkeys(t for a in acc.values() for t in a) if t not in tasks]
-        accuracy = table(["variant", *tasks, "mean"], [[v, *[a.get(t) for t in tasks], mean.get(v)] for v, a in acc.items()])
+        accuracy = table(
+            ["variant", *tasks, "mean"], [[v, *[a.get(t) for t in tasks], mean.get(v)] for v, a in acc.items()]
+        )
     size = q.get("model_mb") or {}
     shares = q.get("recovered_share") or {}
     facts = [("float model (MB)", size.get("float")), ("quantized model (MB)", size.get("quantized"))]
     if _finite(size.get("float")) and _finite(size.get("quantized")) and size["quantized"] > 0:
         facts.append(("compression (float / quantized)", size["float"] / size["quantized"]))
-    facts += [("bits per weight (MXFP4 matrices)", q.get("bits_per_weight")),
-              ("bits per weight, adapters included", q.get("bits_per_weight_all_in")),
-              ("accuracy lost by plain MXFP4", q.get("accuracy_lost_by_mxfp4"))]
+    facts += [
+        ("bits per weight (MXFP4 matrices)", q.get("bits_per_weight")),
+        ("bits per weight, adapters included", q.get("bits_per_weight_all_in")),
+        ("accuracy lost by plain MXFP4", q.get("accuracy_lost_by_mxfp4")),
+    ]
     facts += [(f"share of the loss recovered: {k}", v) for k, v in shares.items()]
     return {"accuracy": accuracy, "size": table(["quantity", "value"], facts, kind="kv")}
 

@@ -74,8 +74,11 @@ def files_under(root: Path, rel: str) -> list[Path]:
     if path.is_file():
         return [Path(rel)]
     if path.is_dir():
-        return sorted(p.relative_to(root) for p in path.rglob("*")
-                      if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        return sorted(
+            p.relative_to(root)
+            for p in path.rglob("*")
+            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        )
     return []
 
 
@@ -111,6 +114,7 @@ def output_dirs(spec: StageSpec, task: str | None) -> set[Path]:
 def params_keys(spec: StageSpec, task: str | None, params) -> tuple[str, ...]:
     """The stage's params keys for `task`, a `${key}` in them replaced by that param's value (as
     DVC's dvc.yaml templating does: `finetune.${finetune.method}`)."""
+
     def value(match: re.Match) -> str:
         obj = params
         for part in match.group(1).split("."):
@@ -201,8 +205,11 @@ def _collapse(files: set[str]) -> list[str]:
     for d in sorted(by_dir, key=lambda d: -d.count("/")):
         if d in ("tasks", "crucible", "."):
             continue
-        every = {p.relative_to(PROJECT).as_posix() for p in (PROJECT / d).rglob("*.py")
-                 if "__pycache__" not in p.parts and not (p.name == "__init__.py" and _only_docstring(p))}
+        every = {
+            p.relative_to(PROJECT).as_posix()
+            for p in (PROJECT / d).rglob("*.py")
+            if "__pycache__" not in p.parts and not (p.name == "__init__.py" and _only_docstring(p))
+        }
         if every and every <= files:
             out = {f for f in out if not f.startswith(d + "/")} | {d}
     return sorted(out)
@@ -234,9 +241,15 @@ def dvc_stage(spec: StageSpec, extra_code: tuple[str, ...] = (), tasks=()) -> di
     if spec.metrics:
         body["metrics"] = [{_dvc_path(p): {"cache": False}} for p in spec.metrics]
     if spec.plots:
-        body["plots"] = [{_dvc_path(p.path): {"cache": False, **{k: v for k, v in
-                                                                 (("template", p.template), ("x", p.x), ("y", p.y))
-                                                                 if v is not None}}} for p in spec.plots]
+        body["plots"] = [
+            {
+                _dvc_path(p.path): {
+                    "cache": False,
+                    **{k: v for k, v in (("template", p.template), ("x", p.x), ("y", p.y)) if v is not None},
+                }
+            }
+            for p in spec.plots
+        ]
     return {"foreach": "${pipeline.tasks}", "do": body} if spec.per_task else body
 
 
@@ -249,8 +262,13 @@ HEADER = """\
 """
 
 
-def dvc_yaml_text(specs: list[StageSpec], views: list | None = None, views_comment: str = "",
-                  extra_code: dict[str, tuple[str, ...]] | None = None, tasks=()) -> str:
+def dvc_yaml_text(
+    specs: list[StageSpec],
+    views: list | None = None,
+    views_comment: str = "",
+    extra_code: dict[str, tuple[str, ...]] | None = None,
+    tasks=(),
+) -> str:
     import yaml
 
     def dump(obj, indent: int) -> str:
@@ -302,8 +320,12 @@ def upstream(specs: list[StageSpec], tasks: list[str]) -> dict[str, set[str]]:
     edges = {}
     for s, t in runs:
         sid = s.sid(t)
-        edges[sid] = {other for d in expand_deps(s, t, tasks) for other, paths in writes.items()
-                      if other != sid and any(_overlaps(d, p) for p in paths)}
+        edges[sid] = {
+            other
+            for d in expand_deps(s, t, tasks)
+            for other, paths in writes.items()
+            if other != sid and any(_overlaps(d, p) for p in paths)
+        }
     _check_acyclic(edges)
     return edges
 
@@ -338,5 +360,8 @@ def overlaps(edges: dict[str, set[str]]) -> dict[str, int]:
 
     for node in edges:
         up(node)
-    return {node: 1 + sum(1 for other in edges if other != node and other not in ancestors[node]
-                          and node not in ancestors[other]) for node in edges}
+    return {
+        node: 1
+        + sum(1 for other in edges if other != node and other not in ancestors[node] and node not in ancestors[other])
+        for node in edges
+    }

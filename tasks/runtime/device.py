@@ -31,8 +31,8 @@ DEVICE_ENV, PRECISION_ENV = devices.DEVICE_ENV, devices.PRECISION_ENV
 @dataclass(frozen=True)
 class Runtime:
     device: torch.device
-    precision: str                      # fp32 | bf16: what the forward passes run in
-    source: str = "runtime.device"      # which setting chose the device (for messages)
+    precision: str  # fp32 | bf16: what the forward passes run in
+    source: str = "runtime.device"  # which setting chose the device (for messages)
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -105,5 +105,9 @@ def runtime_config() -> dict[str, str]:
     one nor its name, so the bytes do not depend on the machine's slot), the precision, and the
     torch and CUDA versions."""
     runtime = current()
-    return {"device": runtime.device.type, "precision": runtime.precision, "torch": torch.__version__,
-            "cuda": str(torch.version.cuda or "none")}
+    return {
+        "device": runtime.device.type,
+        "precision": runtime.precision,
+        "torch": torch.__version__,
+        "cuda": str(torch.version.cuda or "none"),
+    }

@@ -113,17 +113,19 @@ class OutputWriteError(OSError):
     def __str__(self) -> str:
         where = getattr(self.reason, "filename", None)
         at = f" ({where})" if where and str(where) != self.filename else ""
-        return (f"{self.filename}: cannot write it: {self.strerror}{at}; check that its folder is a writable "
-                f"folder with free space")
+        return (
+            f"{self.filename}: cannot write it: {self.strerror}{at}; check that its folder is a writable "
+            f"folder with free space"
+        )
 
 
 class AtomicOutputs:
     """Collect a stage's outputs in temporary files; publish them all at once on success.
 
-        with AtomicOutputs() as out:
-            out.parquet(df, "data/bbc/pool.parquet")
-            out.json({"eps": 0.3}, "data/bbc/ingest.json")
-        # both renamed into place here; on an exception (or a kill) nothing is replaced
+    with AtomicOutputs() as out:
+        out.parquet(df, "data/bbc/pool.parquet")
+        out.json({"eps": 0.3}, "data/bbc/ingest.json")
+    # both renamed into place here; on an exception (or a kill) nothing is replaced
     """
 
     def __init__(self) -> None:

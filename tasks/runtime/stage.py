@@ -28,7 +28,6 @@ from tasks.runtime.params_schema import Params
 from tasks.runtime.params_access import declared_values, declared_view
 
 
-
 @dataclass
 class StageResult:
     stage: str
@@ -41,9 +40,16 @@ class StageResult:
         return asdict(self)
 
 
-def execute(module, task: str | None = None, root: Path | str = ".", params: Params | None = None,
-            parent_run_id: str | None = None, threads: int | None = None,
-            lock_token: str | None = None, device: str | None = None) -> StageResult:
+def execute(
+    module,
+    task: str | None = None,
+    root: Path | str = ".",
+    params: Params | None = None,
+    parent_run_id: str | None = None,
+    threads: int | None = None,
+    lock_token: str | None = None,
+    device: str | None = None,
+) -> StageResult:
     """Run one stage (a tasks/stages module, for one task) in project `root`. Raises whatever the
     stage raises; then no output has been replaced. The stage holds the workspace lock
     (tasks/runtime/lock.py) while it runs, or runs under its flow's lock when `lock_token` is the
@@ -54,8 +60,10 @@ def execute(module, task: str | None = None, root: Path | str = ".", params: Par
     params = params or load_params(root / "params.yaml")
     if spec.per_task:
         if task not in params.pipeline.tasks:
-            raise KeyError(f"stage '{spec.name}' runs per task; task {task!r} is not in pipeline.tasks "
-                           f"({', '.join(params.pipeline.tasks)})")
+            raise KeyError(
+                f"stage '{spec.name}' runs per task; task {task!r} is not in pipeline.tasks "
+                f"({', '.join(params.pipeline.tasks)})"
+            )
     elif task is not None:
         raise ValueError(f"stage '{spec.name}' is not per task; got task {task!r}")
     # the device and precision (runtime section, CRUCIBLE_DEVICE / CRUCIBLE_PRECISION), resolved
@@ -75,8 +83,7 @@ def execute(module, task: str | None = None, root: Path | str = ".", params: Par
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ[var] = str(threads)  # for BLAS/OpenMP libraries loaded later in the stage
         threadpool_limits(limits=threads)  # for those already loaded
-    with WorkspaceLock(root, "stage", params.pipeline.lock_timeout, token=lock_token,
-                       on_wait=_say, on_stale=_say):
+    with WorkspaceLock(root, "stage", params.pipeline.lock_timeout, token=lock_token, on_wait=_say, on_stale=_say):
         return _execute(spec, task, root, params, module, parent_run_id, runtime)
 
 
@@ -118,12 +125,16 @@ class PeakRSS:
         self.peak = max(self.peak, self._rss())
 
     def metrics(self) -> dict[str, float]:
-        return {"stage_peak_rss_mb": self.peak / 2**20, "stage_rss_start_mb": self.start / 2**20,
-                "stage_peak_rss_above_start_mb": (self.peak - self.start) / 2**20}
+        return {
+            "stage_peak_rss_mb": self.peak / 2**20,
+            "stage_rss_start_mb": self.start / 2**20,
+            "stage_peak_rss_above_start_mb": (self.peak - self.start) / 2**20,
+        }
 
 
-def _execute(spec, task, root: Path, params: Params, module, parent_run_id,
-             runtime: runtime_device.Runtime = runtime_device.CPU) -> StageResult:
+def _execute(
+    spec, task, root: Path, params: Params, module, parent_run_id, runtime: runtime_device.Runtime = runtime_device.CPU
+) -> StageResult:
     # a killed earlier run's temporary files and scratch folders (never a live run's)
     from tasks.runtime.scratch import sweep
 
@@ -134,8 +145,9 @@ def _execute(spec, task, root: Path, params: Params, module, parent_run_id,
     start = time.perf_counter()
     with tracking.stage_run(root, params.tracking.experiment, spec.name, task, parent_run_id) as log:
         log.log_params(declared_values(params, keys))
-        log.set_tags({f"crucible.input.{p}": md5_file(root / p)
-                      for p in inputs(spec, task, root, list(params.pipeline.tasks))})
+        log.set_tags(
+            {f"crucible.input.{p}": md5_file(root / p) for p in inputs(spec, task, root, list(params.pipeline.tasks))}
+        )
         log.set_tags(runtime.tags())
         with PeakRSS() as rss, runtime_device.using(runtime):
             metrics = module.run(declared_view(params, keys, spec.name), task, root, log)
@@ -144,4 +156,3 @@ def _execute(spec, task, root: Path, params: Params, module, parent_run_id,
         seconds = time.perf_counter() - start
         log.log_metrics({**metrics, "stage_seconds": seconds, **rss.metrics()})
     return StageResult(spec.name, task, written, metrics, seconds)
-

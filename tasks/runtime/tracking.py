@@ -75,7 +75,7 @@ def check_store(root: Path, uri: str | None = None) -> None:
     root = Path(root).resolve()
     uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{root / DB_NAME}"
     own = uri == f"sqlite:///{root / DB_NAME}"
-    db = Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
+    db = Path(uri[len("sqlite:///") :]) if uri.startswith("sqlite:///") else None
     try:
         ident = db.stat().st_ino if db is not None and db.stat().st_size else None
     except OSError:
@@ -115,14 +115,17 @@ def _check_server(uri: str) -> None:
             time.sleep(1.0)
     raise TrackingStoreError(
         f"the MLflow tracking server {uri} (MLFLOW_TRACKING_URI) does not answer ({reason}); start it, fix "
-        f"MLFLOW_TRACKING_URI, or unset it to track in the workspace's {DB_NAME}")
+        f"MLFLOW_TRACKING_URI, or unset it to track in the workspace's {DB_NAME}"
+    )
 
 
 def _check_database(db: Path) -> None:
     import sqlite3
 
-    fix = (f"restore it from a backup, or move it aside (`mv {db} {db}.broken`) to start an empty store: the runs, "
-           f"registered versions and aliases it held are then lost (the files under {ARTIFACTS}/ stay)")
+    fix = (
+        f"restore it from a backup, or move it aside (`mv {db} {db}.broken`) to start an empty store: the runs, "
+        f"registered versions and aliases it held are then lost (the files under {ARTIFACTS}/ stay)"
+    )
     try:
         con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
         try:
@@ -132,8 +135,9 @@ def _check_database(db: Path) -> None:
     except sqlite3.OperationalError as exc:
         if "locked" in str(exc):
             return  # a writer holds it right now: it is in use, not broken
-        raise TrackingStoreError(f"{db}: the MLflow tracking store cannot be read ({exc}); check its permissions, "
-                                 f"or {fix}") from None
+        raise TrackingStoreError(
+            f"{db}: the MLflow tracking store cannot be read ({exc}); check its permissions, or {fix}"
+        ) from None
     except sqlite3.DatabaseError as exc:
         raise TrackingStoreError(f"{db}: the MLflow tracking store is corrupt or truncated ({exc}); {fix}") from None
     if problems:
@@ -148,19 +152,26 @@ def _warn_lost_store(root: Path, db: Path) -> None:
         return
     try:
         data = json.loads(record.read_text())
-        what = (f"version {data['version']} of {data['name']!r}"
-                + (f" (aliases: {', '.join(data['aliases'])})" if data.get("aliases") else ""))
+        what = f"version {data['version']} of {data['name']!r}" + (
+            f" (aliases: {', '.join(data['aliases'])})" if data.get("aliases") else ""
+        )
     except (OSError, ValueError, KeyError, TypeError):
         what = "a model"
-    say(f"warning: {db} is missing or empty, but this workspace registered {what} before ({record}): the registry "
+    say(
+        f"warning: {db} is missing or empty, but this workspace registered {what} before ({record}): the registry "
         f"(its versions, aliases and gate history) and every run it held are lost; a new, empty store is created "
-        f"and the next register starts again at version 1. Restore {db} from a backup to keep them")
+        f"and the next register starts again at version 1. Restore {db} from a backup to keep them"
+    )
 
 
 # the tables and columns of an MLflow SQL store that hold artifact locations
-_LOCATIONS = (("experiments", "artifact_location"), ("runs", "artifact_uri"),
-              ("logged_models", "artifact_location"), ("model_versions", "source"),
-              ("model_versions", "storage_location"))
+_LOCATIONS = (
+    ("experiments", "artifact_location"),
+    ("runs", "artifact_uri"),
+    ("logged_models", "artifact_location"),
+    ("model_versions", "source"),
+    ("model_versions", "storage_location"),
+)
 
 
 def relocate_artifacts(root: Path, db: Path | None = None) -> str | None:
@@ -173,10 +184,18 @@ def relocate_artifacts(root: Path, db: Path | None = None) -> str | None:
     root = Path(root).resolve()
     db = db or root / DB_NAME
     new = (root / ARTIFACTS).as_uri()
+
     def elsewhere() -> list[str]:  # the experiments' artifact roots that are another folder's mlartifacts/
-        return sorted({loc for (loc,) in con.execute("SELECT artifact_location FROM experiments")
-                       if isinstance(loc, str) and loc.startswith("file://")
-                       and loc.rstrip("/").endswith(f"/{ARTIFACTS}") and loc.rstrip("/") != new})
+        return sorted(
+            {
+                loc
+                for (loc,) in con.execute("SELECT artifact_location FROM experiments")
+                if isinstance(loc, str)
+                and loc.startswith("file://")
+                and loc.rstrip("/").endswith(f"/{ARTIFACTS}")
+                and loc.rstrip("/") != new
+            }
+        )
 
     con = sqlite3.connect(str(db), timeout=60, isolation_level=None)
     try:
@@ -192,17 +211,21 @@ def relocate_artifacts(root: Path, db: Path | None = None) -> str | None:
             old = old.rstrip("/")
             for table, column in _LOCATIONS:
                 if table in tables:  # exact prefix match (LIKE would ignore case)
-                    con.execute(f"UPDATE {table} SET {column} = ? || substr({column}, ?) "
-                                f"WHERE {column} = ? OR substr({column}, 1, ?) = ?",
-                                (new, len(old) + 1, old, len(old) + 1, old + "/"))
+                    con.execute(
+                        f"UPDATE {table} SET {column} = ? || substr({column}, ?) "
+                        f"WHERE {column} = ? OR substr({column}, 1, ?) = ?",
+                        (new, len(old) + 1, old, len(old) + 1, old + "/"),
+                    )
         con.execute("COMMIT")
     finally:
         con.close()
     from urllib.parse import unquote, urlparse
 
     before = ", ".join(str(Path(unquote(urlparse(o).path)).parent) for o in olds)
-    say(f"{root}: this workspace was copied or moved from {before}: its tracking store now keeps its artifacts "
-        f"in {root / ARTIFACTS} (it no longer reads or writes the old folder's)")
+    say(
+        f"{root}: this workspace was copied or moved from {before}: its tracking store now keeps its artifacts "
+        f"in {root / ARTIFACTS} (it no longer reads or writes the old folder's)"
+    )
     return olds[0]
 
 
@@ -237,8 +260,13 @@ def git_commit(root: Path) -> str:
 def git_dirty(root: Path) -> bool | None:
     """Whether the git work tree at `root` has changes to tracked files (None: not a git repository)."""
     try:
-        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                             capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return bool(out.stdout.strip()) if out.returncode == 0 else None
@@ -273,7 +301,9 @@ class StageRun:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        flat = {k: float(v) for k, v in _flatten(metrics).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        flat = {
+            k: float(v) for k, v in _flatten(metrics).items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         with _WRITE_LOCK:
             self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in flat.items()])
 
@@ -304,8 +334,9 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 
 @contextmanager
-def stage_run(root: Path, experiment: str, stage: str, task: str | None = None,
-              parent_run_id: str | None = None) -> Iterator[StageRun]:
+def stage_run(
+    root: Path, experiment: str, stage: str, task: str | None = None, parent_run_id: str | None = None
+) -> Iterator[StageRun]:
     """A child run of `parent_run_id` (or of $CRUCIBLE_PARENT_RUN_ID; a top-level run if neither),
     named `stage` or `stage@task`, marked FAILED if the body raises."""
     client = _client(root)
@@ -316,8 +347,12 @@ def stage_run(root: Path, experiment: str, stage: str, task: str | None = None,
 
     fail_orphaned_runs(root, experiment_id)
     remove_orphaned_models(root, experiment_id)
-    tags = {"crucible.stage": stage, "crucible.git_commit": git_commit(root), "mlflow.runName": name,
-            "crucible.owner": owner_tag()}
+    tags = {
+        "crucible.stage": stage,
+        "crucible.git_commit": git_commit(root),
+        "mlflow.runName": name,
+        "crucible.owner": owner_tag(),
+    }
     if task is not None:
         tags["crucible.task"] = task
     if parent:
@@ -367,8 +402,11 @@ def remove_orphaned_models(root: Path, experiment_id: str) -> list[str]:
     client = _client(root)
     removed = []
     with _WRITE_LOCK:
-        models = [m for m in client.search_logged_models([experiment_id], max_results=1000)
-                  if FAILURE_TAG not in (m.tags or {})]
+        models = [
+            m
+            for m in client.search_logged_models([experiment_id], max_results=1000)
+            if FAILURE_TAG not in (m.tags or {})
+        ]
         used = None
         for m in models:
             try:
@@ -383,9 +421,15 @@ def remove_orphaned_models(root: Path, experiment_id: str) -> list[str]:
                     used.update(x for x in (getattr(v, "model_id", None), v.source) if x)
             if m.model_id in used or m.artifact_location in used:
                 continue
-            client.set_logged_model_tags(m.model_id, {FAILURE_TAG: (
-                f"orphaned: its run {run.info.run_name or ''} ({run.info.run_id}) ended {run.info.status} before "
-                f"the model was registered; deleted at the next start")})
+            client.set_logged_model_tags(
+                m.model_id,
+                {
+                    FAILURE_TAG: (
+                        f"orphaned: its run {run.info.run_name or ''} ({run.info.run_id}) ended {run.info.status} before "
+                        f"the model was registered; deleted at the next start"
+                    )
+                },
+            )
             if m.status != LoggedModelStatus.FAILED:
                 client.finalize_logged_model(m.model_id, LoggedModelStatus.FAILED)
             client.delete_logged_model(m.model_id)

@@ -28,8 +28,9 @@ def _run(cmd: list[str], cwd: Path) -> None:
         raise RuntimeError(f"`{' '.join(cmd)}` failed in {cwd}:\n{proc.stderr.strip()}")
 
 
-def make_workspace(source: Path | str, dest: Path | str, profile: str | None = None,
-                   overrides: dict | None = None) -> Path:
+def make_workspace(
+    source: Path | str, dest: Path | str, profile: str | None = None, overrides: dict | None = None
+) -> Path:
     """Create or refresh the workspace `dest` from project `source`; returns `dest`."""
     from tasks.runtime.params import deep_merge
 

@@ -13,8 +13,20 @@ from types import ModuleType
 from tasks.runtime.declaration import StageSpec, dvc_yaml_text
 
 # the pipeline's order (dvc.yaml's, and the flow's where the DAG allows a choice)
-NAMES = ("model", "ingest", "embed", "curate", "pseudolabel", "finetune", "merge", "quantize", "moe_build", "moe_quantize",
-         "evaluate", "register")
+NAMES = (
+    "model",
+    "ingest",
+    "embed",
+    "curate",
+    "pseudolabel",
+    "finetune",
+    "merge",
+    "quantize",
+    "moe_build",
+    "moe_quantize",
+    "evaluate",
+    "register",
+)
 # code files a stage runs that are not Python modules (found by no import)
 EXTRA_CODE = {"evaluate": ("tasks/report/templates",)}
 
@@ -41,7 +53,9 @@ def dvc_yaml(tasks) -> str:
     """dvc.yaml's text, from the declarations, for pipeline.tasks `tasks`."""
     from tasks.stages import evaluate
 
-    extra = {k: tuple(p for p in v if (Path(__file__).resolve().parents[2] / p).exists()) for k, v in EXTRA_CODE.items()}
+    extra = {
+        k: tuple(p for p in v if (Path(__file__).resolve().parents[2] / p).exists()) for k, v in EXTRA_CODE.items()
+    }
     return dvc_yaml_text(specs(), evaluate.VIEWS, evaluate.VIEWS_COMMENT, extra, list(tasks))
 
 

@@ -32,17 +32,19 @@ from tasks.runtime.io import AtomicOutputs, read_table
 from tasks.runtime.params_schema import Params
 
 SPEC = StageSpec(
-    name="curate", per_task=True,
+    name="curate",
+    per_task=True,
     comment="Per task: CC-MMD between the pool and the reference, corrected by the audit; each pooled "
-            "item's corrected membership.",
-    deps=tuple(f"data/{{task}}/{f}" for f in ("reference.parquet", "pool.parquet", "audit.parquet",
-                                              "truth.parquet", "embeddings.safetensors")),
+    "item's corrected membership.",
+    deps=tuple(
+        f"data/{{task}}/{f}"
+        for f in ("reference.parquet", "pool.parquet", "audit.parquet", "truth.parquet", "embeddings.safetensors")
+    ),
     params=("pipeline.seed", "curate"),
     outs=("data/{task}/curated.parquet",),
     metrics=("metrics/{task}/curate.json",),
     plots=(Plot("reports/{task}/curate.png"),),
 )
-
 
 
 class DataQualityGateError(RuntimeError):
@@ -56,8 +58,10 @@ def proxy_scores(params: Params, ref: np.ndarray, pool: np.ndarray, pool_df: pd.
     if cfg.scorer == "knn":
         return knn_density_ratio_scores(ref, pool, k=cfg.knn_k)
     if "score" not in pool_df.columns:
-        raise ValueError(f"{source}: curate.scorer is 'column' but the pool has no 'score' column "
-                         f"(columns: {list(pool_df.columns)}); use scorer domain_classifier or knn")
+        raise ValueError(
+            f"{source}: curate.scorer is 'column' but the pool has no 'score' column "
+            f"(columns: {list(pool_df.columns)}); use scorer domain_classifier or knn"
+        )
     return pool_df["score"].to_numpy(dtype=np.float64)
 
 
@@ -92,8 +96,15 @@ def plot(scores: np.ndarray, truth: np.ndarray | None, result, task: str) -> byt
     names = ["naive", "audit-only", "CC-MMD"]
     values = [result.naive, result.audit_only, result.value]
     b.bar(names, values, color=["#bbbbbb", "#9ecae1", "#3182bd"])
-    b.errorbar([2], [result.value], yerr=[[result.value - result.ci_low], [result.ci_high - result.value]],
-               fmt="none", ecolor="black", capsize=6, label=f"{result.level:.0%} interval")
+    b.errorbar(
+        [2],
+        [result.value],
+        yerr=[[result.value - result.ci_low], [result.ci_high - result.value]],
+        fmt="none",
+        ecolor="black",
+        capsize=6,
+        label=f"{result.level:.0%} interval",
+    )
     if result.oracle is not None:
         b.axhline(result.oracle, color="crimson", linestyle="--", label="oracle (truth)")
     b.set(title="MMD^2 to the reference", ylabel="MMD^2")
@@ -111,36 +122,65 @@ def run(params: Params, task: str, root: Path, log) -> dict:
     scores = proxy_scores(params, ref_x, pool_x, pool, str(base / "pool.parquet"))
     truth = _truth_membership(root, task, pool)
 
-    kernel = GaussianKernel(bandwidths=tuple(cfg.bandwidths) if cfg.bandwidths else None,
-                            scales=tuple(cfg.bandwidth_scales), seed=params.pipeline.seed)
+    kernel = GaussianKernel(
+        bandwidths=tuple(cfg.bandwidths) if cfg.bandwidths else None,
+        scales=tuple(cfg.bandwidth_scales),
+        seed=params.pipeline.seed,
+    )
     device = current().device  # on CUDA the exact kernel sums run through the Triton kernel
     try:
-        result = cc_mmd(torch.from_numpy(ref_x).float().to(device), torch.from_numpy(pool_x).float().to(device), scores,
-                        audited.astype(np.float64), member, pi, kernel=kernel, truth=truth, method=cfg.method,
-                        n_features=cfg.rff_features, seed=params.pipeline.seed, level=cfg.level)
+        result = cc_mmd(
+            torch.from_numpy(ref_x).float().to(device),
+            torch.from_numpy(pool_x).float().to(device),
+            scores,
+            audited.astype(np.float64),
+            member,
+            pi,
+            kernel=kernel,
+            truth=truth,
+            method=cfg.method,
+            n_features=cfg.rff_features,
+            seed=params.pipeline.seed,
+            level=cfg.level,
+        )
     except ValueError as exc:
         raise ValueError(f"task '{task}' ({base}): {exc}") from None
     m = result.weights.cpu().numpy()
     keep = m > cfg.keep_threshold
 
-    metrics = {f"ccmmd_{k}" if k in ("value", "se", "ci_low", "ci_high") else k: v
-               for k, v in result.to_dict().items() if k not in ("bandwidths", "method", "level")}
+    metrics = {
+        f"ccmmd_{k}" if k in ("value", "se", "ci_low", "ci_high") else k: v
+        for k, v in result.to_dict().items()
+        if k not in ("bandwidths", "method", "level")
+    }
     metrics.update(n_keep=int(keep.sum()), keep_fraction=float(keep.mean()), bandwidth=float(result.bandwidths[0]))
     if truth is not None:
         from sklearn.metrics import roc_auc_score
 
-        metrics.update(eps_true=float(1 - truth.mean()), score_auc=float(roc_auc_score(truth, scores)),
-                       keep_precision=float(truth[keep].mean()) if keep.any() else 0.0,
-                       keep_recall=float(keep[truth == 1].mean()))
+        metrics.update(
+            eps_true=float(1 - truth.mean()),
+            score_auc=float(roc_auc_score(truth, scores)),
+            keep_precision=float(truth[keep].mean()) if keep.any() else 0.0,
+            keep_recall=float(keep[truth == 1].mean()),
+        )
     if cfg.gate_max_ccmmd is not None and result.ci_low > cfg.gate_max_ccmmd:
         raise DataQualityGateError(
             f"task '{task}': data-quality gate failed: CC-MMD^2 = {result.value:.4g} with {cfg.level:.0%} interval "
             f"[{result.ci_low:.4g}, {result.ci_high:.4g}] lies above curate.gate_max_ccmmd = {cfg.gate_max_ccmmd:g} "
             f"(naive {result.naive:.4g}, audit-only {result.audit_only:.4g}, eps_hat {result.eps_hat:.3f}): "
-            "the clean part of the pool does not match the reference")
+            "the clean part of the pool does not match the reference"
+        )
 
-    curated = pd.DataFrame({"id": pool["id"], "text": pool["text"], "score": scores, "audited": audited.astype(np.int8),
-                            "m": m, "keep": keep})
+    curated = pd.DataFrame(
+        {
+            "id": pool["id"],
+            "text": pool["text"],
+            "score": scores,
+            "audited": audited.astype(np.int8),
+            "m": m,
+            "keep": keep,
+        }
+    )
     with AtomicOutputs() as out:
         out.parquet(curated, base / "curated.parquet")
         out.json(metrics, Path(root) / "metrics" / task / "curate.json")

@@ -27,14 +27,14 @@ from tasks.runtime.params_schema import Params
 TABLES = ("reference", "pool", "test")
 
 SPEC = StageSpec(
-    name="embed", per_task=True,
+    name="embed",
+    per_task=True,
     comment="Per task: frozen encoder embeddings of the reference, pool and test texts (cached apart, so "
-            "a later stage's params do not re-embed).",
+    "a later stage's params do not re-embed).",
     deps=(str(MANIFEST), *(f"data/{{task}}/{t}.parquet" for t in TABLES)),
     params=("pipeline.seed", "ingest.allow_shared_ids", "model", "embed"),
     outs=("data/{task}/embeddings.safetensors",),
 )
-
 
 
 def run(params: Params, task: str, root: Path, log) -> dict:
@@ -42,8 +42,11 @@ def run(params: Params, task: str, root: Path, log) -> dict:
 
     cfg = params.embed
     frames = {t: read_table(Path(root) / "data" / task / f"{t}.parquet", t) for t in TABLES}
-    validate_disjoint(frames, {t: str(Path(root) / "data" / task / f"{t}.parquet") for t in TABLES},
-                      allow_shared_ids=params.ingest.allow_shared_ids)
+    validate_disjoint(
+        frames,
+        {t: str(Path(root) / "data" / task / f"{t}.parquet") for t in TABLES},
+        allow_shared_ids=params.ingest.allow_shared_ids,
+    )
     torch.manual_seed(params.pipeline.seed)
     base = base_model(params, root)
     model, tokenizer = base.load()
@@ -55,9 +58,16 @@ def run(params: Params, task: str, root: Path, log) -> dict:
         meta["pooling"] = pooling
     with Progress(total=total, desc=f"embed@{task}", unit="text") as bar:
         for name, df in frames.items():
-            tensors[name] = embed_texts(model, tokenizer, df["text"].tolist(), batch_size=cfg.batch_size,
-                                        max_length=max_length, progress=bar.update, pooling=pooling,
-                                        autocast_dtype=current().autocast_dtype).contiguous()
+            tensors[name] = embed_texts(
+                model,
+                tokenizer,
+                df["text"].tolist(),
+                batch_size=cfg.batch_size,
+                max_length=max_length,
+                progress=bar.update,
+                pooling=pooling,
+                autocast_dtype=current().autocast_dtype,
+            ).contiguous()
             meta[f"{name}_ids_md5"] = ids_digest(df["id"])
     with AtomicOutputs() as out:
         out.bytes(safetensors_bytes(tensors, meta), Path(root) / "data" / task / "embeddings.safetensors")

@@ -58,28 +58,60 @@ PLOTS = ("summary", "curves", "matrix", "curation")
 # dvc.yaml's views of the report's plot data (`dvc plots show`; templates in .dvc/plots/)
 VIEWS_COMMENT = "Views of the evaluate stage's plot data (`dvc plots show`; templates in .dvc/plots/)."
 VIEWS = [
-    {"ACC per method and interface": {"template": "interfaces", "x": "method",
-                                      "y": {str(REPORTS / "plots" / "summary.csv"): "acc"}}},
-    {"BWT per method and interface": {"template": "interfaces", "x": "method",
-                                      "y": {str(REPORTS / "plots" / "summary.csv"): "bwt"}}},
-    {"Accuracy after each arrival (mean over arrived tasks)": {
-        "template": "curves", "x": "arrival", "y": {str(REPORTS / "plots" / "curves.csv"): "acc"}}},
-    {"Accuracy matrix R[arrival, task]": {"template": "matrix", "x": "task",
-                                          "y": {str(REPORTS / "plots" / "matrix.csv"): "arrival"}}},
-    {"CC-MMD estimated contamination against the truth": {
-        "template": "scatter", "x": "eps_true", "y": {str(REPORTS / "plots" / "curation.csv"): "eps_hat"}}},
+    {
+        "ACC per method and interface": {
+            "template": "interfaces",
+            "x": "method",
+            "y": {str(REPORTS / "plots" / "summary.csv"): "acc"},
+        }
+    },
+    {
+        "BWT per method and interface": {
+            "template": "interfaces",
+            "x": "method",
+            "y": {str(REPORTS / "plots" / "summary.csv"): "bwt"},
+        }
+    },
+    {
+        "Accuracy after each arrival (mean over arrived tasks)": {
+            "template": "curves",
+            "x": "arrival",
+            "y": {str(REPORTS / "plots" / "curves.csv"): "acc"},
+        }
+    },
+    {
+        "Accuracy matrix R[arrival, task]": {
+            "template": "matrix",
+            "x": "task",
+            "y": {str(REPORTS / "plots" / "matrix.csv"): "arrival"},
+        }
+    },
+    {
+        "CC-MMD estimated contamination against the truth": {
+            "template": "scatter",
+            "x": "eps_true",
+            "y": {str(REPORTS / "plots" / "curation.csv"): "eps_hat"},
+        }
+    },
 ]
 
 
 SPEC = StageSpec(
-    name="evaluate", per_task=False,
+    name="evaluate",
+    per_task=False,
     comment="Once: every variant (base, fine-tunes, each merge method after each arrival, the quantized "
-            "models) through three interfaces (head, fresh probe, clustering) from the features merge and "
-            "quantize kept; one self-contained HTML report.",
-    deps=(*(str(MERGE / n) for n in ("features.safetensors", "heads.safetensors", "config.json")),
-          *(str(QUANTIZE / n) for n in ("features.safetensors", "config.json")), "metrics/quantize.json",
-          "metrics/moe.json", str(MERGE / "accuracy.png"), str(QUANTIZE / "quantize.png"), "models/moe/build",
-          *(f"metrics/{{task}}/{s}.json" for s in ("ingest", "curate", "pseudolabel", "finetune"))),
+    "models) through three interfaces (head, fresh probe, clustering) from the features merge and "
+    "quantize kept; one self-contained HTML report.",
+    deps=(
+        *(str(MERGE / n) for n in ("features.safetensors", "heads.safetensors", "config.json")),
+        *(str(QUANTIZE / n) for n in ("features.safetensors", "config.json")),
+        "metrics/quantize.json",
+        "metrics/moe.json",
+        str(MERGE / "accuracy.png"),
+        str(QUANTIZE / "quantize.png"),
+        "models/moe/build",
+        *(f"metrics/{{task}}/{s}.json" for s in ("ingest", "curate", "pseudolabel", "finetune")),
+    ),
     params=("pipeline.seed", "pipeline.tasks", "merge.order", "merge.methods", "merge.main", "evaluate"),
     uncached=(str(REPORTS / "index.html"), str(REPORTS / "plots")),
     metrics=(str(METRICS / "evaluate.json"), str(METRICS / "variants.json")),
@@ -89,6 +121,7 @@ SPEC = StageSpec(
 
 # ---------------------------------------------------------------------------------------------------
 # reading the features
+
 
 def _rerun(stage: str) -> str:
     return f"rerun it with `crucible stage {stage}` (or `dvc repro {stage}`)"
@@ -104,41 +137,69 @@ def read_inputs(root: Path, params: Params) -> dict:
     quant, quant_meta = read_features(root / QUANTIZE / "features.safetensors", "quantize")
     for path, meta, stage in ((MERGE, merge_meta, "merge"), (QUANTIZE, quant_meta, "quantize")):
         if meta["tasks"] != order:
-            raise ValueError(f"{root / path / 'features.safetensors'}: made for tasks {meta['tasks']}, but the "
-                             f"arrival order is {order}; {_rerun(stage)}")
+            raise ValueError(
+                f"{root / path / 'features.safetensors'}: made for tasks {meta['tasks']}, but the "
+                f"arrival order is {order}; {_rerun(stage)}"
+            )
     if not any(v["family"] == "merge" for v in merge_meta["variants"]):
-        raise ValueError(f"{root / MERGE / 'features.safetensors'}: holds no merged variants because "
-                         f"merge.evaluate is off; set merge.evaluate: true and {_rerun('merge')}")
+        raise ValueError(
+            f"{root / MERGE / 'features.safetensors'}: holds no merged variants because "
+            f"merge.evaluate is off; set merge.evaluate: true and {_rerun('merge')}"
+        )
     for key, labels in merged.items():
         if key.startswith("labels/"):
             other = quant.get(key)
             if other is None or not np.array_equal(other.numpy(), labels.numpy()):
-                raise ValueError(f"{root / QUANTIZE / 'features.safetensors'}: its rows for {key[7:]!r} differ from "
-                                 f"the merge stage's ({root / MERGE / 'features.safetensors'}); both must score the "
-                                 f"same test and probe rows: {_rerun('quantize')}")
+                raise ValueError(
+                    f"{root / QUANTIZE / 'features.safetensors'}: its rows for {key[7:]!r} differ from "
+                    f"the merge stage's ({root / MERGE / 'features.safetensors'}); both must score the "
+                    f"same test and probe rows: {_rerun('quantize')}"
+                )
     classes = merge_meta["classes"]
     missing = [t for t in order if not isinstance(classes, dict) or not classes.get(t)]
     if missing:
-        raise ValueError(f"{root / MERGE / 'features.safetensors'}: metadata 'classes' has no classes for tasks "
-                         f"{missing}; {_rerun('merge')}")
+        raise ValueError(
+            f"{root / MERGE / 'features.safetensors'}: metadata 'classes' has no classes for tasks "
+            f"{missing}; {_rerun('merge')}"
+        )
     n = {t: len(classes[t]) for t in order}  # each task's head: (n_classes, hidden) and (n_classes,)
     shapes = {f"{t}.{k}": s for t in order for k, s in (("weight", (n[t], None)), ("bias", (n[t],)))}
     heads, _ = read_safetensors(root / MERGE / "heads.safetensors", "task heads", _rerun("merge"), shapes=shapes)
     for path, tensors, meta, stage in ((MERGE, merged, merge_meta, "merge"), (QUANTIZE, quant, quant_meta, "quantize")):
-        check_features(root / path / "features.safetensors", stage, tensors, meta["variants"], n, heads,
-                       root / MERGE / "heads.safetensors")
+        check_features(
+            root / path / "features.safetensors",
+            stage,
+            tensors,
+            meta["variants"],
+            n,
+            heads,
+            root / MERGE / "heads.safetensors",
+        )
     try:
         quant_config = json.loads((root / QUANTIZE / "config.json").read_text())
     except FileNotFoundError:
         raise FileNotFoundError(f"{root / QUANTIZE / 'config.json'}: missing; {_rerun('quantize')}") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"{root / QUANTIZE / 'config.json'}: not valid JSON ({exc}); {_rerun('quantize')}") from None
-    return {"order": order, "tensors": {**merged, **quant}, "variants": merge_meta["variants"] + quant_meta["variants"],
-            "classes": merge_meta["classes"], "heads": heads, "quantize_config": quant_config}
+    return {
+        "order": order,
+        "tensors": {**merged, **quant},
+        "variants": merge_meta["variants"] + quant_meta["variants"],
+        "classes": merge_meta["classes"],
+        "heads": heads,
+        "quantize_config": quant_config,
+    }
 
 
-def check_features(path: Path, stage: str, tensors: dict, variants: list[dict], n_classes: dict[str, int], heads: dict,
-                   heads_path: Path) -> None:
+def check_features(
+    path: Path,
+    stage: str,
+    tensors: dict,
+    variants: list[dict],
+    n_classes: dict[str, int],
+    heads: dict,
+    heads_path: Path,
+) -> None:
     """What evaluate needs of a features file beyond its own consistency (read_features): every
     variant's test and probe features with the width of the task's head, and labels that are class
     indices of that head. Each error names the file, the tensor, what it holds and what was expected."""
@@ -147,17 +208,23 @@ def check_features(path: Path, stage: str, tensors: dict, variants: list[dict], 
         for split in ("test", "probe"):
             name = f"labels/{t}/{split}"
             if name not in tensors:
-                raise ValueError(f"{path}: tensor {name!r} is missing (evaluate scores every variant on the "
-                                 f"{split} rows of each task); {fix}")
+                raise ValueError(
+                    f"{path}: tensor {name!r} is missing (evaluate scores every variant on the "
+                    f"{split} rows of each task); {fix}"
+                )
             labels = tensors[name]
             if labels.dim() != 1 or labels.is_floating_point():
-                raise ValueError(f"{path}: tensor {name!r} has shape {list(labels.shape)} and dtype {labels.dtype}; "
-                                 f"expected 1-d integer class indices; {fix}")
+                raise ValueError(
+                    f"{path}: tensor {name!r} has shape {list(labels.shape)} and dtype {labels.dtype}; "
+                    f"expected 1-d integer class indices; {fix}"
+                )
             bad = ((labels < 0) | (labels >= k)).nonzero()
             if len(bad):
                 i = int(bad[0])
-                raise ValueError(f"{path}: tensor {name!r} holds {len(bad)} labels outside the {k} classes of task "
-                                 f"{t!r} (first: {int(labels[i])} at row {i}); {fix}")
+                raise ValueError(
+                    f"{path}: tensor {name!r} holds {len(bad)} labels outside the {k} classes of task "
+                    f"{t!r} (first: {int(labels[i])} at row {i}); {fix}"
+                )
     for v in variants:
         for t in v["tasks"]:
             width = heads[f"{t}.weight"].shape[1]
@@ -167,9 +234,11 @@ def check_features(path: Path, stage: str, tensors: dict, variants: list[dict], 
                     raise ValueError(f"{path}: tensor {name!r} (variant {v['name']!r}, task {t!r}) is missing; {fix}")
                 got = tensors[name]
                 if got.dim() != 2 or got.shape[1] != width:
-                    raise ValueError(f"{path}: tensor {name!r} has shape {list(got.shape)}, but the head of task "
-                                     f"{t!r} ({heads_path}, tensor '{t}.weight') takes features of width {width}; "
-                                     f"the features and the heads come from different models: {fix}")
+                    raise ValueError(
+                        f"{path}: tensor {name!r} has shape {list(got.shape)}, but the head of task "
+                        f"{t!r} ({heads_path}, tensor '{t}.weight') takes features of width {width}; "
+                        f"the features and the heads come from different models: {fix}"
+                    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -186,12 +255,29 @@ def score_variants(data: dict, params: Params, progress=None) -> pd.DataFrame:
     for v in data["variants"]:
         for t in v["tasks"]:
             scores = interface_scores(
-                T[f"{v['name']}/{t}/test"].numpy(), T[f"labels/{t}/test"].numpy(),
-                heads[f"{t}.weight"].numpy(), heads[f"{t}.bias"].numpy(),
-                T[f"{v['name']}/{t}/probe"].numpy(), T[f"labels/{t}/probe"].numpy(),
-                C=cfg.probe_C, algorithms=tuple(cfg.clustering), normalize=cfg.normalize, seed=params.pipeline.seed)
-            rows += [{"variant": v["name"], "family": v["family"], "method": v["method"], "arrival": v["arrival"],
-                      "task": t, "metric": k, "value": round(float(x), 6)} for k, x in scores.items()]
+                T[f"{v['name']}/{t}/test"].numpy(),
+                T[f"labels/{t}/test"].numpy(),
+                heads[f"{t}.weight"].numpy(),
+                heads[f"{t}.bias"].numpy(),
+                T[f"{v['name']}/{t}/probe"].numpy(),
+                T[f"labels/{t}/probe"].numpy(),
+                C=cfg.probe_C,
+                algorithms=tuple(cfg.clustering),
+                normalize=cfg.normalize,
+                seed=params.pipeline.seed,
+            )
+            rows += [
+                {
+                    "variant": v["name"],
+                    "family": v["family"],
+                    "method": v["method"],
+                    "arrival": v["arrival"],
+                    "task": t,
+                    "metric": k,
+                    "value": round(float(x), 6),
+                }
+                for k, x in scores.items()
+            ]
             if progress is not None:
                 progress()
     return pd.DataFrame(rows, columns=["variant", "family", "method", "arrival", "task", "metric", "value"])
@@ -206,8 +292,9 @@ def _metric(interface: str) -> str:
     return interface if interface in ("head", "probe") else f"{interface}_nmi"
 
 
-def continual_matrices(cells: pd.DataFrame, order: list[str], methods: list[str], main: str,
-                       quantized: list[str], ifaces: list[str]) -> dict[str, dict[str, np.ndarray]]:
+def continual_matrices(
+    cells: pd.DataFrame, order: list[str], methods: list[str], main: str, quantized: list[str], ifaces: list[str]
+) -> dict[str, dict[str, np.ndarray]]:
     """R[j, i] per continual method and interface (NaN above the diagonal)."""
     value = {(r.variant, r.task, r.metric): r.value for r in cells.itertuples()}
     n = len(order)
@@ -250,26 +337,41 @@ def summarise(mats: dict, methods: list[str]) -> tuple[pd.DataFrame, pd.DataFram
     for method, by_iface in mats.items():
         for iface, R in by_iface.items():
             bwt = backward_transfer(R) if len(R) > 1 else float("nan")
-            summary.append({"method": method, "family": _family(method, methods), "interface": iface,
-                            "acc": round(average_accuracy(R), 6), "bwt": round(bwt, 6)})
-            curves += [{"method": method, "interface": iface, "arrival": j, "acc": round(a, 6)}
-                       for j, a in enumerate(accuracy_curve(R))]
+            summary.append(
+                {
+                    "method": method,
+                    "family": _family(method, methods),
+                    "interface": iface,
+                    "acc": round(average_accuracy(R), 6),
+                    "bwt": round(bwt, 6),
+                }
+            )
+            curves += [
+                {"method": method, "interface": iface, "arrival": j, "acc": round(a, 6)}
+                for j, a in enumerate(accuracy_curve(R))
+            ]
     return pd.DataFrame(summary), pd.DataFrame(curves)
 
 
 def deployable(cells: pd.DataFrame, data: dict, main: str, n_test: dict) -> dict:
     """Head accuracy per task (and mean) of the two models register can deploy."""
     qc = data["quantize_config"]
-    variants = {"quantized": f"quantize:mxfp4_{qc.get('allocation', 'load_aware')}",
-                "float": f"{main}@{len(data['order']) - 1}"}
+    variants = {
+        "quantized": f"quantize:mxfp4_{qc.get('allocation', 'load_aware')}",
+        "float": f"{main}@{len(data['order']) - 1}",
+    }
     out = {}
     for kind, variant in variants.items():
         head = cells[(cells["variant"] == variant) & (cells["metric"] == "head")]
         if head.empty:
             raise ValueError(f"no features for the deployable {kind} model {variant!r}; rerun merge and quantize")
         acc = {r.task: r.value for r in head.itertuples()}
-        out[kind] = {"variant": variant, "accuracy": acc, "mean_accuracy": round(float(np.mean(list(acc.values()))), 6),
-                     "n_test": n_test}
+        out[kind] = {
+            "variant": variant,
+            "accuracy": acc,
+            "mean_accuracy": round(float(np.mean(list(acc.values()))), 6),
+            "n_test": n_test,
+        }
     return out
 
 
@@ -291,27 +393,76 @@ def stage_summaries(root: Path, order: list[str]) -> dict[str, pd.DataFrame]:
         c = _read_json(root / "metrics" / t / "curate.json") or {}
         ing = _read_json(root / "metrics" / t / "ingest.json") or {}
         if c:
-            cur.append({"task": t, "eps_true": c.get("eps_true", ing.get("eps_true")), "eps_hat": c.get("eps_hat"),
-                        "ccmmd": c.get("ccmmd_value"), "ccmmd_ci_low": c.get("ccmmd_ci_low"),
-                        "ccmmd_ci_high": c.get("ccmmd_ci_high"), "naive": c.get("naive"),
-                        "audit_only": c.get("audit_only"), "oracle": c.get("oracle"),
-                        "keep_precision": c.get("keep_precision"), "keep_recall": c.get("keep_recall"),
-                        "n_keep": c.get("n_keep"), "n_pool": c.get("n_pool")})
+            cur.append(
+                {
+                    "task": t,
+                    "eps_true": c.get("eps_true", ing.get("eps_true")),
+                    "eps_hat": c.get("eps_hat"),
+                    "ccmmd": c.get("ccmmd_value"),
+                    "ccmmd_ci_low": c.get("ccmmd_ci_low"),
+                    "ccmmd_ci_high": c.get("ccmmd_ci_high"),
+                    "naive": c.get("naive"),
+                    "audit_only": c.get("audit_only"),
+                    "oracle": c.get("oracle"),
+                    "keep_precision": c.get("keep_precision"),
+                    "keep_recall": c.get("keep_recall"),
+                    "n_keep": c.get("n_keep"),
+                    "n_pool": c.get("n_pool"),
+                }
+            )
         p = _read_json(root / "metrics" / t / "pseudolabel.json") or {}
         if p:
-            pl.append({"task": t, **{k: p.get(k) for k in ("accuracy", "accuracy_ci_low", "accuracy_ci_high",
-                                                           "accuracy_true", "naive_accuracy", "n_selected")}})
+            pl.append(
+                {
+                    "task": t,
+                    **{
+                        k: p.get(k)
+                        for k in (
+                            "accuracy",
+                            "accuracy_ci_low",
+                            "accuracy_ci_high",
+                            "accuracy_true",
+                            "naive_accuracy",
+                            "n_selected",
+                        )
+                    },
+                }
+            )
         f = _read_json(root / "metrics" / t / "finetune.json") or {}
         if f:
             ft.append({"task": t, **{k: f.get(k) for k in ("test_accuracy", "dev_accuracy", "steps", "n_train")}})
-    cols = {"curation": ["task", "eps_true", "eps_hat", "ccmmd", "ccmmd_ci_low", "ccmmd_ci_high", "naive", "audit_only",
-                         "oracle", "keep_precision", "keep_recall", "n_keep", "n_pool"],
-            "pseudolabel": ["task", "accuracy", "accuracy_ci_low", "accuracy_ci_high", "accuracy_true",
-                            "naive_accuracy", "n_selected"],
-            "finetune": ["task", "test_accuracy", "dev_accuracy", "steps", "n_train"]}
-    frames = {"curation": pd.DataFrame(cur, columns=cols["curation"]),
-              "pseudolabel": pd.DataFrame(pl, columns=cols["pseudolabel"]),
-              "finetune": pd.DataFrame(ft, columns=cols["finetune"])}
+    cols = {
+        "curation": [
+            "task",
+            "eps_true",
+            "eps_hat",
+            "ccmmd",
+            "ccmmd_ci_low",
+            "ccmmd_ci_high",
+            "naive",
+            "audit_only",
+            "oracle",
+            "keep_precision",
+            "keep_recall",
+            "n_keep",
+            "n_pool",
+        ],
+        "pseudolabel": [
+            "task",
+            "accuracy",
+            "accuracy_ci_low",
+            "accuracy_ci_high",
+            "accuracy_true",
+            "naive_accuracy",
+            "n_selected",
+        ],
+        "finetune": ["task", "test_accuracy", "dev_accuracy", "steps", "n_train"],
+    }
+    frames = {
+        "curation": pd.DataFrame(cur, columns=cols["curation"]),
+        "pseudolabel": pd.DataFrame(pl, columns=cols["pseudolabel"]),
+        "finetune": pd.DataFrame(ft, columns=cols["finetune"]),
+    }
     for df in frames.values():  # None -> NaN, so the columns stay numeric
         for c in df.columns[1:]:
             df[c] = pd.to_numeric(df[c], errors="coerce")
@@ -345,6 +496,7 @@ def finetune_warnings(cells: pd.DataFrame, chance: dict[str, float]) -> list[str
     """A task's fine-tune (its encoder and head, on its test rows) below the base encoder's fresh
     probe, or within NEAR_CHANCE of chance: it learned less than the frozen model already knows (too
     few steps, a too high learning rate, too little data). Said on stderr and in evaluate.json."""
+
     def value(variant: str, metric: str, task: str) -> float | None:
         hit = cells[(cells["variant"] == variant) & (cells["metric"] == metric) & (cells["task"] == task)]
         return None if hit.empty else float(hit["value"].iloc[0])
@@ -355,11 +507,15 @@ def finetune_warnings(cells: pd.DataFrame, chance: dict[str, float]) -> list[str
         if ft is None:
             continue
         if ft <= floor + NEAR_CHANCE:
-            out.append(f"finetune@{task}: test accuracy {ft:.3f} is at chance ({floor:.3f}, the majority class's "
-                       f"share): it learned next to nothing (more steps or data, another lr)")
+            out.append(
+                f"finetune@{task}: test accuracy {ft:.3f} is at chance ({floor:.3f}, the majority class's "
+                f"share): it learned next to nothing (more steps or data, another lr)"
+            )
         elif probe is not None and ft < probe:
-            out.append(f"finetune@{task}: test accuracy {ft:.3f} is below the base model's fresh probe {probe:.3f} "
-                       f"(a linear probe on the frozen encoder beats the fine-tune)")
+            out.append(
+                f"finetune@{task}: test accuracy {ft:.3f} is below the base model's fresh probe {probe:.3f} "
+                f"(a linear probe on the frozen encoder beats the fine-tune)"
+            )
     return out
 
 
@@ -385,41 +541,74 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     n_probe = {t: int(T[f"labels/{t}/probe"].shape[0]) for t in order}
     deploy = deployable(cells, data, main, n_test)
     base_cells = cells[(cells["variant"] == "base") & (cells["metric"] == "head")]
-    chance = {t: round(float(np.bincount(T[f"labels/{t}/test"].numpy()).max()) / max(1, n_test[t]), 6)
-              for t in order if n_test[t]}
+    chance = {
+        t: round(float(np.bincount(T[f"labels/{t}/test"].numpy()).max()) / max(1, n_test[t]), 6)
+        for t in order
+        if n_test[t]
+    }
     baselines = {"chance": chance, "base": {r.task: r.value for r in base_cells.itertuples()}}
 
-    table = {m: {r.interface: {"acc": r.acc, "bwt": r.bwt} for r in summary[summary["method"] == m].itertuples()}
-             for m in mats}
+    table = {
+        m: {r.interface: {"acc": r.acc, "bwt": r.bwt} for r in summary[summary["method"] == m].itertuples()}
+        for m in mats
+    }
     warnings = finetune_warnings(cells, chance)
     for w in warnings:
         say(f"warning: {w}")
-    metrics = _json_safe({"order": order, "main": main, "interfaces": ifaces, "methods": table,
-                          "deployable": deploy, "baselines": baselines, "n_test": n_test, "n_probe": n_probe,
-                          "warnings": warnings})
+    metrics = _json_safe(
+        {
+            "order": order,
+            "main": main,
+            "interfaces": ifaces,
+            "methods": table,
+            "deployable": deploy,
+            "baselines": baselines,
+            "n_test": n_test,
+            "n_probe": n_probe,
+            "warnings": warnings,
+        }
+    )
     variants = {}
     for r in cells.itertuples():
         variants.setdefault(r.variant, {}).setdefault(r.task, {})[r.metric] = r.value
-    matrix_rows = [{"method": m, "interface": iface, "arrival": j, "task": order[i], "value": round(float(R[j, i]), 6)}
-                   for m, by in mats.items() for iface, R in by.items()
-                   for j in range(len(order)) for i in range(j + 1)]
+    matrix_rows = [
+        {"method": m, "interface": iface, "arrival": j, "task": order[i], "value": round(float(R[j, i]), 6)}
+        for m, by in mats.items()
+        for iface, R in by.items()
+        for j in range(len(order))
+        for i in range(j + 1)
+    ]
     summaries = stage_summaries(root, order)
 
     from tasks.runtime.tracking import git_commit
 
     results = {
-        "order": order, "interfaces": ifaces, "main": main, "cells": cells, "summary": summary, "curves": curves,
+        "order": order,
+        "interfaces": ifaces,
+        "main": main,
+        "cells": cells,
+        "summary": summary,
+        "curves": curves,
         "matrices": {m: {i: R.tolist() for i, R in by.items()} for m, by in mats.items()},
         **summaries,
         "quantize": _read_json(root / METRICS / "quantize.json"),
         "moe": _read_json(root / METRICS / "moe.json"),
-        "figures": {name: (root / path).read_bytes() for name, path in
-                    (("merge", MERGE / "accuracy.png"), ("quantize", QUANTIZE / "quantize.png"),
-                     ("moe", Path("models") / "moe" / "quantize" / "moe.png"),
-                     ("moe_curve", Path("models") / "moe" / "build" / "curve.png"))
-                    if (root / path).is_file()},
-        "meta": {"git_commit": git_commit(root), "params": {"evaluate": params.evaluate.model_dump()},
-                 "n_test": n_test, "n_probe": n_probe},
+        "figures": {
+            name: (root / path).read_bytes()
+            for name, path in (
+                ("merge", MERGE / "accuracy.png"),
+                ("quantize", QUANTIZE / "quantize.png"),
+                ("moe", Path("models") / "moe" / "quantize" / "moe.png"),
+                ("moe_curve", Path("models") / "moe" / "build" / "curve.png"),
+            )
+            if (root / path).is_file()
+        },
+        "meta": {
+            "git_commit": git_commit(root),
+            "params": {"evaluate": params.evaluate.model_dump()},
+            "n_test": n_test,
+            "n_probe": n_probe,
+        },
     }
     report = build_report(results)
 
@@ -436,8 +625,13 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
         if f"figures/{stale.name}" not in report:
             stale.unlink()
 
-    flat = {f"{m.replace('+', ':')}.{iface}.{k}": v for m, by in table.items() for iface, d in by.items() for k, v in d.items()
-            if v == v}
+    flat = {
+        f"{m.replace('+', ':')}.{iface}.{k}": v
+        for m, by in table.items()
+        for iface, d in by.items()
+        for k, v in d.items()
+        if v == v
+    }
     flat.update({f"deployable.{k}.mean_accuracy": d["mean_accuracy"] for k, d in deploy.items()})
     for handle in (log, log.parent() if hasattr(log, "parent") else None):
         if handle is None:
@@ -447,7 +641,12 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
         handle.log_artifacts(root / REPORTS / "figures", "report/figures")
         handle.log_artifact(root / METRICS / "evaluate.json", "report")
     out = {f"{main}.{iface}.acc": table[main][iface]["acc"] for iface in ifaces}
-    out.update({f"{main}.{iface}.bwt": table[main][iface]["bwt"] for iface in ifaces
-                if table[main][iface]["bwt"] == table[main][iface]["bwt"]})
+    out.update(
+        {
+            f"{main}.{iface}.bwt": table[main][iface]["bwt"]
+            for iface in ifaces
+            if table[main][iface]["bwt"] == table[main][iface]["bwt"]
+        }
+    )
     out.update({f"deployable.{k}.mean_accuracy": d["mean_accuracy"] for k, d in deploy.items()})
     return out

@@ -63,17 +63,23 @@ from tasks.runtime.params_schema import FinetuneParams, Params
 LABELED_COLUMNS = ("id", "text", "label", "source", "confidence", "weight")
 
 SPEC = StageSpec(
-    name="finetune", per_task=True,
+    name="finetune",
+    per_task=True,
     comment="Per task: the base encoder and a linear head fine-tuned with GMixout on the labeled rows.",
     deps=(str(MANIFEST), "data/{task}/labeled.parquet", "data/{task}/test.parquet"),
     # the chosen method's own options only (finetune.gmixout under method: gmixout): another
     # method's options change nothing here
-    params=("pipeline.seed", "ingest.allow_shared_ids", "model", "finetune.method",
-            "finetune.${finetune.method}", *(f"finetune.{k}" for k in FinetuneParams.common_fields())),
+    params=(
+        "pipeline.seed",
+        "ingest.allow_shared_ids",
+        "model",
+        "finetune.method",
+        "finetune.${finetune.method}",
+        *(f"finetune.{k}" for k in FinetuneParams.common_fields()),
+    ),
     outs=("data/{task}/finetune",),
     metrics=("metrics/{task}/finetune.json",),
 )
-
 
 
 def checkpoint_dir(root: Path | str, task: str) -> Path:
@@ -94,8 +100,9 @@ def read_labeled(path: Path) -> pd.DataFrame:
     bad = ~df["source"].isin(["reference", "audit", "pseudo"])
     if bad.any():
         row = int(np.flatnonzero(bad.to_numpy())[0])
-        raise ValueError(f"{path}, column 'source', row {row}: got {df['source'].iloc[row]!r}; "
-                         f"expected reference, audit or pseudo")
+        raise ValueError(
+            f"{path}, column 'source', row {row}: got {df['source'].iloc[row]!r}; expected reference, audit or pseudo"
+        )
     w = df["weight"].to_numpy(dtype=np.float64)
     if not np.all(np.isfinite(w) & (w >= 0)):
         row = int(np.flatnonzero(~(np.isfinite(w) & (w >= 0)))[0])
@@ -127,20 +134,34 @@ def mixout_config(cfg: FinetuneParams, seed: int, modules: str | None = None) ->
     if cfg.method == "mixout":
         return GMixoutConfig.mixout(p=cfg.mixout.p, modules=modules, seed=seed)
     g = cfg.gmixout
-    return GMixoutConfig(p=g.p, anchor=g.anchor, ema_beta=g.ema_beta, period=g.period, sparse=g.sparse,
-                         modules=modules, seed=seed)
+    return GMixoutConfig(
+        p=g.p, anchor=g.anchor, ema_beta=g.ema_beta, period=g.period, sparse=g.sparse, modules=modules, seed=seed
+    )
 
 
 def train_config(cfg: FinetuneParams, n_train: int, seed: int, progress: bool = True) -> TrainConfig:
     steps = cfg.max_steps or max(1, round(cfg.epochs * -(-n_train // cfg.batch_size)))
-    return TrainConfig(lr=cfg.lr, head_lr=cfg.head_lr, max_steps=steps, batch_size=cfg.batch_size, warmup=cfg.warmup,
-                       weight_decay=cfg.weight_decay, clip=cfg.clip, eval_every=min(cfg.eval_every, steps),
-                       patience=cfg.patience, checkpoint_every=cfg.checkpoint_every, seed=seed, progress=progress)
+    return TrainConfig(
+        lr=cfg.lr,
+        head_lr=cfg.head_lr,
+        max_steps=steps,
+        batch_size=cfg.batch_size,
+        warmup=cfg.warmup,
+        weight_decay=cfg.weight_decay,
+        clip=cfg.clip,
+        eval_every=min(cfg.eval_every, steps),
+        patience=cfg.patience,
+        checkpoint_every=cfg.checkpoint_every,
+        seed=seed,
+        progress=progress,
+    )
 
 
 def examples(tokenizer, df: pd.DataFrame, classes: list[str], max_length: int, use_weights: bool = True) -> Examples:
     index = {c: i for i, c in enumerate(classes)}
-    weights = df["weight"].to_numpy(dtype=np.float32) if use_weights and "weight" in df else np.ones(len(df), np.float32)
+    weights = (
+        df["weight"].to_numpy(dtype=np.float32) if use_weights and "weight" in df else np.ones(len(df), np.float32)
+    )
     labels = df["label"].map(index).to_numpy(dtype=np.int64, copy=True)
     return Examples(tokenize(tokenizer, df["text"].tolist(), max_length), labels, weights.copy())
 
@@ -152,8 +173,9 @@ def build_model(base: BaseModel, n_classes: int, cfg: FinetuneParams, seed: int)
     from crucible.models import resolve_modules
 
     encoder, tokenizer = base.load()
-    model = EncoderClassifier(encoder, n_classes, dropout=cfg.dropout, seed=stream_seed(seed, "head"),
-                              pooling=base.pooling(encoder.config)).to(current().device)
+    model = EncoderClassifier(
+        encoder, n_classes, dropout=cfg.dropout, seed=stream_seed(seed, "head"), pooling=base.pooling(encoder.config)
+    ).to(current().device)
     try:
         modules = resolve_modules(model.encoder, cfg.modules)
     except ValueError as exc:
@@ -171,15 +193,19 @@ def run(params: Params, task: str, root: Path, log) -> dict:
     base = Path(root) / "data" / task
     labeled = read_labeled(base / "labeled.parquet")
     test = read_table(base / "test.parquet", "test")
-    validate_disjoint({"labeled": labeled, "test": test},  # training rows must not be test rows
-                      {"labeled": str(base / "labeled.parquet"), "test": str(base / "test.parquet")},
-                      pairs=(("labeled", "test"),), allow_shared_ids=params.ingest.allow_shared_ids)
+    validate_disjoint(
+        {"labeled": labeled, "test": test},  # training rows must not be test rows
+        {"labeled": str(base / "labeled.parquet"), "test": str(base / "test.parquet")},
+        pairs=(("labeled", "test"),),
+        allow_shared_ids=params.ingest.allow_shared_ids,
+    )
     seed = task_seed(params.pipeline.seed, task)
     classes = sorted(labeled.loc[labeled["source"] == "reference", "label"].unique())
     unknown = sorted(set(labeled["label"]) - set(classes))
     if unknown:
-        raise ValueError(f"{base / 'labeled.parquet'}: labels {unknown[:3]} do not occur in the reference rows "
-                         f"(classes {classes})")
+        raise ValueError(
+            f"{base / 'labeled.parquet'}: labels {unknown[:3]} do not occur in the reference rows (classes {classes})"
+        )
     dev_mask = split_dev(labeled, cfg.dev_fraction, seed)
     train_df = labeled[~dev_mask & (labeled["weight"].to_numpy() > 0)]
     dev_df = labeled[dev_mask]
@@ -193,13 +219,29 @@ def run(params: Params, task: str, root: Path, log) -> dict:
     tcfg = train_config(cfg, len(train_set), seed)
     tcfg = TrainConfig(**{**tcfg.__dict__, "pad_id": tokenizer.pad_token_id or 0, "autocast": current().precision})
 
-    resolved = {"task": task, "base_model": base_info.name, "base_model_hash": base_info.hash, "classes": classes,
-                "max_length": max_length, "pooling": model.pooling, "dtype": base_info.dtype, "seed": seed, "finetune": cfg.resolved(), "train": tcfg.__dict__,
-                "n_train": len(train_set), "n_dev": len(dev_set), "runtime": runtime_config()}
+    resolved = {
+        "task": task,
+        "base_model": base_info.name,
+        "base_model_hash": base_info.hash,
+        "classes": classes,
+        "max_length": max_length,
+        "pooling": model.pooling,
+        "dtype": base_info.dtype,
+        "seed": seed,
+        "finetune": cfg.resolved(),
+        "train": tcfg.__dict__,
+        "n_train": len(train_set),
+        "n_dev": len(dev_set),
+        "runtime": runtime_config(),
+    }
     # the thread count too: a run resumed under another count would match no uninterrupted run
-    fingerprint = hashlib.md5(json.dumps({**resolved, "train_ids": train_df["id"].tolist(),
-                                          "torch_threads": torch.get_num_threads()}, sort_keys=True,
-                                         default=str).encode()).hexdigest()
+    fingerprint = hashlib.md5(
+        json.dumps(
+            {**resolved, "train_ids": train_df["id"].tolist(), "torch_threads": torch.get_num_threads()},
+            sort_keys=True,
+            default=str,
+        ).encode()
+    ).hexdigest()
     ckpt_dir = checkpoint_dir(root, task)
     if (ckpt_dir / "fingerprint").exists() and (ckpt_dir / "fingerprint").read_text() != fingerprint:
         shutil.rmtree(ckpt_dir)  # checkpoints of another config or data: start over
@@ -211,8 +253,9 @@ def run(params: Params, task: str, root: Path, log) -> dict:
             log.log_metrics(metrics, step)
 
     log.log_params({"torch_threads": torch.get_num_threads()})
-    result = train(model, train_set, dev_set, tcfg, mixout=gm, checkpoint_dir=ckpt_dir, log=log_curve,
-                   desc=f"finetune@{task}")
+    result = train(
+        model, train_set, dev_set, tcfg, mixout=gm, checkpoint_dir=ckpt_dir, log=log_curve, desc=f"finetune@{task}"
+    )
     if gm is not None:
         gm.unwrap()
     model.eval()
@@ -222,16 +265,32 @@ def run(params: Params, task: str, root: Path, log) -> dict:
 
     resolved["best_step"] = result.best_step
     backbone = {k: v.detach().cpu().contiguous() for k, v in model.encoder.state_dict().items()}
-    head = {"weight": model.head.weight.detach().cpu().contiguous(), "bias": model.head.bias.detach().cpu().contiguous()}
-    metrics = {"dev_accuracy": dev_eval["accuracy"], "dev_loss": dev_eval["loss"], "test_accuracy": test_eval["accuracy"],
-               "test_loss": test_eval["loss"], "steps": result.steps, "best_step": result.best_step,
-               "stopped_early": int(result.stopped_early),
-               "n_train": len(train_set), "n_dev": len(dev_set), "n_test": len(test_set)}
-    timing = {"examples_per_second": result.examples_per_second, "steps_per_second": result.steps_per_second,
-              "train_seconds": result.seconds}  # MLflow only: not in the DVC-tracked finetune.json
+    head = {
+        "weight": model.head.weight.detach().cpu().contiguous(),
+        "bias": model.head.bias.detach().cpu().contiguous(),
+    }
+    metrics = {
+        "dev_accuracy": dev_eval["accuracy"],
+        "dev_loss": dev_eval["loss"],
+        "test_accuracy": test_eval["accuracy"],
+        "test_loss": test_eval["loss"],
+        "steps": result.steps,
+        "best_step": result.best_step,
+        "stopped_early": int(result.stopped_early),
+        "n_train": len(train_set),
+        "n_dev": len(dev_set),
+        "n_test": len(test_set),
+    }
+    timing = {
+        "examples_per_second": result.examples_per_second,
+        "steps_per_second": result.steps_per_second,
+        "train_seconds": result.seconds,
+    }  # MLflow only: not in the DVC-tracked finetune.json
     out_dir = base / "finetune"
     with AtomicOutputs() as out:
-        out.bytes(safetensors_bytes(backbone, {"format": "pt", "base_model": base_info.name}), out_dir / "model.safetensors")
+        out.bytes(
+            safetensors_bytes(backbone, {"format": "pt", "base_model": base_info.name}), out_dir / "model.safetensors"
+        )
         out.bytes(safetensors_bytes(head, {"classes": json.dumps(classes)}), out_dir / "head.safetensors")
         out.json(resolved, out_dir / "config.json")
         out.json(metrics, Path(root) / "metrics" / task / "finetune.json")
@@ -242,8 +301,7 @@ def run(params: Params, task: str, root: Path, log) -> dict:
     return {**metrics, **timing}
 
 
-def log_model(log, finetune_dir: Path, base_model_dir: str, example: pd.DataFrame, tokenizer=None,
-              config=None) -> None:
+def log_model(log, finetune_dir: Path, base_model_dir: str, example: pd.DataFrame, tokenizer=None, config=None) -> None:
     """The task model as an MLflow pyfunc (texts in, labels out) under the run's `model` path,
     logged from code (tasks/registry/pyfunc.py with model_config crucible_model=TextClassifier): no pickle
     is written, and loading it unpickles nothing."""
@@ -252,6 +310,7 @@ def log_model(log, finetune_dir: Path, base_model_dir: str, example: pd.DataFram
     from tasks.registry.pyfunc import save_text_classifier
 
     with tempfile.TemporaryDirectory() as tmp:
-        save_text_classifier(Path(tmp) / "model", finetune_dir, base_model_dir, example.head(3),
-                             tokenizer=tokenizer, config=config)
+        save_text_classifier(
+            Path(tmp) / "model", finetune_dir, base_model_dir, example.head(3), tokenizer=tokenizer, config=config
+        )
         log.log_artifacts(Path(tmp) / "model", "model")

@@ -30,8 +30,14 @@ import numpy as np
 import pandas as pd
 
 from crucible.contamination import build_pool, draw_poisson_sample, poisson_inclusion_probabilities
-from crucible.schema import (DataValidationError, validate_audit_against_pool, validate_disjoint,
-                             validate_labels_against_reference, validate_reference_classes, validate_table)
+from crucible.schema import (
+    DataValidationError,
+    validate_audit_against_pool,
+    validate_disjoint,
+    validate_labels_against_reference,
+    validate_reference_classes,
+    validate_table,
+)
 from crucible.seeding import numpy_rng
 from tasks.runtime.declaration import StageSpec
 from tasks.data.corpora import load_corpus
@@ -42,7 +48,8 @@ from tasks.runtime.tracking import say
 TABLES = ("reference", "pool", "audit", "test")
 
 SPEC = StageSpec(
-    name="ingest", per_task=True,
+    name="ingest",
+    per_task=True,
     comment="Per task: the four tables (reference, pool, audit, test) and the demo's held-back truth.",
     deps=("inputs",),
     # every task's spec: the demo mixes the other tasks' corpora into this task's pool
@@ -50,7 +57,6 @@ SPEC = StageSpec(
     outs=tuple(f"data/{{task}}/{t}.parquet" for t in (*TABLES, "truth")),
     metrics=("metrics/{task}/ingest.json",),
 )
-
 
 
 def task_dir(root: Path, task: str) -> Path:
@@ -84,19 +90,26 @@ def build_demo(params: Params, task: str) -> dict[str, pd.DataFrame]:
     labels_per_text = corpus.groupby("text")["label"].nunique()
     corpus = corpus[corpus["text"].map(labels_per_text) == 1].drop_duplicates("text")
     if n_ref + n_test >= len(corpus):
-        raise ValueError(f"task '{task}': corpus '{spec.corpus}' has {len(corpus)} usable items, not enough for "
-                         f"n_reference={n_ref} + n_test={n_test} and a pool; lower them in params.yaml")
+        raise ValueError(
+            f"task '{task}': corpus '{spec.corpus}' has {len(corpus)} usable items, not enough for "
+            f"n_reference={n_ref} + n_test={n_test} and a pool; lower them in params.yaml"
+        )
     rng = task_rng(params, task, "split")
     order = rng.permutation(len(corpus))
     reference = corpus.iloc[order[:n_ref]]
-    test = corpus.iloc[order[n_ref:n_ref + n_test]]
-    held_out = corpus.iloc[order[n_ref + n_test:]]
+    test = corpus.iloc[order[n_ref : n_ref + n_test]]
+    held_out = corpus.iloc[order[n_ref + n_test :]]
     if reference["label"].nunique() < 2:
         raise DataValidationError(
-            f"data/{task}/reference.parquet", "label", None, reference["label"].iat[0], "at least two classes",
+            f"data/{task}/reference.parquet",
+            "label",
+            None,
+            reference["label"].iat[0],
+            "at least two classes",
             message=f"task '{task}': data/{task}/reference.parquet, column 'label': the demo drew {n_ref} rows of "
-                    f"corpus '{spec.corpus}', all of the single class {reference['label'].iat[0]!r}; expected at "
-                    f"least two classes: raise pipeline.tasks.{task}.n_reference (or ingest.n_reference)")
+            f"corpus '{spec.corpus}', all of the single class {reference['label'].iat[0]!r}; expected at "
+            f"least two classes: raise pipeline.tasks.{task}.n_reference (or ingest.n_reference)",
+        )
 
     others = []
     for name in sorted({s.corpus for s in params.pipeline.tasks.values()} - {spec.corpus}):
@@ -105,15 +118,32 @@ def build_demo(params: Params, task: str) -> dict[str, pd.DataFrame]:
         others.append(pd.DataFrame({"text": other["text"].str.slice(0, ing.max_chars), "corpus": name}))
     others = pd.concat(others, ignore_index=True) if others else pd.DataFrame({"text": [], "corpus": []})
     try:
-        pool, truth = build_pool(held_out, others, n_pool=n_pool, eps=ing.eps, mix=ing.contaminants.model_dump(),
-                                 rng=task_rng(params, task, "pool"), id_prefix=f"{task}-p")
+        pool, truth = build_pool(
+            held_out,
+            others,
+            n_pool=n_pool,
+            eps=ing.eps,
+            mix=ing.contaminants.model_dump(),
+            rng=task_rng(params, task, "pool"),
+            id_prefix=f"{task}-p",
+        )
     except ValueError as exc:
         raise ValueError(f"task '{task}' (corpus '{spec.corpus}', {len(corpus)} usable items): {exc}") from None
 
-    reference = pd.DataFrame({"id": [f"{task}-r{i:06d}" for i in range(n_ref)],
-                              "text": reference["text"].to_numpy(), "label": reference["label"].to_numpy()})
-    test = pd.DataFrame({"id": [f"{task}-t{i:06d}" for i in range(n_test)],
-                         "text": test["text"].to_numpy(), "label": test["label"].to_numpy()})
+    reference = pd.DataFrame(
+        {
+            "id": [f"{task}-r{i:06d}" for i in range(n_ref)],
+            "text": reference["text"].to_numpy(),
+            "label": reference["label"].to_numpy(),
+        }
+    )
+    test = pd.DataFrame(
+        {
+            "id": [f"{task}-t{i:06d}" for i in range(n_test)],
+            "text": test["text"].to_numpy(),
+            "label": test["label"].to_numpy(),
+        }
+    )
 
     uncertainty = None
     if ing.proxy_score == "lexical":
@@ -126,9 +156,14 @@ def build_demo(params: Params, task: str) -> dict[str, pd.DataFrame]:
     pi = poisson_inclusion_probabilities(n_pool, ing.audit.budget, uncertainty, ing.audit.pi_floor)
     audited = draw_poisson_sample(pi, task_rng(params, task, "audit"))
     # the simulated annotator answers from the held-back truth
-    audit = pd.DataFrame({"id": pool["id"][audited].to_numpy(), "pi": pi[audited],
-                          "member": truth["member"][audited].to_numpy(),
-                          "label": truth["label"][audited].to_numpy()})
+    audit = pd.DataFrame(
+        {
+            "id": pool["id"][audited].to_numpy(),
+            "pi": pi[audited],
+            "member": truth["member"][audited].to_numpy(),
+            "label": truth["label"][audited].to_numpy(),
+        }
+    )
     return {"reference": reference, "pool": pool, "audit": audit, "test": test, "truth": truth}
 
 
@@ -138,8 +173,14 @@ def read_user_files(params: Params, task: str, root: Path) -> dict[str, pd.DataF
     if (base / "truth.parquet").exists():
         tables["truth"] = read_table(base / "truth.parquet", "truth")
     else:  # the audit is all the truth a user has
-        tables["truth"] = pd.DataFrame({"id": tables["audit"]["id"], "member": tables["audit"]["member"],
-                                        "label": tables["audit"]["label"], "origin": "audit"})
+        tables["truth"] = pd.DataFrame(
+            {
+                "id": tables["audit"]["id"],
+                "member": tables["audit"]["member"],
+                "label": tables["audit"]["label"],
+                "origin": "audit",
+            }
+        )
     return tables
 
 
@@ -154,9 +195,11 @@ def check_user_files(params: Params, root: Path) -> dict[str, dict]:
         folder = base / task
         if not folder.is_dir():
             have = f"{base} has: {', '.join(found)}" if found else f"{base} has no task folders"
-            raise FileNotFoundError(f"{folder}: no such folder, but pipeline.tasks names {task!r} under "
-                                    f"ingest.source: files ({have}); each task needs "
-                                    f"{', '.join(t + '.parquet' for t in TABLES)} there")
+            raise FileNotFoundError(
+                f"{folder}: no such folder, but pipeline.tasks names {task!r} under "
+                f"ingest.source: files ({have}); each task needs "
+                f"{', '.join(t + '.parquet' for t in TABLES)} there"
+            )
         tables = read_user_files(params, task, root)
         check_tables(tables, folder, shared_ids_ok=allow_shared_ids(params))
         counts[task] = {kind: len(tables[kind]) for kind in TABLES}
@@ -195,7 +238,9 @@ def check_tables(tables: dict[str, pd.DataFrame], base: Path, *, shared_ids_ok: 
 def summarise(tables: dict[str, pd.DataFrame], params: Params) -> dict:
     pool, audit, truth = tables["pool"], tables["audit"], tables["truth"]
     metrics = {
-        "n_reference": len(tables["reference"]), "n_pool": len(pool), "n_test": len(tables["test"]),
+        "n_reference": len(tables["reference"]),
+        "n_pool": len(pool),
+        "n_test": len(tables["test"]),
         "n_audit": len(audit),
         "audit_members": int(audit["member"].sum()),
         "n_classes": int(tables["reference"]["label"].nunique()),
@@ -219,8 +264,10 @@ def run(params: Params, task: str, root: Path, log) -> dict:
     if params.ingest.source == "files":
         metrics["short_texts"] = short_texts(tables, params.ingest.min_chars)
         if metrics["short_texts"]:
-            say(f"warning: ingest@{task}: {metrics['short_texts']} texts in {params.ingest.files_dir}/{task} are shorter than "
-                f"ingest.min_chars = {params.ingest.min_chars} characters (kept: your files are used as they are)")
+            say(
+                f"warning: ingest@{task}: {metrics['short_texts']} texts in {params.ingest.files_dir}/{task} are shorter than "
+                f"ingest.min_chars = {params.ingest.min_chars} characters (kept: your files are used as they are)"
+            )
     with AtomicOutputs() as out:
         for kind, df in tables.items():
             out.parquet(df, base / f"{kind}.parquet")

@@ -63,17 +63,25 @@ TIMING = ("merge_seconds", "add_seconds", "merged_seconds", "peak_rss_mb", "peak
 
 
 SPEC = StageSpec(
-    name="merge", per_task=False,
+    name="merge",
+    per_task=False,
     comment="Once over all tasks: the fine-tunes merged in arrival order by every method, scored on each "
-            "task's test rows and probe rows (the reference, or labeled rows: evaluate.probe_rows).",
-    deps=(str(MANIFEST), "data/{task}/finetune", "data/{task}/test.parquet", "data/{task}/reference.parquet",
-          "data/{task}/labeled.parquet"),
+    "task's test rows and probe rows (the reference, or labeled rows: evaluate.probe_rows).",
+    deps=(
+        str(MANIFEST),
+        "data/{task}/finetune",
+        "data/{task}/test.parquet",
+        "data/{task}/reference.parquet",
+        "data/{task}/labeled.parquet",
+    ),
     params=("pipeline.tasks", "model", "merge", "evaluate.probe_rows", "evaluate.probe_limit"),
-    outs=tuple(str(OUT / n) for n in ("model.safetensors", "heads.safetensors", "config.json",
-                                      "features.safetensors")),
+    outs=tuple(str(OUT / n) for n in ("model.safetensors", "heads.safetensors", "config.json", "features.safetensors")),
     metrics=(str(METRICS / "merge.json"),),
-    plots=(Plot(str(METRICS / "merge_accuracy.csv"), x="arrival", y="accuracy"), Plot(str(METRICS / "merge_ranks.csv")),
-           Plot(str(OUT / "accuracy.png"))),
+    plots=(
+        Plot(str(METRICS / "merge_accuracy.csv"), x="arrival", y="accuracy"),
+        Plot(str(METRICS / "merge_ranks.csv")),
+        Plot(str(OUT / "accuracy.png")),
+    ),
 )
 
 
@@ -98,9 +106,17 @@ def read_merged_state(path: Path, what: str, theta_0: dict) -> dict:
 # the accuracy matrix
 
 
-def merge_method(method: str, kwargs: dict, theta0_file: Path, specs: list[dict], out_dir: Path,
-                 store: FeatureStore | None, finetuned: dict[str, float], threads: int,
-                 device: str = "cpu") -> tuple[dict, list, list]:
+def merge_method(
+    method: str,
+    kwargs: dict,
+    theta0_file: Path,
+    specs: list[dict],
+    out_dir: Path,
+    store: FeatureStore | None,
+    finetuned: dict[str, float],
+    threads: int,
+    device: str = "cpu",
+) -> tuple[dict, list, list]:
     """One method over the sequence `specs` (arrival order): its worker's time/memory records and, with
     a feature store, the accuracy matrix R[j, i] (task i after arrival j, i <= j) and its summaries;
     the features of every arrival's merged model on the arrived tasks go into the store (variant
@@ -111,8 +127,16 @@ def merge_method(method: str, kwargs: dict, theta0_file: Path, specs: list[dict]
     from crucible.continual import accuracy_curve, average_accuracy, backward_transfer, normalised_accuracy
 
     order = [s["task"] for s in specs]
-    worker = start_method(method, kwargs, theta0_file, [s["model"] for s in specs], out_dir,
-                          "each" if store is not None else "final", threads, device)
+    worker = start_method(
+        method,
+        kwargs,
+        theta0_file,
+        [s["model"] for s in specs],
+        out_dir,
+        "each" if store is not None else "final",
+        threads,
+        device,
+    )
     try:
         result = worker.result()
     except BaseException:
@@ -120,12 +144,15 @@ def merge_method(method: str, kwargs: dict, theta0_file: Path, specs: list[dict]
         raise
     recs = result["records"]
     ranks = [{"method": method, **r} for r in result["ranks"]]
-    entry = {"merge_seconds": sum(r["add_seconds"] + r["merged_seconds"] for r in recs),
-             "add_seconds": [r["add_seconds"] for r in recs],
-             "merged_seconds": [r["merged_seconds"] for r in recs],
-             "peak_rss_mb": max(r["peak_rss_mb"] for r in recs),
-             "peak_rss_mb_by_arrival": [r["peak_rss_mb"] for r in recs],
-             "state_mb": recs[-1]["state_mb"], "state_mb_by_arrival": [r["state_mb"] for r in recs]}
+    entry = {
+        "merge_seconds": sum(r["add_seconds"] + r["merged_seconds"] for r in recs),
+        "add_seconds": [r["add_seconds"] for r in recs],
+        "merged_seconds": [r["merged_seconds"] for r in recs],
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in recs),
+        "peak_rss_mb_by_arrival": [r["peak_rss_mb"] for r in recs],
+        "state_mb": recs[-1]["state_mb"],
+        "state_mb_by_arrival": [r["state_mb"] for r in recs],
+    }
     if result["ranks"]:
         last = [r for r in result["ranks"] if r["arrival"] == len(specs) - 1]
         entry["rank_mean"] = float(np.mean([r["rank"] for r in last]))
@@ -135,14 +162,20 @@ def merge_method(method: str, kwargs: dict, theta0_file: Path, specs: list[dict]
         R = np.full((len(specs), len(specs)), np.nan)
         for j in range(len(specs)):
             state = read_merged_state(out_dir / f"{j}.safetensors", f"{method} after arrival {j}", store.scorer.theta_0)
-            acc = store.add(f"{method}@{j}", "merge", method, j, order[:j + 1], state=state)
+            acc = store.add(f"{method}@{j}", "merge", method, j, order[: j + 1], state=state)
             for i in range(j + 1):
                 R[j, i] = acc[order[i]]
                 rows.append({"method": method, "arrival": j, "task": order[i], "accuracy": R[j, i]})
-        entry.update({"avg_accuracy": average_accuracy(R),
-                      "normalised_accuracy": normalised_accuracy(R, [finetuned[t] for t in order]),
-                      "bwt": backward_transfer(R), "accuracy_curve": accuracy_curve(R),
-                      "final_accuracy": dict(zip(order, R[-1].tolist())), "R": R.tolist()})
+        entry.update(
+            {
+                "avg_accuracy": average_accuracy(R),
+                "normalised_accuracy": normalised_accuracy(R, [finetuned[t] for t in order]),
+                "bwt": backward_transfer(R),
+                "accuracy_curve": accuracy_curve(R),
+                "final_accuracy": dict(zip(order, R[-1].tolist())),
+                "R": R.tolist(),
+            }
+        )
     return entry, rows, ranks
 
 
@@ -157,10 +190,13 @@ def reference_accuracy(store: FeatureStore, specs: list[dict]) -> tuple[dict, di
     finetuned = {}
     for j, spec in enumerate(specs):
         t = spec["task"]
-        state, _ = read_safetensors(spec["model"], f"fine-tuned encoder of task {t!r}",
-                                    f"rebuild it with `crucible stage finetune --task {t}`",
-                                    shapes=_shapes(store.scorer.theta_0))
-        finetuned[t] = store.add(f"finetune:{t}", "finetune", "finetune", j, order[:j + 1], state=state)[t]
+        state, _ = read_safetensors(
+            spec["model"],
+            f"fine-tuned encoder of task {t!r}",
+            f"rebuild it with `crucible stage finetune --task {t}`",
+            shapes=_shapes(store.scorer.theta_0),
+        )
+        finetuned[t] = store.add(f"finetune:{t}", "finetune", "finetune", j, order[: j + 1], state=state)[t]
     return base, finetuned
 
 
@@ -181,8 +217,10 @@ def worker_device(theta_0: dict, methods: dict, headroom: float = 6.0) -> str:
     need = headroom * sum(v.numel() * 4 for v in theta_0.values())
     free, _ = torch.cuda.mem_get_info(device)
     if free < need:
-        say(f"merge: {free / 2**30:.1f} GiB free on {device}, {need / 2**30:.1f} GiB wanted for "
-            f"{', '.join(methods)}: the merge workers run on the CPU")
+        say(
+            f"merge: {free / 2**30:.1f} GiB free on {device}, {need / 2**30:.1f} GiB wanted for "
+            f"{', '.join(methods)}: the merge workers run on the CPU"
+        )
         return "cpu"
     return str(device)
 
@@ -200,17 +238,20 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     base = base_model(params, root)
     specs = [read_task_model(root, t, base.name, base.hash) for t in order]
     tests = read_tests(root, params, cfg.eval_limit)
-    scorer = Scorer(base, specs, tests, cfg.eval_batch_size,
-                    probes=read_probe_rows(root, params) if cfg.evaluate else None)
+    scorer = Scorer(
+        base, specs, tests, cfg.eval_batch_size, probes=read_probe_rows(root, params) if cfg.evaluate else None
+    )
     other = [s["task"] for s in specs if s["pooling"] != scorer.pooling]
     if other:
-        raise ValueError(f"data/{other[0]}/finetune/config.json: pooled {specs[order.index(other[0])]['pooling']!r}, "
-                         f"but model.pooling now resolves to {scorer.pooling!r}; rerun finetune@{other[0]}")
+        raise ValueError(
+            f"data/{other[0]}/finetune/config.json: pooled {specs[order.index(other[0])]['pooling']!r}, "
+            f"but model.pooling now resolves to {scorer.pooling!r}; rerun finetune@{other[0]}"
+        )
     store = FeatureStore(scorer)
     threads = torch.get_num_threads()
 
-    rows: list[dict] = []    # accuracy.csv
-    ranks: list[dict] = []   # ranks.csv
+    rows: list[dict] = []  # accuracy.csv
+    ranks: list[dict] = []  # ranks.csv
     summary: dict[str, dict] = {}
     finetuned, base_acc = {}, {}
     with scratch(root, "merge") as tmp:  # in the workspace; a killed run's folder goes at the next start
@@ -221,46 +262,78 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
 
         if cfg.evaluate:
             base_acc, finetuned = reference_accuracy(store, specs)
-            rows += [{"method": ref, "arrival": None, "task": t, "accuracy": acc[t]}
-                     for t in order for ref, acc in (("base", base_acc), ("finetuned", finetuned))]
+            rows += [
+                {"method": ref, "arrival": None, "task": t, "accuracy": acc[t]}
+                for t in order
+                for ref, acc in (("base", base_acc), ("finetuned", finetuned))
+            ]
         # one method at a time: a worker merging beside the parent's scoring (one ahead) measured
         # slower on 2 cores (both processes want every core: the stage took 490 s against 305 s)
         for method, kwargs in Progress(methods, desc="merge: methods", unit="method"):
-            entry, method_rows, method_ranks = merge_method(method, kwargs, theta0_file, specs, tmp / method,
-                                                            store if cfg.evaluate else None, finetuned,
-                                                            threads, device)
+            entry, method_rows, method_ranks = merge_method(
+                method,
+                kwargs,
+                theta0_file,
+                specs,
+                tmp / method,
+                store if cfg.evaluate else None,
+                finetuned,
+                threads,
+                device,
+            )
             summary[method] = entry
             rows += method_rows
             ranks += method_ranks
-        main_state = read_merged_state(tmp / cfg.main / f"{len(specs) - 1}.safetensors",
-                                       f"{cfg.main} after the last arrival", scorer.theta_0)
+        main_state = read_merged_state(
+            tmp / cfg.main / f"{len(specs) - 1}.safetensors", f"{cfg.main} after the last arrival", scorer.theta_0
+        )
 
     heads = {f"{s['task']}.{k}": v.contiguous() for s in specs for k, v in s["head"].items()}
-    config = {"order": order, "main": cfg.main, "methods": cfg.methods, "base_model": base.name,
-              "base_model_hash": base.hash, "pooling": scorer.pooling, "dtype": base.dtype,
-              "classes": {s["task"]: s["classes"] for s in specs},
-              "max_length": {s["task"]: s["max_length"] for s in specs}, "runtime": runtime_config()}
+    config = {
+        "order": order,
+        "main": cfg.main,
+        "methods": cfg.methods,
+        "base_model": base.name,
+        "base_model_hash": base.hash,
+        "pooling": scorer.pooling,
+        "dtype": base.dtype,
+        "classes": {s["task"]: s["classes"] for s in specs},
+        "max_length": {s["task"]: s["max_length"] for s in specs},
+        "runtime": runtime_config(),
+    }
     main = summary[cfg.main]
     # seconds and peak RSS vary run to run: MLflow gets them, the DVC-tracked merge.json does not, so
     # the same params give the same bytes
     timing = {m: {k: e.pop(k) for k in TIMING if k in e} for m, e in summary.items()}
-    metrics = {"main": cfg.main, "tasks": len(order),
-               **{k: main[k] for k in ("avg_accuracy", "normalised_accuracy", "bwt", "state_mb") if k in main},
-               "base_accuracy": base_acc, "finetuned_accuracy": finetuned, "methods": summary}
+    metrics = {
+        "main": cfg.main,
+        "tasks": len(order),
+        **{k: main[k] for k in ("avg_accuracy", "normalised_accuracy", "bwt", "state_mb") if k in main},
+        "base_accuracy": base_acc,
+        "finetuned_accuracy": finetuned,
+        "methods": summary,
+    }
     metrics = _json_safe(metrics)
     out = root / OUT
     with AtomicOutputs() as atomic:
-        atomic.bytes(safetensors_bytes(main_state, {"format": "pt", "base_model": base.name,
-                                                "method": cfg.main, "order": json.dumps(order)}),
-                     out / "model.safetensors")
+        atomic.bytes(
+            safetensors_bytes(
+                main_state, {"format": "pt", "base_model": base.name, "method": cfg.main, "order": json.dumps(order)}
+            ),
+            out / "model.safetensors",
+        )
         atomic.bytes(safetensors_bytes(heads, {"classes": json.dumps(config["classes"])}), out / "heads.safetensors")
         atomic.json(config, out / "config.json")
         atomic.bytes(store.to_bytes(), out / "features.safetensors")
         atomic.json(metrics, root / METRICS / "merge.json")
-        atomic.bytes(pd.DataFrame(rows, columns=["method", "arrival", "task", "accuracy"]).to_csv(index=False).encode(),
-                     root / METRICS / "merge_accuracy.csv")
-        atomic.bytes(pd.DataFrame(ranks, columns=["method", "arrival", "param", "rank", "budget"])
-                     .to_csv(index=False).encode(), root / METRICS / "merge_ranks.csv")
+        atomic.bytes(
+            pd.DataFrame(rows, columns=["method", "arrival", "task", "accuracy"]).to_csv(index=False).encode(),
+            root / METRICS / "merge_accuracy.csv",
+        )
+        atomic.bytes(
+            pd.DataFrame(ranks, columns=["method", "arrival", "param", "rank", "budget"]).to_csv(index=False).encode(),
+            root / METRICS / "merge_ranks.csv",
+        )
         atomic.bytes(plot_accuracy(rows, order, summary), out / "accuracy.png")
     flat = {}
     for method, entry in summary.items():

@@ -25,9 +25,10 @@ from tasks.runtime.io import AtomicOutputs
 from tasks.runtime.params_schema import Params
 
 SPEC = StageSpec(
-    name="model", per_task=False,
+    name="model",
+    per_task=False,
     comment="Once: the base model's files hashed into a manifest, the dependency of every stage that loads "
-            "the model (crucible run reruns it each time; under plain DVC `dvc repro -f model`).",
+    "the model (crucible run reruns it each time; under plain DVC `dvc repro -f model`).",
     params=("model.name",),
     outs=(str(MANIFEST),),
 )

@@ -46,16 +46,33 @@ HOME = Path("models") / "moe" / "build"
 UNIT_TOL = 1e-3  # max |logit| difference of the all-experts MoE against the dense model (float32)
 
 SPEC = StageSpec(
-    name="moe_build", per_task=False, switch="moe.enabled",
+    name="moe_build",
+    per_task=False,
+    switch="moe.enabled",
     comment="The MoE branch (moe.enabled; off by default, on in profiles/moe.yaml): a dense LM split into "
-            "an MoE. Switched off, it writes only a note, so the DAG is the same either way.",
-    params=("pipeline.seed", "moe.enabled", "moe.model", "moe.n_experts", "moe.top_k", "moe.shared_share",
-            "moe.refit", "moe.refit_ridge", "moe.recover_steps", "moe.recover_train", "moe.recover_lr",
-            "moe.recover_sequences", "moe.corpora", "moe.eval_share", "moe.seq_len", "moe.build_sequences",
-            "moe.eval_sequences", "moe.batch_size"),
+    "an MoE. Switched off, it writes only a note, so the DAG is the same either way.",
+    params=(
+        "pipeline.seed",
+        "moe.enabled",
+        "moe.model",
+        "moe.n_experts",
+        "moe.top_k",
+        "moe.shared_share",
+        "moe.refit",
+        "moe.refit_ridge",
+        "moe.recover_steps",
+        "moe.recover_train",
+        "moe.recover_lr",
+        "moe.recover_sequences",
+        "moe.corpora",
+        "moe.eval_share",
+        "moe.seq_len",
+        "moe.build_sequences",
+        "moe.eval_sequences",
+        "moe.batch_size",
+    ),
     outs=(str(HOME),),
 )
-
 
 
 def checkpoint_dir(root: Path) -> Path:
@@ -69,8 +86,9 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     root = Path(root)
     if not p.enabled:
         with AtomicOutputs() as out:
-            _replace_folder(root / HOME, out, {}, {"enabled": False,
-                                                  "note": "moe.enabled is false: the MoE branch did not run"})
+            _replace_folder(
+                root / HOME, out, {}, {"enabled": False, "note": "moe.enabled is false: the MoE branch did not run"}
+            )
         return {"moe_enabled": 0}
 
     import copy
@@ -88,8 +106,16 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     seconds["load_dense"] = time.perf_counter() - t
     seqs = sequences(tokenizer, p, params.pipeline.seed, parts=("build", "recover", "eval"))
     t = time.perf_counter()
-    moe, report = moefy(dense, seqs["build"], n_experts=p.n_experts, top_k=p.top_k, shared_share=p.shared_share,
-                        seed=params.pipeline.seed, batch_size=p.batch_size, progress=True)
+    moe, report = moefy(
+        dense,
+        seqs["build"],
+        n_experts=p.n_experts,
+        top_k=p.top_k,
+        shared_share=p.shared_share,
+        seed=params.pipeline.seed,
+        batch_size=p.batch_size,
+        progress=True,
+    )
     seconds["moefy"] = time.perf_counter() - t
     t = time.perf_counter()
     probe = seqs["eval"][: min(4, len(seqs["eval"]))].to(current().device)
@@ -99,19 +125,26 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
             got = moe(input_ids=probe).logits
     unit_diff = float((ref - got).abs().max())
     if not unit_diff <= UNIT_TOL:
-        raise RuntimeError(f"moe_build: with every expert at unit weight the MoE's logits differ from the dense "
-                           f"model's by {unit_diff:.3g} (> {UNIT_TOL}): the split is wrong; nothing was written")
+        raise RuntimeError(
+            f"moe_build: with every expert at unit weight the MoE's logits differ from the dense "
+            f"model's by {unit_diff:.3g} (> {UNIT_TOL}): the split is wrong; nothing was written"
+        )
     ppl_dense = perplexity(dense, seqs["eval"], batch_size=p.batch_size, progress=True)
     vocab = int(dense.config.vocab_size)
     if ppl_dense >= 0.99 * vocab:  # uniform predictions: the weights did not load (an all-zero LM head)
-        raise RuntimeError(f"moe_build: the dense model {source} has perplexity {ppl_dense:.1f}, about its "
-                           f"vocabulary size {vocab}: it predicts uniformly, so its weights did not load; "
-                           "nothing was written")
+        raise RuntimeError(
+            f"moe_build: the dense model {source} has perplexity {ppl_dense:.1f}, about its "
+            f"vocabulary size {vocab}: it predicts uniformly, so its weights did not load; "
+            "nothing was written"
+        )
     ppl_built = perplexity(moe, seqs["eval"], batch_size=p.batch_size, progress=True)
     curve = []  # the same experts and routers at every top-k: perplexity against the active share
     for k in range(1, p.n_experts):
-        ppl = ppl_built if k == p.top_k else perplexity(set_top_k(copy.deepcopy(moe), k), seqs["eval"],
-                                                        batch_size=p.batch_size, progress=True)
+        ppl = (
+            ppl_built
+            if k == p.top_k
+            else perplexity(set_top_k(copy.deepcopy(moe), k), seqs["eval"], batch_size=p.batch_size, progress=True)
+        )
         curve.append({"top_k": k, "active_share": active_share(p.n_experts, k, report.shared_share), "perplexity": ppl})
     seconds["perplexity"] = time.perf_counter() - t
     t = time.perf_counter()
@@ -119,31 +152,51 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     ppl_refit = perplexity(moe, seqs["eval"], batch_size=p.batch_size, progress=True) if p.refit else ppl_built
     seconds["refit"] = time.perf_counter() - t
     t = time.perf_counter()
-    history = recover(moe, dense, list(seqs["recover"].split(p.batch_size)), p.recover_steps, lr=p.recover_lr,
-                      train=p.recover_train, seed=params.pipeline.seed, checkpoint_dir=checkpoint_dir(root),
-                      checkpoint_every=max(1, p.recover_steps // 4) if p.recover_steps else 0, progress=True,
-                      log=lambda m, step: log.log_metrics({"recover_loss": m["loss"]}, step=step))
+    history = recover(
+        moe,
+        dense,
+        list(seqs["recover"].split(p.batch_size)),
+        p.recover_steps,
+        lr=p.recover_lr,
+        train=p.recover_train,
+        seed=params.pipeline.seed,
+        checkpoint_dir=checkpoint_dir(root),
+        checkpoint_every=max(1, p.recover_steps // 4) if p.recover_steps else 0,
+        progress=True,
+        log=lambda m, step: log.log_metrics({"recover_loss": m["loss"]}, step=step),
+    )
     seconds["recover"] = time.perf_counter() - t
     ppl_moe = perplexity(moe, seqs["eval"], batch_size=p.batch_size, progress=True) if p.recover_steps else ppl_refit
     layers = report.to_dict()["layers"]
     metrics = {
-        "enabled": True, "source": source, "n_experts": p.n_experts, "top_k": p.top_k,
-        "shared_share": report.shared_share, "active_share": report.active_share,
-        "layers": len(layers), "seq_len": p.seq_len,
+        "enabled": True,
+        "source": source,
+        "n_experts": p.n_experts,
+        "top_k": p.top_k,
+        "shared_share": report.shared_share,
+        "active_share": report.active_share,
+        "layers": len(layers),
+        "seq_len": p.seq_len,
         "sequences": {k: int(v.shape[0]) for k, v in seqs.items()},
         "perplexity": {"dense": ppl_dense, "moe_built": ppl_built, "moe_refit": ppl_refit, "moe_float": ppl_moe},
         "curve": curve,
         "refit_error": [{"before": r["before"], "after": r["after"]} for r in refit],
-        "recover": {"steps": p.recover_steps, "train": p.recover_train, "lr": p.recover_lr,
-                    "loss": [h["loss"] for h in history]},
+        "recover": {
+            "steps": p.recover_steps,
+            "train": p.recover_train,
+            "lr": p.recover_lr,
+            "loss": [h["loss"] for h in history],
+        },
         "shared_mass": [layer["shared_mass"] for layer in layers],
         "active_mass": [layer["active_mass"] for layer in layers],
         "unit_weight_max_abs_diff": unit_diff,
         "router_recall": [layer["recall"] for layer in layers],
         "router_r2": [layer["r2"] for layer in layers],
         "expert_load": [layer["load"] for layer in layers],
-        "parameters": {"dense": sum(x.numel() for x in dense.parameters()),
-                       "moe": sum(x.numel() for x in moe.parameters())},
+        "parameters": {
+            "dense": sum(x.numel() for x in dense.parameters()),
+            "moe": sum(x.numel() for x in moe.parameters()),
+        },
     }
     with scratch(root, "moe_build") as tmp:  # owner-tagged: a killed run's folder is swept later
         moe.save_pretrained(tmp)
@@ -155,10 +208,16 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
         files = {f.name: f for f in Path(tmp).iterdir() if f.is_file()}
         with AtomicOutputs() as out:
             _replace_folder(root / HOME, out, files, metrics)
-    log.log_metrics({"perplexity_dense": ppl_dense, "perplexity_moe_built": ppl_built,
-                     "perplexity_moe_refit": ppl_refit, "perplexity_moe_float": ppl_moe,
-                     "unit_weight_max_abs_diff": unit_diff,
-                     **{f"seconds_{k}": v for k, v in seconds.items()}})
+    log.log_metrics(
+        {
+            "perplexity_dense": ppl_dense,
+            "perplexity_moe_built": ppl_built,
+            "perplexity_moe_refit": ppl_refit,
+            "perplexity_moe_float": ppl_moe,
+            "unit_weight_max_abs_diff": unit_diff,
+            **{f"seconds_{k}": v for k, v in seconds.items()},
+        }
+    )
     return {"perplexity_dense": ppl_dense, "perplexity_moe_float": ppl_moe}
 
 
@@ -169,8 +228,11 @@ def _replace_folder(folder: Path, out: AtomicOutputs, files: dict[str, Path], me
         out.file(folder / name, lambda dst, src=src: shutil.copyfile(src, dst))
     out.bytes((json.dumps(metrics, indent=2, sort_keys=True, default=float) + "\n").encode(), folder / "build.json")
     keep = set(files) | {"build.json"}
-    stale = [f for f in folder.iterdir() if f.is_file() and not f.name.startswith(".") and f.name not in keep] \
-        if folder.is_dir() else []
+    stale = (
+        [f for f in folder.iterdir() if f.is_file() and not f.name.startswith(".") and f.name not in keep]
+        if folder.is_dir()
+        else []
+    )
     out.publish()
     for f in stale:
         f.unlink(missing_ok=True)

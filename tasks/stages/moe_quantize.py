@@ -50,14 +50,15 @@ METRICS = Path("metrics") / "moe.json"
 FILES = ("model.safetensors", "consistency.csv", "drift.csv", "ranks.csv", "moe.png")
 
 SPEC = StageSpec(
-    name="moe_quantize", per_task=False, switch="moe.enabled",
+    name="moe_quantize",
+    per_task=False,
+    switch="moe.enabled",
     comment="The MoE in MXFP4 with uniform and load-aware compensation and routing replay QAT.",
     deps=(str(BUILD),),
     params=("pipeline.seed", "moe"),
     outs=(str(HOME),),
     metrics=(str(METRICS),),
 )
-
 
 
 def checkpoint_dir(root: Path) -> Path:
@@ -93,7 +94,9 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     folder = root / BUILD
     from crucible.moe.dense import tie_embeddings
 
-    moe = tie_embeddings(AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)).eval()
+    moe = tie_embeddings(
+        AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
+    ).eval()
     moe = moe.to(current().device)  # calibration, the variants and replay QAT run where the model is
     if not hasattr(moe.model.layers[0].mlp, "experts"):
         raise ValueError(f"{folder}: {type(moe).__name__} has no MoE layers (mlp.experts); rebuild with moe_build")
@@ -102,14 +105,32 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     budget = p.rank_budget if p.rank_budget is not None else default_rank_budget(moe, p.attention)
     ckpt = checkpoint_dir(root)
     result = quantize_variants(
-        moe, seqs["calib"], seqs["eval"], rank_budget=budget, attention=p.attention, qat_steps=p.qat_steps,
-        qat_lr=p.qat_lr, qat_loss=p.qat_loss, seed=params.pipeline.seed, batch_size=p.batch_size, mode=p.mode,
-        progress=True, checkpoint_dir=ckpt, checkpoint_every=max(1, p.qat_steps // 4) if p.qat_steps else 0,
-        log=lambda m, step: log.log_metrics({f"qat_{k}": v for k, v in m.items()}, step=step))
+        moe,
+        seqs["calib"],
+        seqs["eval"],
+        rank_budget=budget,
+        attention=p.attention,
+        qat_steps=p.qat_steps,
+        qat_lr=p.qat_lr,
+        qat_loss=p.qat_loss,
+        seed=params.pipeline.seed,
+        batch_size=p.batch_size,
+        mode=p.mode,
+        progress=True,
+        checkpoint_dir=ckpt,
+        checkpoint_every=max(1, p.qat_steps // 4) if p.qat_steps else 0,
+        log=lambda m, step: log.log_metrics({f"qat_{k}": v for k, v in m.items()}, step=step),
+    )
     metrics = {k: v for k, v in result.metrics.items() if k != "seconds"}
-    metrics.update(enabled=True, rank_budget=budget, source=build.get("source"),
-                   perplexity={"dense": build["perplexity"]["dense"],
-                               **{name: v["perplexity"] for name, v in result.metrics["variants"].items()}})
+    metrics.update(
+        enabled=True,
+        rank_budget=budget,
+        source=build.get("source"),
+        perplexity={
+            "dense": build["perplexity"]["dense"],
+            **{name: v["perplexity"] for name, v in result.metrics["variants"].items()},
+        },
+    )
     tables = frames(result.metrics)
     from tasks.report.moe_plots import figure
 
@@ -128,10 +149,22 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
 
         shutil.rmtree(ckpt, ignore_errors=True)
     flat = {f"perplexity_{k}": v for k, v in metrics["perplexity"].items()}
-    flat.update({f"consistency_{k}": v["consistency_mean"]["set"] for k, v in metrics["variants"].items()
-                 if "consistency_mean" in v})
-    log.log_metrics({**flat, **{"seconds_" + re.sub(r"[^A-Za-z0-9_]+", "_", k).strip("_"): v
-                                for k, v in result.metrics["seconds"].items()}})
+    flat.update(
+        {
+            f"consistency_{k}": v["consistency_mean"]["set"]
+            for k, v in metrics["variants"].items()
+            if "consistency_mean" in v
+        }
+    )
+    log.log_metrics(
+        {
+            **flat,
+            **{
+                "seconds_" + re.sub(r"[^A-Za-z0-9_]+", "_", k).strip("_"): v
+                for k, v in result.metrics["seconds"].items()
+            },
+        }
+    )
     return flat
 
 
@@ -145,8 +178,11 @@ def frames(m: dict) -> dict[str, pd.DataFrame]:
         for layer, d in (v.get("drift") or {}).items():
             drift.append({"variant": name, "layer": _layer(layer), "drift": d})
     ranks = pd.DataFrame(m["ranks"]["matrices"])
-    return {"consistency": pd.DataFrame(cons, columns=["variant", "layer", "set", "top1"]),
-            "drift": pd.DataFrame(drift, columns=["variant", "layer", "drift"]), "ranks": ranks}
+    return {
+        "consistency": pd.DataFrame(cons, columns=["variant", "layer", "set", "top1"]),
+        "drift": pd.DataFrame(drift, columns=["variant", "layer", "drift"]),
+        "ranks": ranks,
+    }
 
 
 def _layer(name) -> int:
@@ -159,8 +195,11 @@ def _replace(folder: Path, out: AtomicOutputs, files: dict[str, bytes]) -> None:
     new ones are published."""
     for name, data in files.items():
         out.bytes(data, folder / name)
-    stale = [f for f in folder.iterdir() if f.is_file() and not f.name.startswith(".") and f.name not in files] \
-        if folder.is_dir() else []
+    stale = (
+        [f for f in folder.iterdir() if f.is_file() and not f.name.startswith(".") and f.name not in files]
+        if folder.is_dir()
+        else []
+    )
     out.publish()
     for f in stale:
         f.unlink(missing_ok=True)

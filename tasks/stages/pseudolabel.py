@@ -39,17 +39,28 @@ from tasks.runtime.params_schema import Params
 CURATED_COLUMNS = ("id", "score", "audited", "m")
 
 SPEC = StageSpec(
-    name="pseudolabel", per_task=True,
+    name="pseudolabel",
+    per_task=True,
     comment="Per task: pseudo-labels for the kept pool items, their quality estimated against the audit.",
-    deps=tuple(f"data/{{task}}/{f}" for f in ("reference.parquet", "pool.parquet", "audit.parquet",
-                                              "truth.parquet", "curated.parquet", "embeddings.safetensors")),
+    deps=tuple(
+        f"data/{{task}}/{f}"
+        for f in (
+            "reference.parquet",
+            "pool.parquet",
+            "audit.parquet",
+            "truth.parquet",
+            "curated.parquet",
+            "embeddings.safetensors",
+        )
+    ),
     params=("pipeline.seed", "pseudolabel"),
     outs=("data/{task}/labeled.parquet",),
     metrics=("metrics/{task}/pseudolabel.json",),
-    plots=(Plot("reports/{task}/pseudolabel_confusion.png"),
-           Plot("metrics/{task}/pseudolabel_confusion.csv", x="predicted", y="actual", template="confusion")),
+    plots=(
+        Plot("reports/{task}/pseudolabel_confusion.png"),
+        Plot("metrics/{task}/pseudolabel_confusion.csv", x="predicted", y="actual", template="confusion"),
+    ),
 )
-
 
 
 def read_curated(path: Path, pool: pd.DataFrame) -> pd.DataFrame:
@@ -99,12 +110,21 @@ def plot_confusion(actual: list[str], predicted: list[str], classes, task: str) 
     im = ax.imshow(counts, cmap="Blues")
     for i in range(len(classes)):
         for j in range(len(classes)):
-            ax.text(j, i, str(counts[i, j]), ha="center", va="center",
-                    color="white" if counts[i, j] > counts.max() / 2 else "black")
+            ax.text(
+                j,
+                i,
+                str(counts[i, j]),
+                ha="center",
+                va="center",
+                color="white" if counts[i, j] > counts.max() / 2 else "black",
+            )
     ax.set_xticks(range(len(classes)), classes, rotation=45, ha="right")
     ax.set_yticks(range(len(classes)), classes)
-    ax.set(xlabel="pseudo-label (teacher)", ylabel="true label (audit)",
-           title=f"{task}: pseudo-labels vs audited members (n={len(actual)})")
+    ax.set(
+        xlabel="pseudo-label (teacher)",
+        ylabel="true label (audit)",
+        title=f"{task}: pseudo-labels vs audited members (n={len(actual)})",
+    )
     fig.colorbar(im, ax=ax)
     fig.tight_layout()
     return figure_png(fig)
@@ -117,24 +137,44 @@ def run(params: Params, task: str, root: Path, log) -> dict:
     reference, pool, ref_x, pool_x = data.reference, data.pool, data.ref_x, data.pool_x
     curated = read_curated(base / "curated.parquet", pool)
 
-    teacher = pl.fit_teacher(ref_x, reference["label"].to_numpy(dtype=object), holdout=cfg.holdout, C=cfg.C,
-                             seed=params.pipeline.seed, source=str(base / "reference.parquet"))
+    teacher = pl.fit_teacher(
+        ref_x,
+        reference["label"].to_numpy(dtype=object),
+        holdout=cfg.holdout,
+        C=cfg.C,
+        seed=params.pipeline.seed,
+        source=str(base / "reference.parquet"),
+    )
     classes = teacher.classes
     pred = pl.predict(teacher, pool_x)
 
     audited, member, pi, audit_label = data.audited, data.member, data.pi, data.audit_label
     # an audit label outside the classes is an error only for a member (a non-member has none)
-    y_audit = pl.label_indices(np.where(member == 1, audit_label, None), classes,
-                               source=f"{base / 'audit.parquet'}, column 'label' (pool order)")
+    y_audit = pl.label_indices(
+        np.where(member == 1, audit_label, None),
+        classes,
+        source=f"{base / 'audit.parquet'}, column 'label' (pool order)",
+    )
 
     selected = pl.select(pred, mode=cfg.selection, threshold=cfg.threshold, quota=cfg.quota)
     if not selected.any():
-        raise ValueError(f"task '{task}': the pseudo-label selection is empty: no pooled item has calibrated "
-                         f"confidence >= pseudolabel.threshold = {cfg.threshold:g} (the largest is "
-                         f"{pred.confidence.max():.3f}); lower the threshold")
+        raise ValueError(
+            f"task '{task}': the pseudo-label selection is empty: no pooled item has calibrated "
+            f"confidence >= pseudolabel.threshold = {cfg.threshold:g} (the largest is "
+            f"{pred.confidence.max():.3f}); lower the threshold"
+        )
     try:
-        quality = pl.estimate_quality(pred, classes, curated["score"].to_numpy(dtype=np.float64), audited, member,
-                                      y_audit, pi, selected, level=cfg.level)
+        quality = pl.estimate_quality(
+            pred,
+            classes,
+            curated["score"].to_numpy(dtype=np.float64),
+            audited,
+            member,
+            y_audit,
+            pi,
+            selected,
+            level=cfg.level,
+        )
     except ValueError as exc:
         raise ValueError(f"task '{task}' ({base}): {exc}") from None
     m = curated["m"].to_numpy(dtype=np.float64)
@@ -143,14 +183,41 @@ def run(params: Params, task: str, root: Path, log) -> dict:
     label, is_member = pl.final_labels(pred.label, audited, member, y_audit)
     pseudo = selected & ~audited & (weight > 0)
     labels = np.array(classes, dtype=object)
-    labeled = pd.concat([
-        pd.DataFrame({"id": reference["id"], "text": reference["text"], "label": reference["label"],
-                      "source": "reference", "confidence": 1.0, "weight": 1.0}),
-        pd.DataFrame({"id": pool["id"][is_member], "text": pool["text"][is_member], "label": labels[label[is_member]],
-                      "source": "audit", "confidence": 1.0, "weight": weight[is_member]}),
-        pd.DataFrame({"id": pool["id"][pseudo], "text": pool["text"][pseudo], "label": labels[label[pseudo]],
-                      "source": "pseudo", "confidence": pred.confidence[pseudo], "weight": weight[pseudo]}),
-    ], ignore_index=True)
+    labeled = pd.concat(
+        [
+            pd.DataFrame(
+                {
+                    "id": reference["id"],
+                    "text": reference["text"],
+                    "label": reference["label"],
+                    "source": "reference",
+                    "confidence": 1.0,
+                    "weight": 1.0,
+                }
+            ),
+            pd.DataFrame(
+                {
+                    "id": pool["id"][is_member],
+                    "text": pool["text"][is_member],
+                    "label": labels[label[is_member]],
+                    "source": "audit",
+                    "confidence": 1.0,
+                    "weight": weight[is_member],
+                }
+            ),
+            pd.DataFrame(
+                {
+                    "id": pool["id"][pseudo],
+                    "text": pool["text"][pseudo],
+                    "label": labels[label[pseudo]],
+                    "source": "pseudo",
+                    "confidence": pred.confidence[pseudo],
+                    "weight": weight[pseudo],
+                }
+            ),
+        ],
+        ignore_index=True,
+    )
     labeled["label"] = labeled["label"].astype(str)
     labeled["confidence"] = labeled["confidence"].astype(np.float64)
     labeled["weight"] = labeled["weight"].astype(np.float64)
@@ -159,28 +226,49 @@ def run(params: Params, task: str, root: Path, log) -> dict:
     truth = _truth_labels(root, task, pool)
     if truth is not None:
         true_member, true_label = truth
-        y_true = pl.label_indices(np.where(true_member == 1, true_label, None), classes,
-                                  source=f"{base / 'truth.parquet'}, column 'label' (pool order)")
-        metrics.update({_metric_key(f"{k}_true"): v
-                        for k, v in pl.true_quality(pred, classes, true_member, y_true, selected).items()})
+        y_true = pl.label_indices(
+            np.where(true_member == 1, true_label, None),
+            classes,
+            source=f"{base / 'truth.parquet'}, column 'label' (pool order)",
+        )
+        metrics.update(
+            {
+                _metric_key(f"{k}_true"): v
+                for k, v in pl.true_quality(pred, classes, true_member, y_true, selected).items()
+            }
+        )
         metrics["pseudo_precision_true"] = float(true_member[pseudo].mean()) if pseudo.any() else 0.0
     metrics.update(
-        temperature=teacher.temperature, holdout_nll_uncalibrated=teacher.holdout_nll_uncalibrated,
-        holdout_nll=teacher.holdout_nll, holdout_accuracy=teacher.holdout_accuracy,
-        naive_accuracy=float(pred.confidence.mean()), n_selected=int(selected.sum()),
-        n_pseudo=int(pseudo.sum()), n_audit_members=int(is_member.sum()), n_labeled=len(labeled),
-        n_weight_clipped_low=int((m < 0).sum()), n_weight_clipped_high=int((m > cfg.w_max).sum()),
+        temperature=teacher.temperature,
+        holdout_nll_uncalibrated=teacher.holdout_nll_uncalibrated,
+        holdout_nll=teacher.holdout_nll,
+        holdout_accuracy=teacher.holdout_accuracy,
+        naive_accuracy=float(pred.confidence.mean()),
+        n_selected=int(selected.sum()),
+        n_pseudo=int(pseudo.sum()),
+        n_audit_members=int(is_member.sum()),
+        n_labeled=len(labeled),
+        n_weight_clipped_low=int((m < 0).sum()),
+        n_weight_clipped_high=int((m > cfg.w_max).sum()),
         pseudo_weight_sum=float(weight[pseudo].sum()),
-        audit_confusion_accuracy=float((pred.label[is_member] == y_audit[is_member]).mean()) if is_member.any() else 0.0)
+        audit_confusion_accuracy=float((pred.label[is_member] == y_audit[is_member]).mean())
+        if is_member.any()
+        else 0.0,
+    )
 
-    confusion = pd.DataFrame({"actual": audit_label[is_member].astype(str),
-                              "predicted": labels[pred.label[is_member]].astype(str)})
+    confusion = pd.DataFrame(
+        {"actual": audit_label[is_member].astype(str), "predicted": labels[pred.label[is_member]].astype(str)}
+    )
     with AtomicOutputs() as out:
         out.parquet(labeled, base / "labeled.parquet")
         out.json(metrics, Path(root) / "metrics" / task / "pseudolabel.json")
-        out.file(Path(root) / "metrics" / task / "pseudolabel_confusion.csv", lambda p: confusion.to_csv(p, index=False))
-        out.bytes(plot_confusion(confusion["actual"].tolist(), confusion["predicted"].tolist(), classes, task),
-                  Path(root) / "reports" / task / "pseudolabel_confusion.png")
+        out.file(
+            Path(root) / "metrics" / task / "pseudolabel_confusion.csv", lambda p: confusion.to_csv(p, index=False)
+        )
+        out.bytes(
+            plot_confusion(confusion["actual"].tolist(), confusion["predicted"].tolist(), classes, task),
+            Path(root) / "reports" / task / "pseudolabel_confusion.png",
+        )
     log.log_artifact(Path(root) / "reports" / task / "pseudolabel_confusion.png")
     log.log_artifact(Path(root) / "metrics" / task / "pseudolabel.json")
     return metrics

@@ -60,24 +60,31 @@ VARIANTS = ("float", "mxfp4", "mxfp4_uniform", "mxfp4_load_aware")
 
 
 SPEC = StageSpec(
-    name="quantize", per_task=False,
+    name="quantize",
+    per_task=False,
     comment="Once: the merged encoder in MXFP4 with low-rank compensation; calibration texts from the "
-            "tasks' reference sets, scoring on their test splits.",
-    deps=(str(MANIFEST), *(str(MERGE / n) for n in ("model.safetensors", "heads.safetensors", "config.json")),
-          "data/{task}/reference.parquet", "data/{task}/test.parquet", "data/{task}/labeled.parquet"),
-    params=("pipeline.tasks", "model", "merge.order", "quantize", "evaluate.probe_rows",
-            "evaluate.probe_limit"),
-    outs=tuple(str(OUT / n) for n in ("model.safetensors", "heads.safetensors", "config.json",
-                                      "features.safetensors")),
+    "tasks' reference sets, scoring on their test splits.",
+    deps=(
+        str(MANIFEST),
+        *(str(MERGE / n) for n in ("model.safetensors", "heads.safetensors", "config.json")),
+        "data/{task}/reference.parquet",
+        "data/{task}/test.parquet",
+        "data/{task}/labeled.parquet",
+    ),
+    params=("pipeline.tasks", "model", "merge.order", "quantize", "evaluate.probe_rows", "evaluate.probe_limit"),
+    outs=tuple(str(OUT / n) for n in ("model.safetensors", "heads.safetensors", "config.json", "features.safetensors")),
     metrics=(str(METRICS / "quantize.json"),),
-    plots=(Plot(str(METRICS / "quantize_ranks.csv"), x="matrix", y="rank_load_aware"),
-           Plot(str(METRICS / "quantize_accuracy.csv"), x="accuracy", y="variant", template="bar_horizontal"),
-           Plot(str(OUT / "quantize.png"))),
+    plots=(
+        Plot(str(METRICS / "quantize_ranks.csv"), x="matrix", y="rank_load_aware"),
+        Plot(str(METRICS / "quantize_accuracy.csv"), x="accuracy", y="variant", template="bar_horizontal"),
+        Plot(str(OUT / "quantize.png")),
+    ),
 )
 
 
 # ---------------------------------------------------------------------------------------------------
 # reading the merge stage's model
+
 
 def _rebuild_hint() -> str:
     return "rebuild it with `crucible stage merge` (or `dvc repro merge`)"
@@ -98,20 +105,37 @@ def read_merged(root: Path, base_model: str, base_hash: str | None = None) -> di
     except json.JSONDecodeError as exc:
         raise ValueError(f"{paths['config.json']}: not valid JSON ({exc}); {_rebuild_hint()}") from None
     if config.get("base_model") != base_model:
-        raise ValueError(f"{paths['config.json']}: field 'base_model' = {config.get('base_model')!r}, but model.name "
-                         f"is {base_model!r}; {_rebuild_hint()}")
+        raise ValueError(
+            f"{paths['config.json']}: field 'base_model' = {config.get('base_model')!r}, but model.name "
+            f"is {base_model!r}; {_rebuild_hint()}"
+        )
     if base_hash is not None and config.get("base_model_hash") != base_hash:
-        raise ValueError(f"{paths['config.json']}: field 'base_model_hash' = {config.get('base_model_hash')!r}, but the "
-                         f"base model now hashes to {base_hash!r} (models/base/manifest.json); {_rebuild_hint()}")
+        raise ValueError(
+            f"{paths['config.json']}: field 'base_model_hash' = {config.get('base_model_hash')!r}, but the "
+            f"base model now hashes to {base_hash!r} (models/base/manifest.json); {_rebuild_hint()}"
+        )
     classes, max_length = config.get("classes") or {}, config.get("max_length") or {}
     # the encoder's names and shapes are checked against model.name's architecture when it loads
     state, _ = read_safetensors(paths["model.safetensors"], "merged encoder", _rebuild_hint())
-    tensors, _ = read_safetensors(paths["heads.safetensors"], "task heads", _rebuild_hint(),
-                                  shapes={f"{t}.{k}": shape for t, cls in classes.items()
-                                          for k, shape in (("weight", (len(cls), None)), ("bias", (len(cls),)))})
+    tensors, _ = read_safetensors(
+        paths["heads.safetensors"],
+        "task heads",
+        _rebuild_hint(),
+        shapes={
+            f"{t}.{k}": shape
+            for t, cls in classes.items()
+            for k, shape in (("weight", (len(cls), None)), ("bias", (len(cls),)))
+        },
+    )
     heads = {t: {"weight": tensors[f"{t}.weight"], "bias": tensors[f"{t}.bias"]} for t in classes}
-    return {"state": state, "heads": heads, "classes": classes, "max_length": max_length,
-            "config": config, "paths": paths}
+    return {
+        "state": state,
+        "heads": heads,
+        "classes": classes,
+        "max_length": max_length,
+        "config": config,
+        "paths": paths,
+    }
 
 
 def load_quantized_encoder(folder: Path | str, base_model: str | None = None):
@@ -129,8 +153,15 @@ def load_quantized_encoder(folder: Path | str, base_model: str | None = None):
 # the stage
 
 
-def calibration_batches(root: Path, params: Params, tokenizer, classes: dict, max_length: dict, batch_size: int = 32,
-                        seed: int | None = None) -> list[tuple]:
+def calibration_batches(
+    root: Path,
+    params: Params,
+    tokenizer,
+    classes: dict,
+    max_length: dict,
+    batch_size: int = 32,
+    seed: int | None = None,
+) -> list[tuple]:
     """(input_ids, attention_mask, task, labels) batches of calibration_per_task reference texts
     per task: the first rows (the stage), or a seeded random draw of them (`seed`, for benchmarks).
     Each batch holds one task's texts, so its head and labels can give a loss (load: sensitivity)."""
@@ -147,12 +178,14 @@ def calibration_batches(root: Path, params: Params, tokenizer, classes: dict, ma
         index = {c: i for i, c in enumerate(classes[t])}
         unknown = sorted(set(rows["label"]) - set(index))
         if unknown:
-            raise ValueError(f"{path}: column 'label' has {unknown[:3]}, not among the merged head's classes {classes[t]}")
+            raise ValueError(
+                f"{path}: column 'label' has {unknown[:3]}, not among the merged head's classes {classes[t]}"
+            )
         ids = tokenize(tokenizer, rows["text"].tolist(), int(max_length.get(t, 64)))
         labels = rows["label"].map(index).tolist()
         order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # little padding per batch
         for i in range(0, len(order), batch_size):
-            idx = order[i:i + batch_size]
+            idx = order[i : i + batch_size]
             input_ids, mask = collate([ids[j] for j in idx], tokenizer.pad_token_id or 0)
             out.append((input_ids, mask, t, torch.tensor([labels[j] for j in idx])))
     return out
@@ -167,8 +200,9 @@ def calibrate(scorer, linears: dict, batches: list[tuple], sensitivity: bool) ->
     from crucible.quant.compensate import collect_output_sensitivity
 
     encoder = scorer.encoder
-    stats = collect_input_stats(encoder, linears, batches, forward=lambda m, b: m(input_ids=b[0], attention_mask=b[1]),
-                                masks=lambda b: b[1])
+    stats = collect_input_stats(
+        encoder, linears, batches, forward=lambda m, b: m(input_ids=b[0], attention_mask=b[1]), masks=lambda b: b[1]
+    )
     if not sensitivity:
         return stats, None
 
@@ -206,10 +240,18 @@ def _run(params: Params, root: Path, log) -> dict:
     order = params.merge_order()
     missing = [t for t in order if t not in merged["classes"]]
     if missing:
-        raise ValueError(f"{merged['paths']['config.json']}: no head for tasks {missing} of pipeline.tasks; "
-                         f"{_rebuild_hint()}")
-    specs = [{"task": t, "head": merged["heads"][t], "classes": merged["classes"][t],
-              "max_length": int(merged["max_length"].get(t, 64))} for t in order]
+        raise ValueError(
+            f"{merged['paths']['config.json']}: no head for tasks {missing} of pipeline.tasks; {_rebuild_hint()}"
+        )
+    specs = [
+        {
+            "task": t,
+            "head": merged["heads"][t],
+            "classes": merged["classes"][t],
+            "max_length": int(merged["max_length"].get(t, 64)),
+        }
+        for t in order
+    ]
     tests = read_tests(root, params, cfg.eval_limit)
     # no copy of the base weights kept (keep_theta_0=False): the merged weights replace them in place
     scorer = Scorer(base, specs, tests, cfg.eval_batch_size, probes=read_probe_rows(root, params), keep_theta_0=False)
@@ -217,8 +259,10 @@ def _run(params: Params, root: Path, log) -> dict:
     try:
         scorer.load(merged["state"])
     except RuntimeError as exc:
-        raise ValueError(f"{merged['paths']['model.safetensors']}: does not fit the architecture of model.name "
-                         f"{base.name!r}: {str(exc)[:400]}; {_rebuild_hint()}") from None
+        raise ValueError(
+            f"{merged['paths']['model.safetensors']}: does not fit the architecture of model.name "
+            f"{base.name!r}: {str(exc)[:400]}; {_rebuild_hint()}"
+        ) from None
     del merged["state"]  # loaded into the scorer's encoder: no second copy
     float_encoder = scorer.encoder
     try:
@@ -237,13 +281,16 @@ def _run(params: Params, root: Path, log) -> dict:
     rank_budget = params.rank_budget(len(linears))
     total_rank = sum(min(m.weight.shape) for m in linears.values())
     if rank_budget > total_rank:
-        raise ValueError(f"quantize.rank_per_matrix = {cfg.rank_per_matrix:g} gives a budget of {rank_budget}, over the "
-                         f"total rank {total_rank} of the {len(linears)} matrices that quantize.modules selects")
+        raise ValueError(
+            f"quantize.rank_per_matrix = {cfg.rank_per_matrix:g} gives a budget of {rank_budget}, over the "
+            f"total rank {total_rank} of the {len(linears)} matrices that quantize.modules selects"
+        )
     batches = calibration_batches(root, params, scorer.tokenizer, merged["classes"], merged["max_length"])
     stats, sensitivity = calibrate(scorer, linears, batches, cfg.load == "sensitivity")
     bar = Progress(total=len(linears), desc="quantize: error SVDs", unit="matrix")
-    plan = CompensationPlan.build(linears, stats, cfg.mode, cfg.scaling, cfg.load, progress=lambda _: bar.update(),
-                                  sensitivity=sensitivity)
+    plan = CompensationPlan.build(
+        linears, stats, cfg.mode, cfg.scaling, cfg.load, progress=lambda _: bar.update(), sensitivity=sensitivity
+    )
     bar.close()
     ranks = {a: plan.ranks(rank_budget, a) for a in ("uniform", "load_aware")}
     zero = {n: 0 for n in linears}
@@ -263,8 +310,16 @@ def _run(params: Params, root: Path, log) -> dict:
     # dropped; the main one is serialised before it goes
     accuracy: dict[str, dict[str, float]] = {}
     chosen = ranks[cfg.allocation]
-    for variant, r in Progress([("float", None), ("mxfp4", zero), ("mxfp4_uniform", ranks["uniform"]),
-                            ("mxfp4_load_aware", ranks["load_aware"])], desc="quantize: scoring", unit="variant"):
+    for variant, r in Progress(
+        [
+            ("float", None),
+            ("mxfp4", zero),
+            ("mxfp4_uniform", ranks["uniform"]),
+            ("mxfp4_load_aware", ranks["load_aware"]),
+        ],
+        desc="quantize: scoring",
+        unit="variant",
+    ):
         enc = float_encoder if r is None else quantized(r)
         scorer.use_encoder(enc)
         if r is None:  # the merge stage keeps the float model's features
@@ -274,8 +329,9 @@ def _run(params: Params, root: Path, log) -> dict:
         if variant == f"mxfp4_{cfg.allocation}":
             layer_bytes = [m.nbytes() for m in mx_layers(enc).values()]
             emb_bytes = sum(m.nbytes() for m in enc.modules() if isinstance(m, MXEmbedding))
-            data = save_quantized(enc, metadata={"base_model": base.name, "method": "mxfp4",
-                                                 "order": json.dumps(order)})
+            data = save_quantized(
+                enc, metadata={"base_model": base.name, "method": "mxfp4", "order": json.dumps(order)}
+            )
         scorer.use_encoder(float_encoder)
         if r is not None:
             del enc
@@ -291,40 +347,78 @@ def _run(params: Params, root: Path, log) -> dict:
     lost = mean["float"] - mean["mxfp4"]
     err0 = plan.weighted_error(zero)
     metrics = {
-        "mode": cfg.mode, "scaling": cfg.scaling, "allocation": cfg.allocation, "load": cfg.load,
-        "matrices": len(linears), "quantized_weights": n_weights, "rank_budget": rank_budget,
+        "mode": cfg.mode,
+        "scaling": cfg.scaling,
+        "allocation": cfg.allocation,
+        "load": cfg.load,
+        "matrices": len(linears),
+        "quantized_weights": n_weights,
+        "rank_budget": rank_budget,
         "total_rank": plan.total_rank,
         "bits_per_weight": 8 * mx_bytes / n_weights,
         "bits_per_weight_all_in": 8 * (mx_bytes + adapter_bytes) / n_weights,
-        "quantized_matrices_mb": {"float32": 4 * n_weights / 2**20, "mxfp4": mx_bytes / 2**20,
-                                  "adapters": adapter_bytes / 2**20},
+        "quantized_matrices_mb": {
+            "float32": 4 * n_weights / 2**20,
+            "mxfp4": mx_bytes / 2**20,
+            "adapters": adapter_bytes / 2**20,
+        },
         "model_mb": {"float": float_bytes / 2**20, "quantized": len(data) / 2**20},
         "embeddings_mxfp4_mb": emb_bytes / 2**20,
-        "accuracy": accuracy, "mean_accuracy": mean,
+        "accuracy": accuracy,
+        "mean_accuracy": mean,
         "accuracy_lost_by_mxfp4": lost,
-        "recovered_share": {a: (mean[f"mxfp4_{a}"] - mean["mxfp4"]) / lost if lost > 0 else None
-                            for a in ("uniform", "load_aware")},
-        "weighted_error": {"mxfp4": err0, "uniform": plan.weighted_error(ranks["uniform"]),
-                           "load_aware": plan.weighted_error(ranks["load_aware"])},
+        "recovered_share": {
+            a: (mean[f"mxfp4_{a}"] - mean["mxfp4"]) / lost if lost > 0 else None for a in ("uniform", "load_aware")
+        },
+        "weighted_error": {
+            "mxfp4": err0,
+            "uniform": plan.weighted_error(ranks["uniform"]),
+            "load_aware": plan.weighted_error(ranks["load_aware"]),
+        },
         "adapter_mb": {a: plan.adapter_bytes(r, itemsize) / 2**20 for a, r in ranks.items()},
         "ranks": chosen,
     }
-    metrics["relative_weighted_error"] = {k: v / err0 if err0 > 0 else 0.0 for k, v in metrics["weighted_error"].items()}
+    metrics["relative_weighted_error"] = {
+        k: v / err0 if err0 > 0 else 0.0 for k, v in metrics["weighted_error"].items()
+    }
     metrics = _rounded(metrics)
-    rank_rows = [{"matrix": n, "layer": _layer_index(n), "out": l.shape[0], "in": l.shape[1], "load": l.load,
-                  "rank_uniform": ranks["uniform"][n], "rank_load_aware": ranks["load_aware"][n],
-                  "energy_kept_uniform": _energy_kept(l.spectrum, ranks["uniform"][n]),
-                  "energy_kept_load_aware": _energy_kept(l.spectrum, ranks["load_aware"][n])}
-                 for n, l in plan.layers.items()]
+    rank_rows = [
+        {
+            "matrix": n,
+            "layer": _layer_index(n),
+            "out": l.shape[0],
+            "in": l.shape[1],
+            "load": l.load,
+            "rank_uniform": ranks["uniform"][n],
+            "rank_load_aware": ranks["load_aware"][n],
+            "energy_kept_uniform": _energy_kept(l.spectrum, ranks["uniform"][n]),
+            "energy_kept_load_aware": _energy_kept(l.spectrum, ranks["load_aware"][n]),
+        }
+        for n, l in plan.layers.items()
+    ]
     rank_rows = _rounded(rank_rows)
     acc_rows = [{"variant": v, "task": t, "accuracy": a} for v, accs in accuracy.items() for t, a in accs.items()]
-    config = {"base_model": base.name, "base_model_hash": base.hash, "pooling": scorer.pooling, "dtype": base.dtype,
-              "order": order, "modules": modules, "embeddings": embeddings, "mode": cfg.mode,
-              "scaling": cfg.scaling, "allocation": cfg.allocation, "load": cfg.load, "rank_budget": rank_budget,
-              "rank_per_matrix": cfg.rank_per_matrix,
-              "adapter_dtype": cfg.adapter_dtype, "ranks": chosen, "classes": merged["classes"],
-              "max_length": merged["max_length"], "merged_from": merged["config"].get("main"),
-              "runtime": runtime_config()}
+    config = {
+        "base_model": base.name,
+        "base_model_hash": base.hash,
+        "pooling": scorer.pooling,
+        "dtype": base.dtype,
+        "order": order,
+        "modules": modules,
+        "embeddings": embeddings,
+        "mode": cfg.mode,
+        "scaling": cfg.scaling,
+        "allocation": cfg.allocation,
+        "load": cfg.load,
+        "rank_budget": rank_budget,
+        "rank_per_matrix": cfg.rank_per_matrix,
+        "adapter_dtype": cfg.adapter_dtype,
+        "ranks": chosen,
+        "classes": merged["classes"],
+        "max_length": merged["max_length"],
+        "merged_from": merged["config"].get("main"),
+        "runtime": runtime_config(),
+    }
     out = root / OUT
     with AtomicOutputs() as atomic:
         atomic.bytes(data, out / "model.safetensors")
@@ -333,13 +427,19 @@ def _run(params: Params, root: Path, log) -> dict:
         atomic.bytes(store.to_bytes(), out / "features.safetensors")
         atomic.json(metrics, root / METRICS / "quantize.json")
         atomic.bytes(pd.DataFrame(rank_rows).to_csv(index=False).encode(), root / METRICS / "quantize_ranks.csv")
-        atomic.bytes(pd.DataFrame(acc_rows, columns=["variant", "task", "accuracy"]).to_csv(index=False).encode(),
-                     root / METRICS / "quantize_accuracy.csv")
+        atomic.bytes(
+            pd.DataFrame(acc_rows, columns=["variant", "task", "accuracy"]).to_csv(index=False).encode(),
+            root / METRICS / "quantize_accuracy.csv",
+        )
         atomic.bytes(plot_quantize(rank_rows, accuracy, order), out / "quantize.png")
-    flat = {"bits_per_weight": metrics["bits_per_weight"], "bits_per_weight_all_in": metrics["bits_per_weight_all_in"],
-            "model_mb": metrics["model_mb"]["quantized"], "float_model_mb": metrics["model_mb"]["float"],
-            **{f"mean_accuracy.{v}": a for v, a in mean.items()},
-            **{f"relative_weighted_error.{k}": v for k, v in metrics["relative_weighted_error"].items()}}
+    flat = {
+        "bits_per_weight": metrics["bits_per_weight"],
+        "bits_per_weight_all_in": metrics["bits_per_weight_all_in"],
+        "model_mb": metrics["model_mb"]["quantized"],
+        "float_model_mb": metrics["model_mb"]["float"],
+        **{f"mean_accuracy.{v}": a for v, a in mean.items()},
+        **{f"relative_weighted_error.{k}": v for k, v in metrics["relative_weighted_error"].items()},
+    }
     log.log_metrics(flat)
     log.log_artifact(out / "quantize.png")
     log.log_artifact(root / METRICS / "quantize.json")
@@ -382,8 +482,14 @@ def plot_quantize(rank_rows: list[dict], accuracy: dict, order: list[str]) -> by
     x = np.arange(len(df))
     ax1.bar(x - 0.2, df["rank_uniform"], 0.4, label="uniform", color="tab:gray")
     ax1.bar(x + 0.2, df["rank_load_aware"], 0.4, label="load-aware", color="tab:blue")
-    short = [n.replace("encoder.layer.", "L").replace(".attention.self.", ".").replace(".attention.output.dense", ".attn_out")
-             .replace(".intermediate.dense", ".ffn_in").replace(".output.dense", ".ffn_out") for n in df["matrix"]]
+    short = [
+        n.replace("encoder.layer.", "L")
+        .replace(".attention.self.", ".")
+        .replace(".attention.output.dense", ".attn_out")
+        .replace(".intermediate.dense", ".ffn_in")
+        .replace(".output.dense", ".ffn_out")
+        for n in df["matrix"]
+    ]
     ax1.set_xticks(x)
     ax1.set_xticklabels(short, rotation=90, fontsize=6)
     ax1.set_ylabel("adapter rank")

@@ -42,23 +42,28 @@ from tasks.data.models import MANIFEST
 from tasks.runtime.declaration import StageSpec
 from tasks.runtime import lineage
 from tasks.runtime.io import AtomicOutputs, md5_file
-from tasks.registry.registry import (HASH_TAG, PYFUNC_CODE, apply_gate, ensure_registered_model, log_pyfunc,
-                                     versions)
+from tasks.registry.registry import HASH_TAG, PYFUNC_CODE, apply_gate, ensure_registered_model, log_pyfunc, versions
 from tasks.runtime.params_schema import Params
 
 from tasks.runtime.tracking import REGISTERED  # metrics/registered.json
+
 SOURCES = {"quantized": Path("models") / "quantize", "float": Path("models") / "merge"}
 MODEL_FILES = ("model.safetensors", "heads.safetensors", "config.json")
 EVALUATE = Path("metrics") / "evaluate.json"
 
 
 SPEC = StageSpec(
-    name="register", per_task=False,
+    name="register",
+    per_task=False,
     comment="Once: the deployable model (register.model) with every task's head as one MLflow pyfunc in "
-            "the registry; the alias `champion` moves only through the gate. Not cached: the registry "
-            "holds the model; a forced rerun of the same model registers nothing.",
-    deps=(str(MANIFEST), *(str(SOURCES[k] / n) for k in ("quantized", "float") for n in MODEL_FILES), str(EVALUATE),
-          "data/{task}/test.parquet"),
+    "the registry; the alias `champion` moves only through the gate. Not cached: the registry "
+    "holds the model; a forced rerun of the same model registers nothing.",
+    deps=(
+        str(MANIFEST),
+        *(str(SOURCES[k] / n) for k in ("quantized", "float") for n in MODEL_FILES),
+        str(EVALUATE),
+        "data/{task}/test.parquet",
+    ),
     params=("tracking.registered_model", "model", "register"),
     metrics=(str(REGISTERED),),
 )
@@ -67,10 +72,13 @@ SPEC = StageSpec(
 # ---------------------------------------------------------------------------------------------------
 # pieces that need no registry
 
+
 def model_hash(root: Path, kind: str) -> str:
     """The content hash of the packaged model: kind, its weight, head and config files, pyfunc code."""
     source = Path(root) / SOURCES[kind]
-    parts = [f"kind={kind}"] + [f"{n}={md5_file(source / n)}" for n in MODEL_FILES] + [f"pyfunc={md5_file(PYFUNC_CODE)}"]
+    parts = (
+        [f"kind={kind}"] + [f"{n}={md5_file(source / n)}" for n in MODEL_FILES] + [f"pyfunc={md5_file(PYFUNC_CODE)}"]
+    )
     return hashlib.md5("\n".join(parts).encode()).hexdigest()
 
 
@@ -93,18 +101,24 @@ def read_deployable(root: Path, kind: str, tasks: list[str]) -> dict:
     accuracy = {t: float(entry["accuracy"][t]) for t in tasks}
     mean = entry.get("mean_accuracy")
     mean = float(mean) if mean is not None else sum(accuracy.values()) / len(accuracy)
-    return {"variant": entry.get("variant", kind), "accuracy": accuracy, "mean_accuracy": mean,
-            "n_test": {t: int(v) for t, v in (entry.get("n_test") or {}).items()}}
+    return {
+        "variant": entry.get("variant", kind),
+        "accuracy": accuracy,
+        "mean_accuracy": mean,
+        "n_test": {t: int(v) for t, v in (entry.get("n_test") or {}).items()},
+    }
 
 
-def floors_for(params: Params, tasks: list[str], classes: dict[str, list] | None = None,
-               baselines: dict | None = None) -> dict[str, float]:
+def floors_for(
+    params: Params, tasks: list[str], classes: dict[str, list] | None = None, baselines: dict | None = None
+) -> dict[str, float]:
     """Each task's floor (floor_basis says where each comes from)."""
     return floor_basis(params, tasks, classes, baselines)[0]
 
 
-def floor_basis(params: Params, tasks: list[str], classes: dict[str, list] | None = None,
-                baselines: dict | None = None) -> tuple[dict[str, float], dict[str, str]]:
+def floor_basis(
+    params: Params, tasks: list[str], classes: dict[str, list] | None = None, baselines: dict | None = None
+) -> tuple[dict[str, float], dict[str, str]]:
     """({task: floor}, {task: where it comes from}). A task's floor is `register.floors[task]`, else
     `register.floor`, else (floor: null) derived from the data: the better of chance and the base
     model, plus `register.floor_margin`. Chance is the majority class's share of the test rows the
@@ -115,8 +129,9 @@ def floor_basis(params: Params, tasks: list[str], classes: dict[str, list] | Non
     cfg = params.register
     unknown = sorted(set(cfg.floors) - set(tasks))
     if unknown:
-        raise ValueError(f"register.floors names tasks {unknown} that the model has no head for "
-                         f"(its tasks: {', '.join(tasks)})")
+        raise ValueError(
+            f"register.floors names tasks {unknown} that the model has no head for (its tasks: {', '.join(tasks)})"
+        )
     classes, baselines = classes or {}, baselines or {}
     floors, basis = {}, {}
     for t in tasks:
@@ -138,8 +153,10 @@ def floor_basis(params: Params, tasks: list[str], classes: dict[str, list] | Non
         parts = [what] + ([f"the base model {float(base):.4f}"] if base is not None else [])
         best = max(chance, float(base) if base is not None else 0.0)
         floors[t] = round(min(1.0, best + cfg.floor_margin), 6)
-        basis[t] = (f"{'the better of ' + ' and '.join(parts) if len(parts) > 1 else parts[0]}, "
-                    f"+ register.floor_margin {cfg.floor_margin:g}")
+        basis[t] = (
+            f"{'the better of ' + ' and '.join(parts) if len(parts) > 1 else parts[0]}, "
+            f"+ register.floor_margin {cfg.floor_margin:g}"
+        )
     return floors, basis
 
 
@@ -157,10 +174,12 @@ def lost_registry(root: Path, name: str, known: list) -> str | None:
     if not isinstance(before, dict) or before.get("name") != name or before.get("version") is None:
         return None
     aliases = f" ({', '.join(before.get('aliases') or [])})" if before.get("aliases") else ""
-    return (f"the registry holds no version of {name!r}, but {path} records version {before['version']}{aliases}, "
-            f"model hash {before.get('model_hash', '?')}: the tracking store was deleted or replaced, and the "
-            f"versions, aliases and gate history it held are lost; numbering starts again at 1 and the gate has no "
-            f"champion to compare with")
+    return (
+        f"the registry holds no version of {name!r}, but {path} records version {before['version']}{aliases}, "
+        f"model hash {before.get('model_hash', '?')}: the tracking store was deleted or replaced, and the "
+        f"versions, aliases and gate history it held are lost; numbering starts again at 1 and the gate has no "
+        f"champion to compare with"
+    )
 
 
 def example_rows(root: Path, tasks: list[str]) -> "pd.DataFrame":
@@ -170,8 +189,10 @@ def example_rows(root: Path, tasks: list[str]) -> "pd.DataFrame":
 
     from tasks.runtime.io import read_table
 
-    rows = [{"text": str(read_table(Path(root) / "data" / t / "test.parquet", "test")["text"].iloc[0])[:300],
-             "task": t} for t in tasks]
+    rows = [
+        {"text": str(read_table(Path(root) / "data" / t / "test.parquet", "test")["text"].iloc[0])[:300], "task": t}
+        for t in tasks
+    ]
     return pd.DataFrame(rows)
 
 
@@ -222,14 +243,18 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     for n in MODEL_FILES:
         if not (source / n).is_file():
             stage = "quantize" if kind == "quantized" else "merge"
-            raise FileNotFoundError(f"{source / n}: missing; register.model = {kind!r} registers the {stage} stage's "
-                                    f"model: run `crucible stage {stage}` (or `dvc repro {stage}`)")
+            raise FileNotFoundError(
+                f"{source / n}: missing; register.model = {kind!r} registers the {stage} stage's "
+                f"model: run `crucible stage {stage}` (or `dvc repro {stage}`)"
+            )
     stage = "quantize" if kind == "quantized" else "merge"
     try:
         config = json.loads((source / "config.json").read_text())
     except ValueError as exc:
-        raise ValueError(f"{source / 'config.json'}: not valid JSON ({exc}); rebuild it with `crucible stage {stage}` "
-                         f"(or `dvc repro {stage}`)") from None
+        raise ValueError(
+            f"{source / 'config.json'}: not valid JSON ({exc}); rebuild it with `crucible stage {stage}` "
+            f"(or `dvc repro {stage}`)"
+        ) from None
     tasks = [t for t in (config.get("order") or config.get("classes") or {}) if t in (config.get("classes") or {})]
     if not tasks:
         raise ValueError(f"{source / 'config.json'}: no 'classes' per task; rebuild it")
@@ -252,7 +277,7 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     if same:
         mv = same[-1]
         new = False
-        note = (f"model hash {h} is already registered as version {mv.version} of {name!r}: nothing new registered")
+        note = f"model hash {h} is already registered as version {mv.version} of {name!r}: nothing new registered"
         pyfunc_bytes = int(mv.tags.get("crucible.size.pyfunc_bytes", 0))
     else:
         new = True
@@ -262,44 +287,95 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
         extra = {"batch_size": cfg.batch_size, "variant": deployable["variant"], "model_hash": h}
         with tempfile.TemporaryDirectory() as tmp:
             dest = Path(tmp) / "model"
-            model_id, uri = log_pyfunc(client, log.run_id, dest, lambda path, mlflow_model: save_multitask_model(
-                path, source, kind, base_dir, example, extra, mlflow_model=mlflow_model))
+            model_id, uri = log_pyfunc(
+                client,
+                log.run_id,
+                dest,
+                lambda path, mlflow_model: save_multitask_model(
+                    path, source, kind, base_dir, example, extra, mlflow_model=mlflow_model
+                ),
+            )
             pyfunc_bytes = _tree_size(dest)
         experiment, dirty = experiment_name(), git_dirty(root)
-        tags = {HASH_TAG: h, "crucible.model_kind": kind,
-                "crucible.experiment": experiment or "",
-                "crucible.git_dirty": "unknown" if dirty is None else str(dirty).lower(), "crucible.tasks": ",".join(tasks),
-                "crucible.size.served_bytes": served, "crucible.size.float_bytes": float_size,
-                "crucible.size.pyfunc_bytes": pyfunc_bytes, "crucible.stage_run_id": log.run_id,
-                **_metric_tags(deployable, evaluate), **lineage.lineage_tags(root, commit)}
+        tags = {
+            HASH_TAG: h,
+            "crucible.model_kind": kind,
+            "crucible.experiment": experiment or "",
+            "crucible.git_dirty": "unknown" if dirty is None else str(dirty).lower(),
+            "crucible.tasks": ",".join(tasks),
+            "crucible.size.served_bytes": served,
+            "crucible.size.float_bytes": float_size,
+            "crucible.size.pyfunc_bytes": pyfunc_bytes,
+            "crucible.stage_run_id": log.run_id,
+            **_metric_tags(deployable, evaluate),
+            **lineage.lineage_tags(root, commit),
+        }
         with _WRITE_LOCK:  # the tags go in with the version: one transaction, not one per tag
-            mv = client.create_model_version(name, source=uri, run_id=log.run_id, model_id=model_id,
-                                             tags={k: str(v) for k, v in tags.items()},
-                                             description=f"{kind} model ({deployable['variant']}), tasks "
-                                                         f"{', '.join(tasks)}, mean test accuracy "
-                                                         f"{deployable['mean_accuracy']:.4f}")
+            mv = client.create_model_version(
+                name,
+                source=uri,
+                run_id=log.run_id,
+                model_id=model_id,
+                tags={k: str(v) for k, v in tags.items()},
+                description=f"{kind} model ({deployable['variant']}), tasks "
+                f"{', '.join(tasks)}, mean test accuracy "
+                f"{deployable['mean_accuracy']:.4f}",
+            )
         note = f"registered version {mv.version} of {name!r} (model hash {h})"
     if lost:
         note += f"; warning: {lost}"
     experiment = experiment_name()
-    hold = (f"DVC experiment {experiment!r} (dvc exp run never promotes)" if experiment
-            else "register.promote is false" if not cfg.promote else None)
-    record = apply_gate(client, name, mv, deployable["accuracy"], deployable["mean_accuracy"], floors, cfg.tolerance,
-                        basis, hold=hold)
+    hold = (
+        f"DVC experiment {experiment!r} (dvc exp run never promotes)"
+        if experiment
+        else "register.promote is false"
+        if not cfg.promote
+        else None
+    )
+    record = apply_gate(
+        client, name, mv, deployable["accuracy"], deployable["mean_accuracy"], floors, cfg.tolerance, basis, hold=hold
+    )
     aliases = sorted(client.get_model_version(name, mv.version).aliases)
-    result = {"name": name, "version": mv.version, "new_version": new, "aliases": aliases, "model_hash": h,
-              "model": kind, "variant": deployable["variant"], "model_uri": f"models:/{name}/{mv.version}",
-              "run_id": mv.run_id, "experiment": experiment_name(), "promote": cfg.promote and not experiment_name(),
-              "note": note, "lost_registry": lost, "gate": record, "accuracy": deployable["accuracy"],
-              "mean_accuracy": deployable["mean_accuracy"], "n_test": deployable["n_test"],
-              "size_bytes": {"served": served, "float": float_size, "pyfunc": pyfunc_bytes},
-              "size_mb": {"served": served / 2**20, "float": float_size / 2**20, "pyfunc": pyfunc_bytes / 2**20},
-              "size_ratio_served_to_float": served / float_size if float_size else None}
+    result = {
+        "name": name,
+        "version": mv.version,
+        "new_version": new,
+        "aliases": aliases,
+        "model_hash": h,
+        "model": kind,
+        "variant": deployable["variant"],
+        "model_uri": f"models:/{name}/{mv.version}",
+        "run_id": mv.run_id,
+        "experiment": experiment_name(),
+        "promote": cfg.promote and not experiment_name(),
+        "note": note,
+        "lost_registry": lost,
+        "gate": record,
+        "accuracy": deployable["accuracy"],
+        "mean_accuracy": deployable["mean_accuracy"],
+        "n_test": deployable["n_test"],
+        "size_bytes": {"served": served, "float": float_size, "pyfunc": pyfunc_bytes},
+        "size_mb": {"served": served / 2**20, "float": float_size / 2**20, "pyfunc": pyfunc_bytes / 2**20},
+        "size_ratio_served_to_float": served / float_size if float_size else None,
+    }
     with AtomicOutputs() as atomic:
         atomic.json(result, root / REGISTERED)
     print(f"register: {note}; gate: {record['decision']} ({record['reason']})", file=sys.stderr)
-    log.set_tags({"crucible.register.version": mv.version, "crucible.register.new_version": str(new).lower(),
-                  "crucible.register.decision": record["decision"], HASH_TAG: h})
-    return {"version": int(mv.version), "new_version": int(new), "gate_passed": int(record["passed"]),
-            "mean_accuracy": deployable["mean_accuracy"], **{f"accuracy.{t}": a for t, a in deployable["accuracy"].items()},
-            "served_mb": served / 2**20, "float_mb": float_size / 2**20, "pyfunc_mb": pyfunc_bytes / 2**20}
+    log.set_tags(
+        {
+            "crucible.register.version": mv.version,
+            "crucible.register.new_version": str(new).lower(),
+            "crucible.register.decision": record["decision"],
+            HASH_TAG: h,
+        }
+    )
+    return {
+        "version": int(mv.version),
+        "new_version": int(new),
+        "gate_passed": int(record["passed"]),
+        "mean_accuracy": deployable["mean_accuracy"],
+        **{f"accuracy.{t}": a for t, a in deployable["accuracy"].items()},
+        "served_mb": served / 2**20,
+        "float_mb": float_size / 2**20,
+        "pyfunc_mb": pyfunc_bytes / 2**20,
+    }

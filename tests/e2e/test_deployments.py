@@ -51,10 +51,13 @@ def test_deploy_refuses_a_bad_prefect_yaml(tmp_path: Path):
 
     with pytest.raises(FileNotFoundError, match="no prefect.yaml"):
         load_spec(tmp_path)
-    bad = {"deployments": [{"name": "n", "entrypoint": "flows/pipeline.py:scheduled",
-                            "schedules": [{"cron": "0 3 * *"}]}]}
+    bad = {
+        "deployments": [{"name": "n", "entrypoint": "flows/pipeline.py:scheduled", "schedules": [{"cron": "0 3 * *"}]}]
+    }
     (tmp_path / "prefect.yaml").write_text(yaml.safe_dump(bad))
-    with pytest.raises(ValueError, match=r"deployments\[0\].schedules\[0\].cron must be a 5-field cron string, got '0 3 \* \*'"):
+    with pytest.raises(
+        ValueError, match=r"deployments\[0\].schedules\[0\].cron must be a 5-field cron string, got '0 3 \* \*'"
+    ):
         load_spec(tmp_path)
     bad["deployments"][0].update(schedules=[], concurrency_limit={"limit": 1, "collision_strategy": "DROP"})
     (tmp_path / "prefect.yaml").write_text(yaml.safe_dump(bad))

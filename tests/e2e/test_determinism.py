@@ -63,7 +63,9 @@ def test_threads_dask_and_dvc_repro_give_byte_identical_artifacts(tmp_path, proj
     assert len(hashes["flow1"]) >= 20  # every stage's outputs for both tasks
     print(f"\n{'output':58s} {'flow threads':>12s} {'flow dask':>12s} {'dvc repro':>12s}")
     for path, h in sorted(hashes["flow1"].items()):
-        print(f"{path:58s} {h[:12]:>12s} {hashes['flow2'].get(path, '-')[:12]:>12s} {hashes['dvc'].get(path, '-')[:12]:>12s}")
+        print(
+            f"{path:58s} {h[:12]:>12s} {hashes['flow2'].get(path, '-')[:12]:>12s} {hashes['dvc'].get(path, '-')[:12]:>12s}"
+        )
     for name in ("flow2", "dvc"):
         differ = {p: (h, hashes[name].get(p)) for p, h in hashes["flow1"].items() if hashes[name].get(p) != h}
         assert not differ, f"{name} differs from the flow on threads: {differ}"

@@ -31,8 +31,9 @@ def _wait(what: str, check, timeout: float, proc: subprocess.Popen | None = None
         if value:
             return value
         if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"{what}: the process exited with {proc.returncode}:\n"
-                                 f"{log.read_text()[-3000:] if log else ''}")
+            raise AssertionError(
+                f"{what}: the process exited with {proc.returncode}:\n{log.read_text()[-3000:] if log else ''}"
+            )
         time.sleep(0.5)
     raise AssertionError(f"{what}: not within {timeout:.0f} s\n{log.read_text()[-3000:] if log else ''}")
 
@@ -62,13 +63,22 @@ def test_deployment_is_served_with_its_schedule_and_a_triggered_run_completes(tm
     api = f"http://127.0.0.1:{port}/api"
     log = tmp_path / "deploy.log"
     with open(log, "w") as out:
-        serve = subprocess.Popen([str(BIN / "crucible"), "deploy", "--port", str(port), "--root", str(root)],
-                                 cwd=root, env=_env(root), stdout=out, stderr=subprocess.STDOUT)
+        serve = subprocess.Popen(
+            [str(BIN / "crucible"), "deploy", "--port", str(port), "--root", str(root)],
+            cwd=root,
+            env=_env(root),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     env = _env(root, PREFECT_API_URL=api)
 
     def deployment(name: str) -> dict | None:
-        proc = subprocess.run([str(BIN / "prefect"), "deployment", "inspect", f"crucible-scheduled/{name}",
-                               "--output", "json"], env=env, capture_output=True, text=True)
+        proc = subprocess.run(
+            [str(BIN / "prefect"), "deployment", "inspect", f"crucible-scheduled/{name}", "--output", "json"],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         return json.loads(proc.stdout) if proc.returncode == 0 else None
 
     try:
@@ -78,15 +88,31 @@ def test_deployment_is_served_with_its_schedule_and_a_triggered_run_completes(tm
         assert nightly["global_concurrency_limit"]["limit"] == 1
         assert nightly["concurrency_options"]["collision_strategy"] == "ENQUEUE"
         assert nightly["parameters"]["root"] == str(root)
-        run = subprocess.run([str(BIN / "prefect"), "deployment", "run", "crucible-scheduled/on-demand",
-                              "--param", 'stages=["ingest"]', "--watch", "--watch-timeout", "300"],
-                             env=env, capture_output=True, text=True, timeout=400)
+        run = subprocess.run(
+            [
+                str(BIN / "prefect"),
+                "deployment",
+                "run",
+                "crucible-scheduled/on-demand",
+                "--param",
+                'stages=["ingest"]',
+                "--watch",
+                "--watch-timeout",
+                "300",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
         assert "Completed" in run.stdout
         runs = _pipeline_runs(root)
         assert len(runs) == 1 and runs[0].info.status == "FINISHED"
-        assert all((root / "metrics" / t / "ingest.json").is_file() for t in yaml.safe_load(
-            (root / "params.yaml").read_text())["pipeline"]["tasks"])
+        assert all(
+            (root / "metrics" / t / "ingest.json").is_file()
+            for t in yaml.safe_load((root / "params.yaml").read_text())["pipeline"]["tasks"]
+        )
     finally:
         serve.send_signal(signal.SIGINT)  # Ctrl-C
         try:
@@ -106,19 +132,35 @@ def test_second_run_waits_and_dvc_repro_refuses_while_a_flow_runs(tmp_path, proj
     logs = {name: tmp_path / f"{name}.log" for name in ("first", "second")}
     procs = {}
     with open(logs["first"], "w") as out:
-        procs["first"] = subprocess.Popen([str(BIN / "crucible"), "run", "--stage", "ingest", "--stage", "embed"],
-                                          cwd=root, env=_env(root), stdout=out, stderr=subprocess.STDOUT)
+        procs["first"] = subprocess.Popen(
+            [str(BIN / "crucible"), "run", "--stage", "ingest", "--stage", "embed"],
+            cwd=root,
+            env=_env(root),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     live = _wait("the first flow takes the workspace", lambda: holder(root), 240, procs["first"], logs["first"])
     assert live.kind == "flow" and live.pid == procs["first"].pid
     with open(logs["second"], "w") as out:
-        procs["second"] = subprocess.Popen([str(BIN / "crucible"), "run", "--stage", "ingest"],
-                                           cwd=root, env=_env(root), stdout=out, stderr=subprocess.STDOUT)
-    _wait("the second flow says it waits", lambda: "waiting up to 240 s" in logs["second"].read_text(), 120,
-          procs["second"], logs["second"])
+        procs["second"] = subprocess.Popen(
+            [str(BIN / "crucible"), "run", "--stage", "ingest"],
+            cwd=root,
+            env=_env(root),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    _wait(
+        "the second flow says it waits",
+        lambda: "waiting up to 240 s" in logs["second"].read_text(),
+        120,
+        procs["second"],
+        logs["second"],
+    )
     assert f"the workspace is locked by pid {live.pid}" in logs["second"].read_text()
     # dvc repro beside the flow: its first stage refuses at once (waiting would deadlock on DVC's lock)
-    repro = subprocess.run([str(BIN / "dvc"), "repro"], cwd=root, env=_env(root), capture_output=True,
-                           text=True, timeout=240)
+    repro = subprocess.run(
+        [str(BIN / "dvc"), "repro"], cwd=root, env=_env(root), capture_output=True, text=True, timeout=240
+    )
     assert procs["first"].poll() is None, "the first flow should still be running"
     assert repro.returncode != 0
     assert f"the workspace is locked by pid {live.pid}" in repro.stderr + repro.stdout

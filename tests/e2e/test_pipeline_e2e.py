@@ -33,9 +33,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.determinism]
 def sh(root: Path, *cmd: str, env: dict | None = None) -> subprocess.CompletedProcess:
     # one thread count for dvc repro and the flow, so that a rerun stage gives the same bytes under
     # either (torch and BLAS sums round by thread count; the README says so)
-    proc = subprocess.run(list(cmd), cwd=root, capture_output=True, text=True,
-                          env={**os.environ, "PREFECT_HOME": str(root / ".prefect"), "CRUCIBLE_THREADS": "1",
-                               **(env or {})})
+    proc = subprocess.run(
+        list(cmd),
+        cwd=root,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PREFECT_HOME": str(root / ".prefect"), "CRUCIBLE_THREADS": "1", **(env or {})},
+    )
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc
 
@@ -58,7 +62,9 @@ def test_dvc_repro_then_flow_then_dvc_agree(tiny_project):
         assert f"Running stage '{sid}'" in out
     # the evaluate report holds every variant and interface; DVC lists the metrics and renders the plots
     variants = json.loads((root / "metrics" / "variants.json").read_text())
-    assert {"base", "finetune:bbc", "finetune:debates", "gs3r@0", "gs3r@1", "quantize:mxfp4_load_aware"} <= set(variants)
+    assert {"base", "finetune:bbc", "finetune:debates", "gs3r@0", "gs3r@1", "quantize:mxfp4_load_aware"} <= set(
+        variants
+    )
     html = (root / "reports" / "index.html").read_text()
     for name in [*variants, "head", "probe", "kmeans", "agglomerative"]:
         assert name in html, name
@@ -88,8 +94,11 @@ def test_dvc_repro_then_flow_then_dvc_agree(tiny_project):
     (root / "params.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
     assert "ingest@debates" in dvc(root, "status")
     flow = sh(root, str(BIN / "crucible"), "run").stdout
-    lines = {line.split()[0]: line for line in flow.splitlines()
-             if line.startswith("  ") and ("@" in line or line.split()[0] in ONCE)}
+    lines = {
+        line.split()[0]: line
+        for line in flow.splitlines()
+        if line.startswith("  ") and ("@" in line or line.split()[0] in ONCE)
+    }
     rerun = {sid for sid, line in lines.items() if "ran in" in line}
     # ingest@bbc reads every task's spec (the demo mixes the other tasks' corpora into its pool), so
     # it reruns too; its outputs are the same bytes, so nothing downstream of it does

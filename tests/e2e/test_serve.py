@@ -47,8 +47,13 @@ def server(ws, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with open(log, "w") as fh:
-        proc = subprocess.Popen([str(BIN / "crucible"), "serve", "--root", str(ws), "--port", str(port)],
-                                stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, cwd=ws)
+        proc = subprocess.Popen(
+            [str(BIN / "crucible"), "serve", "--root", str(ws), "--port", str(port)],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=ws,
+        )
     base = f"http://127.0.0.1:{port}"
     try:
         assert wait_until_serving(base, proc, WAIT_S, log) < WAIT_S + 1  # raises with the log if it never answers
@@ -99,12 +104,19 @@ def test_served_model_answers_like_the_in_process_one(ws, server):
     assert body["predictions"][0]["proba_sport"] is None
 
 
-@pytest.mark.parametrize("data, columns, message", [
-    ([["a great film"]], ["text"], "input is missing column 'task': every row needs a 'text' and a 'task' (one of: rotten, bbc)"),
-    ([["a great film", "tweets"]], ["text", "task"], "row 0: unknown task 'tweets'; valid tasks: rotten, bbc"),
-    ([["a great film", "rotten"], ["", "bbc"]], ["text", "task"], "row 1: column 'text' is empty"),
-    ([[42, "bbc"]], ["text", "task"], "row 0: column 'text' must be a string, got int 42"),
-])
+@pytest.mark.parametrize(
+    "data, columns, message",
+    [
+        (
+            [["a great film"]],
+            ["text"],
+            "input is missing column 'task': every row needs a 'text' and a 'task' (one of: rotten, bbc)",
+        ),
+        ([["a great film", "tweets"]], ["text", "task"], "row 0: unknown task 'tweets'; valid tasks: rotten, bbc"),
+        ([["a great film", "rotten"], ["", "bbc"]], ["text", "task"], "row 1: column 'text' is empty"),
+        ([[42, "bbc"]], ["text", "task"], "row 0: column 'text' must be a string, got int 42"),
+    ],
+)
 def test_bad_requests_get_400_with_a_clear_message(server, data, columns, message):
     base, _, _ = server
     status, body = post(f"{base}/invocations", {"dataframe_split": {"columns": columns, "data": data}})
@@ -148,21 +160,27 @@ def test_requests_over_the_limits_are_refused_and_the_server_still_answers(ws, s
     status, body = post_declared(port, b"{" + b" " * 1023, 4 * limits["max_body_bytes"])
     assert status == 413 and body["error_code"] == "REQUEST_LIMIT_EXCEEDED", body
     assert f"the limit is {limits['max_body_bytes']} bytes (serve.max_body_bytes)" in body["message"]
-    big = json.dumps({"dataframe_split": {"columns": ["text", "task"],
-                                          "data": [["x" * (limits["max_body_bytes"] + 10), "bbc"]]}}).encode()
+    big = json.dumps(
+        {"dataframe_split": {"columns": ["text", "task"], "data": [["x" * (limits["max_body_bytes"] + 10), "bbc"]]}}
+    ).encode()
     status, body = post_declared(port, big, len(big))  # answered before the client is done sending
     assert status == 413 and "serve.max_body_bytes" in body["message"]
     rows = [["a great film", "rotten"]] * (limits["max_rows"] + 1)
     status, body = post(f"{base}/invocations", {"dataframe_split": {"columns": ["text", "task"], "data": rows}})
     assert status == 400 and body["error_code"] == "INVALID_PARAMETER_VALUE", body
-    assert body["message"] == (f"request has {limits['max_rows'] + 1} rows; the limit is {limits['max_rows']} rows per "
-                               f"request (serve.max_rows). Split it into requests of at most {limits['max_rows']} rows")
+    assert body["message"] == (
+        f"request has {limits['max_rows'] + 1} rows; the limit is {limits['max_rows']} rows per "
+        f"request (serve.max_rows). Split it into requests of at most {limits['max_rows']} rows"
+    )
     long = "a great film " * (limits["max_chars"] // 13 + 1)
-    status, body = post(f"{base}/invocations", {"dataframe_records": [{"text": "fine", "task": "rotten"},
-                                                                      {"text": long, "task": "rotten"}]})
+    status, body = post(
+        f"{base}/invocations",
+        {"dataframe_records": [{"text": "fine", "task": "rotten"}, {"text": long, "task": "rotten"}]},
+    )
     assert status == 400 and body["message"].startswith(
         f"row 1: column 'text' has {len(long)} characters; the limit is {limits['max_chars']} characters per text "
-        f"(serve.max_chars)"), body
+        f"(serve.max_chars)"
+    ), body
     # the same limits hold for a CSV body, checked on the parsed table
     csv = "text,task\n" + "".join("a fine film,rotten\n" for _ in range(limits["max_rows"] + 1))
     req = urllib.request.Request(f"{base}/invocations", data=csv.encode(), headers={"Content-Type": "text/csv"})
@@ -170,8 +188,15 @@ def test_requests_over_the_limits_are_refused_and_the_server_still_answers(ws, s
         urllib.request.urlopen(req, timeout=60)
     assert err.value.code == 400 and "serve.max_rows" in json.loads(err.value.read())["message"]
     # at the limits exactly: answered
-    status, body = post(f"{base}/invocations", {"dataframe_split": {"columns": ["text", "task"], "data": [
-        ["x" * limits["max_chars"], "bbc"], *[["a great film", "rotten"]] * (limits["max_rows"] - 1)]}})
+    status, body = post(
+        f"{base}/invocations",
+        {
+            "dataframe_split": {
+                "columns": ["text", "task"],
+                "data": [["x" * limits["max_chars"], "bbc"], *[["a great film", "rotten"]] * (limits["max_rows"] - 1)],
+            }
+        },
+    )
     assert status == 200 and len(body["predictions"]) == limits["max_rows"]
     status, body = post(f"{base}/invocations", {"dataframe_records": [{"text": "a great film", "task": "rotten"}]})
     assert status == 200 and body["predictions"][0]["label"] in ("fresh", "rotten")
@@ -192,25 +217,32 @@ def test_requests_over_the_limits_are_refused_and_the_server_still_answers(ws, s
 def test_predict_cli_answers_from_the_champion(ws, capsys):
     from flows.cli import build_parser
 
-    args = build_parser().parse_args(["predict", "--root", str(ws), "--task", "bbc", "--json", "goal for the team",
-                                      "chip prices"])
+    args = build_parser().parse_args(
+        ["predict", "--root", str(ws), "--task", "bbc", "--json", "goal for the team", "chip prices"]
+    )
     assert args.func(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert [r["text"] for r in out] == ["goal for the team", "chip prices"]
-    assert all(r["label"] in ("business", "sport", "tech") and set(r) == {"text", "task", "label", "proba_business",
-                                                                            "proba_sport", "proba_tech"} for r in out)
+    assert all(
+        r["label"] in ("business", "sport", "tech")
+        and set(r) == {"text", "task", "label", "proba_business", "proba_sport", "proba_tech"}
+        for r in out
+    )
     args = build_parser().parse_args(["predict", "--root", str(ws), "--task", "tweets", "hello"])
     assert args.func(args) == 2
     assert "unknown task 'tweets'; valid tasks: rotten, bbc" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("doc, rows, texts", [
-    ({"dataframe_split": {"columns": ["task", "text"], "data": [["bbc", "a"], ["bbc", "bb"]]}}, 2, ["a", "bb"]),
-    ({"dataframe_records": [{"text": "a", "task": "bbc"}, {"task": "bbc"}]}, 2, ["a", None]),
-    ({"instances": [{"text": "abc", "task": "bbc"}]}, 1, ["abc"]),
-    ({"inputs": {"text": ["a", "b", "c"], "task": ["bbc", "bbc", "bbc"]}}, 3, ["a", "b", "c"]),
-    ({"something": 1}, None, None),
-])
+@pytest.mark.parametrize(
+    "doc, rows, texts",
+    [
+        ({"dataframe_split": {"columns": ["task", "text"], "data": [["bbc", "a"], ["bbc", "bb"]]}}, 2, ["a", "bb"]),
+        ({"dataframe_records": [{"text": "a", "task": "bbc"}, {"task": "bbc"}]}, 2, ["a", None]),
+        ({"instances": [{"text": "abc", "task": "bbc"}]}, 1, ["abc"]),
+        ({"inputs": {"text": ["a", "b", "c"], "task": ["bbc", "bbc", "bbc"]}}, 3, ["a", "b", "c"]),
+        ({"something": 1}, None, None),
+    ],
+)
 def test_the_limits_read_every_json_layout_mlflow_takes(doc, rows, texts):
     from tasks.registry.serving_app import json_rows, limit_problem
 

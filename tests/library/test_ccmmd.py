@@ -60,11 +60,9 @@ def test_all_four_estimators_match_dense_brute_force():
     x, y, member, s = pool(n=90, m=40, d=4)
     i, pi = audit(90, 0.5, 7)
     bw = (1.0, 3.0)
-    res = cc_mmd(x, y, s, i, member, pi, truth=member, kernel=GaussianKernel(bandwidths=bw),
-                 block_size=16)
+    res = cc_mmd(x, y, s, i, member, pi, truth=member, kernel=GaussianKernel(bandwidths=bw), block_size=16)
     m = s + i / pi * (member - s)
-    for got, w in ((res.value, m), (res.naive, np.ones(90)), (res.audit_only, i * member / pi),
-                   (res.oracle, member)):
+    for got, w in ((res.value, m), (res.naive, np.ones(90)), (res.audit_only, i * member / pi), (res.oracle, member)):
         assert got == pytest.approx(float(dense_v(x, y, w, bw)), rel=1e-4, abs=1e-6)
     assert res.n_audited == int(i.sum()) and res.n_audited_members == int((i * member).sum())
     assert res.ess == pytest.approx(m.sum() ** 2 / (m**2).sum())
@@ -117,15 +115,19 @@ def test_rff_method_tracks_exact():
 def test_supervised_product_kernel_runs_and_matches_dense():
     x, y, member, s = pool(n=60, m=40)
     lx, ly = np.arange(40) % 2, np.arange(60) % 2
-    res = cc_mmd(x, y, s, np.ones(60), member, np.ones(60), kernel=KERNEL,
-                 labels_reference=lx, labels_pool=ly, block_size=8)
+    res = cc_mmd(
+        x, y, s, np.ones(60), member, np.ones(60), kernel=KERNEL, labels_reference=lx, labels_pool=ly, block_size=8
+    )
     xt, yt, w = torch.as_tensor(x), torch.as_tensor(y), torch.as_tensor(member)
     same = lambda a, b: torch.as_tensor(a[:, None] == b[None, :], dtype=torch.float64)  # noqa: E731
     kxx = gaussian_kernel_matrix(xt, xt, 2.0) * same(lx, lx)
     kxy = gaussian_kernel_matrix(xt, yt, 2.0) * same(lx, ly)
     kyy = gaussian_kernel_matrix(yt, yt, 2.0) * same(ly, ly)
-    expect = ((kxx.sum() - 40) / (40 * 39) - 2 * (kxy @ w).sum() / (40 * w.sum())
-              + (w @ kyy @ w - w @ w) / (w.sum() ** 2 - w @ w))
+    expect = (
+        (kxx.sum() - 40) / (40 * 39)
+        - 2 * (kxy @ w).sum() / (40 * w.sum())
+        + (w @ kyy @ w - w @ w) / (w.sum() ** 2 - w @ w)
+    )
     assert res.value == pytest.approx(float(expect), rel=1e-4)
 
 
@@ -140,8 +142,7 @@ def test_to_dict_is_json_ready():
 def good(n=40, m=20):
     x, y, member, s = pool(n=n, m=m)
     i, pi = audit(n, 0.5, 0)
-    return dict(reference=x, pool=y, scores=s, audited=i, member=np.where(i == 1, member, np.nan),
-                pi=pi, kernel=KERNEL)
+    return dict(reference=x, pool=y, scores=s, audited=i, member=np.where(i == 1, member, np.nan), pi=pi, kernel=KERNEL)
 
 
 def with_(key, idx, value):
@@ -152,13 +153,16 @@ def with_(key, idx, value):
     return args
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (with_("reference", (3, 1), np.nan), "reference: row 3, column 1 is nan"),
-    (with_("pool", (5, 0), np.inf), "pool: row 5, column 0 is inf"),
-    (with_("scores", 7, 1.5), "scores: index 7 is 1.5; valid values are scores in [0, 1]"),
-    (with_("pi", 2, 0.0), "pi: index 2 is 0.0; valid values are inclusion probabilities in (0, 1]"),
-    (with_("pi", 2, 1.01), "pi: index 2 is 1.01"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (with_("reference", (3, 1), np.nan), "reference: row 3, column 1 is nan"),
+        (with_("pool", (5, 0), np.inf), "pool: row 5, column 0 is inf"),
+        (with_("scores", 7, 1.5), "scores: index 7 is 1.5; valid values are scores in [0, 1]"),
+        (with_("pi", 2, 0.0), "pi: index 2 is 0.0; valid values are inclusion probabilities in (0, 1]"),
+        (with_("pi", 2, 1.01), "pi: index 2 is 1.01"),
+    ],
+)
 def test_bad_inputs_raise_with_argument_index_and_value(args, fragment):
     with pytest.raises(ValueError) as err:
         cc_mmd(**args)
@@ -184,8 +188,9 @@ def test_audit_without_members_raises():
 def test_fewer_than_two_clean_items_raises():
     args = good()
     n = 40
-    args.update(scores=np.zeros(n), audited=np.ones(n), pi=np.ones(n),
-                member=np.eye(1, n, 3)[0])  # exactly one member, fully audited: N_hat = 1
+    args.update(
+        scores=np.zeros(n), audited=np.ones(n), pi=np.ones(n), member=np.eye(1, n, 3)[0]
+    )  # exactly one member, fully audited: N_hat = 1
     with pytest.raises(ValueError, match="at least two estimated clean items"):
         cc_mmd(**args)
 

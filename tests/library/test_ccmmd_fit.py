@@ -4,8 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from crucible.ccmmd import (contaminated_regression, fit_min_ccmmd, gaussian_kernel_matrix,
-                            linear_gaussian_sampler)
+from crucible.ccmmd import contaminated_regression, fit_min_ccmmd, gaussian_kernel_matrix, linear_gaussian_sampler
 from crucible.ccmmd.fit import weighted_mmd_loss
 from crucible.design import corrected_membership
 
@@ -46,10 +45,14 @@ def test_min_ccmmd_recovers_clean_slope_where_least_squares_is_biased():
     start = np.linalg.lstsq(np.c_[x, np.ones(200)], y, rcond=None)[0]
 
     def fit(w):
-        params = {"beta": torch.tensor(start[:3]), "intercept": torch.tensor(start[3]),
-                  "log_sigma": torch.tensor(0.0, dtype=torch.float64)}
-        res = fit_min_ccmmd(linear_gaussian_sampler(x), params, z, w, (1.0, 2.0, 4.0),
-                            noise_shape=(200,), steps=80, lr=0.08)
+        params = {
+            "beta": torch.tensor(start[:3]),
+            "intercept": torch.tensor(start[3]),
+            "log_sigma": torch.tensor(0.0, dtype=torch.float64),
+        }
+        res = fit_min_ccmmd(
+            linear_gaussian_sampler(x), params, z, w, (1.0, 2.0, 4.0), noise_shape=(200,), steps=80, lr=0.08
+        )
         assert res.losses[-1] < res.losses[0]
         return np.linalg.norm(res.params["beta"].numpy() - beta)
 

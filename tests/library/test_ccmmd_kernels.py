@@ -8,8 +8,15 @@ import textwrap
 import pytest
 import torch
 
-from crucible.ccmmd import (GaussianKernel, gaussian_kernel_matrix, kernel_matvec,
-                            median_bandwidth, rff_matvec, weighted_kernel_sum, within_kernel_sum)
+from crucible.ccmmd import (
+    GaussianKernel,
+    gaussian_kernel_matrix,
+    kernel_matvec,
+    median_bandwidth,
+    rff_matvec,
+    weighted_kernel_sum,
+    within_kernel_sum,
+)
 
 
 def data(n_x=50, n_y=37, d=6, seed=0):
@@ -53,7 +60,8 @@ def test_scalar_sum_helpers():
     a = torch.linspace(0, 1, 50, dtype=torch.float64)
     b = w[:, 0]
     assert weighted_kernel_sum(x, y, a, b, 2.0, block_size=16) == pytest.approx(
-        float(a @ gaussian_kernel_matrix(x, y, 2.0) @ b), rel=1e-5)
+        float(a @ gaussian_kernel_matrix(x, y, 2.0) @ b), rel=1e-5
+    )
     k = gaussian_kernel_matrix(y, y, 2.0)
     expect = float(b @ k @ b - (b * b).sum())
     assert within_kernel_sum(y, b, 2.0, block_size=8) == pytest.approx(expect, rel=1e-5)
@@ -70,8 +78,9 @@ def test_label_product_kernel_equals_masked_dense():
     wx = torch.ones(50, dtype=torch.float64)
     kx = gaussian_kernel_matrix(x, x, 2.0) * (lx[:, None] == lx[None, :])
     kx.fill_diagonal_(0)
-    torch.testing.assert_close(kernel_matvec(x, None, wx, 2.0, labels_x=lx, exclude_diagonal=True),
-                               kx @ wx, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(
+        kernel_matvec(x, None, wx, 2.0, labels_x=lx, exclude_diagonal=True), kx @ wx, rtol=2e-5, atol=2e-5
+    )
 
 
 def test_median_bandwidth_is_seeded_and_matches_full_median_on_small_input():
@@ -140,6 +149,5 @@ def test_triton_interpreter_equals_torch():
     pytest.importorskip("triton")
     # TRITON_INTERPRET must be set before triton is first imported, so run in a fresh process.
     env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", TRITON_SCRIPT], capture_output=True, text=True,
-                         env=env, timeout=300)
+    res = subprocess.run([sys.executable, "-c", TRITON_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0 and "TRITON_OK" in res.stdout, res.stderr[-3000:]

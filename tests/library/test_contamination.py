@@ -45,8 +45,12 @@ def test_audit_size_within_binomial_tolerance():
 
 
 def _frames(n_target=3000):
-    target = pd.DataFrame({"text": [f"target item number {i} with several words" for i in range(n_target)],
-                           "label": np.where(np.arange(n_target) % 2, "a", "b")})
+    target = pd.DataFrame(
+        {
+            "text": [f"target item number {i} with several words" for i in range(n_target)],
+            "label": np.where(np.arange(n_target) % 2, "a", "b"),
+        }
+    )
     others = pd.DataFrame({"text": [f"other text {i}" for i in range(500)], "corpus": ["x"] * 250 + ["y"] * 250})
     return target, others
 
@@ -54,14 +58,27 @@ def _frames(n_target=3000):
 @pytest.mark.parametrize("eps", [0.0, 0.1, 0.3, 0.5])
 def test_realised_contamination_within_binomial_tolerance(eps):
     target, others = _frames()
-    pool, truth = build_pool(target, others, n_pool=2000, eps=eps, mix={"other_corpora": 1, "boilerplate": 1,
-                             "near_duplicate": 1, "shuffled": 1}, rng=np.random.default_rng(3), id_prefix="p")
+    pool, truth = build_pool(
+        target,
+        others,
+        n_pool=2000,
+        eps=eps,
+        mix={"other_corpora": 1, "boilerplate": 1, "near_duplicate": 1, "shuffled": 1},
+        rng=np.random.default_rng(3),
+        id_prefix="p",
+    )
     realised = 1 - truth["member"].mean()
     assert abs(realised - eps) <= 4 * np.sqrt(eps * (1 - eps) / 2000) + 1e-12
     assert (pool["id"] == truth["id"]).all() and pool["id"].is_unique
     members = truth[truth["member"] == 1]
     assert members["label"].notna().all() and truth.loc[truth["member"] == 0, "label"].isna().all()
-    assert set(truth.loc[truth["member"] == 0, "origin"]) <= {"other:x", "other:y", "boilerplate", "near_duplicate", "shuffled"}
+    assert set(truth.loc[truth["member"] == 0, "origin"]) <= {
+        "other:x",
+        "other:y",
+        "boilerplate",
+        "near_duplicate",
+        "shuffled",
+    }
     # member texts are target texts, unchanged
     assert pool.loc[truth["member"] == 1, "text"].isin(target["text"]).all()
 
@@ -69,8 +86,9 @@ def test_realised_contamination_within_binomial_tolerance(eps):
 def test_pool_too_large_for_the_target_is_an_error():
     target, others = _frames(n_target=50)
     with pytest.raises(ValueError, match="needs .* target items but only 50"):
-        build_pool(target, others, n_pool=200, eps=0.1, mix={"boilerplate": 1}, rng=np.random.default_rng(0),
-                   id_prefix="p")
+        build_pool(
+            target, others, n_pool=200, eps=0.1, mix={"boilerplate": 1}, rng=np.random.default_rng(0), id_prefix="p"
+        )
 
 
 def test_degenerate_text_differs_from_its_source():

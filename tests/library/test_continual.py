@@ -8,9 +8,7 @@ import pytest
 from crucible.continual import accuracy_curve, average_accuracy, backward_transfer, normalised_accuracy
 
 NAN = float("nan")
-R = [[0.9, NAN, NAN],
-     [0.8, 0.7, NAN],
-     [0.6, 0.75, 0.5]]
+R = [[0.9, NAN, NAN], [0.8, 0.7, NAN], [0.6, 0.75, 0.5]]
 
 
 def test_closed_forms():

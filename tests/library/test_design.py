@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from crucible.design import (corrected_membership, difference_estimate, linear_design_variance,
-                             ratio_estimate)
+from crucible.design import corrected_membership, difference_estimate, linear_design_variance, ratio_estimate
 
 S = np.array([0.9, 0.2, 0.6, 0.1, 0.75, 0.4])
 M = np.array([1.0, 0.0, 1.0, 1.0, 0.0, 1.0])
@@ -85,21 +84,23 @@ def test_ratio_estimate_interval_covers_the_truth():
     assert 0.88 <= hits / 200 <= 0.99
 
 
-@pytest.mark.parametrize("kwargs, fragment", [
-    ({"scores": [0.5, 1.2, 0.1]}, "scores: index 1 is 1.2"),
-    ({"scores": [0.5, -0.1, 0.1]}, "scores: index 1 is -0.1"),
-    ({"scores": [0.5, np.nan, 0.1]}, "scores: index 1 is nan"),
-    ({"pi": [0.5, 0.0, 0.5]}, "pi: index 1 is 0.0; valid values are inclusion probabilities in (0, 1]"),
-    ({"pi": [0.5, 0.5, 1.5]}, "pi: index 2 is 1.5"),
-    ({"member": [1, 0, 2]}, "member: index 2 is 2.0; valid values are 0 or 1 where audited"),
-    ({"member": [1, 0, np.nan]}, "member: index 2 is nan"),
-    ({"audited": [1, 0.5, 1]}, "audited: index 1 is 0.5"),
-    ({"audited": [1, 0]}, "audited: expected length 3"),
-    ({"scores": [[0.5, 0.5, 0.5]]}, "scores: expected a 1-D array"),
-])
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"scores": [0.5, 1.2, 0.1]}, "scores: index 1 is 1.2"),
+        ({"scores": [0.5, -0.1, 0.1]}, "scores: index 1 is -0.1"),
+        ({"scores": [0.5, np.nan, 0.1]}, "scores: index 1 is nan"),
+        ({"pi": [0.5, 0.0, 0.5]}, "pi: index 1 is 0.0; valid values are inclusion probabilities in (0, 1]"),
+        ({"pi": [0.5, 0.5, 1.5]}, "pi: index 2 is 1.5"),
+        ({"member": [1, 0, 2]}, "member: index 2 is 2.0; valid values are 0 or 1 where audited"),
+        ({"member": [1, 0, np.nan]}, "member: index 2 is nan"),
+        ({"audited": [1, 0.5, 1]}, "audited: index 1 is 0.5"),
+        ({"audited": [1, 0]}, "audited: expected length 3"),
+        ({"scores": [[0.5, 0.5, 0.5]]}, "scores: expected a 1-D array"),
+    ],
+)
 def test_bad_inputs_name_argument_index_and_valid_range(kwargs, fragment):
-    args = {"scores": [0.5, 0.5, 0.1], "audited": [1, 0, 1], "member": [1, np.nan, 0],
-            "pi": [0.5, 0.5, 0.5]}
+    args = {"scores": [0.5, 0.5, 0.1], "audited": [1, 0, 1], "member": [1, np.nan, 0], "pi": [0.5, 0.5, 0.5]}
     args.update(kwargs)
     with pytest.raises(ValueError) as err:
         corrected_membership(**args)

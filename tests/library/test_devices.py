@@ -22,7 +22,9 @@ def test_auto_is_the_cpu_without_cuda_and_cuda_asked_for_names_what_is_visible(m
     assert devices.resolve_device("auto") == torch.device("cpu")
     assert devices.resolve_device("cpu") == torch.device("cpu")
     for spec in ("cuda", "cuda:0", "cuda:3"):
-        with pytest.raises(devices.DeviceUnavailable, match=rf"runtime.device = '{spec}', but no CUDA device is visible"):
+        with pytest.raises(
+            devices.DeviceUnavailable, match=rf"runtime.device = '{spec}', but no CUDA device is visible"
+        ):
             devices.resolve_device(spec, what="runtime.device")
     assert devices.autocast_dtype(torch.device("cpu"), "auto") is None  # a CPU run stays in float32
     assert devices.from_environment({}) == (torch.device("cpu"), None)
@@ -126,8 +128,9 @@ def test_calibration_statistics_feed_the_model_on_its_device():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).to("meta")
     batches = [(torch.randn(3, 4),)]
     assert input_devices(model, lambda: collect_input_stats(model, ["0"], batches)) == {"meta"}
-    assert input_devices(model, lambda: collect_output_sensitivity(model, ["0"], batches,
-                                                                   lambda m, b: m(*b).sum())) == {"meta"}
+    assert input_devices(
+        model, lambda: collect_output_sensitivity(model, ["0"], batches, lambda m, b: m(*b).sum())
+    ) == {"meta"}
 
 
 def test_moe_batches_and_perplexity_feed_the_model_on_its_device():

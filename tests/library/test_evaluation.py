@@ -34,7 +34,7 @@ def gaussian_task(seed=0, n=200, k=K, d=D, spread=4.0):
     train_x, train_y = draw(n)
     test_x, test_y = draw(n)
     weight = means.astype(np.float32)
-    bias = (-0.5 * (means ** 2).sum(axis=1)).astype(np.float32)
+    bias = (-0.5 * (means**2).sum(axis=1)).astype(np.float32)
     return train_x, train_y, test_x, test_y, weight, bias
 
 
@@ -44,31 +44,39 @@ def l2(x):
 
 # -- nmi / ari -------------------------------------------------------------------------------------
 
+
 def _h(*p):
     """Entropy (natural log) of a distribution."""
     return -sum(q * math.log(q) for q in p)
 
 
-@pytest.mark.parametrize("a, b, want_nmi, want_ari", [
-    ([0] * 6, [0] * 6, 1.0, 1.0),                       # one cluster each side
-    ([0] * 6, [5] * 6, 1.0, 1.0),
-    (list(range(6)), list(range(6)), 1.0, 1.0),         # all singletons each side
-    (list(range(6)), [0] * 6, 0.0, 0.0),                # singletons vs one cluster
-    ([0] * 6, list(range(6)), 0.0, 0.0),
-    ([0, 0, 1, 1, 2, 2], [0] * 6, 0.0, 0.0),            # one side one cluster only
-    # pred refines true: MI = H(true) = log 3, H(pred) = log 6; no pair is together in pred
-    ([0, 0, 1, 1, 2, 2], list(range(6)), 2 * math.log(3) / math.log(18), 0.0),
-    ([3], [9], 1.0, 1.0),                               # one row
-    ([], [], 1.0, 1.0),                                 # no rows
-    # pred is a function of true (cat, eel -> x; dog -> y): MI = H(pred); pairs: together in both 2,
-    # in true 2, in pred 4, of 10: ARI = (2 - 0.8) / (3 - 0.8)
-    (["cat", "dog", "dog", "cat", "eel"], ["x", "y", "y", "x", "x"],
-     2 * _h(0.6, 0.4) / (_h(0.4, 0.4, 0.2) + _h(0.6, 0.4)), 1.2 / 2.2),
-    (["b", "a", "a", "c"], [2, 0, 0, 1], 1.0, 1.0),     # strings vs ints, the same partition
-    ([0, 1, 0, 1], [0, 0, 1, 1], 0.0, -0.5),            # independent: NMI 0, ARI negative
-    # pred refines true: NMI = 2 log 2 / (log 2 + 1.5 log 2); pairs 1, 2, 1 of 6: ARI = (2/3) / (7/6)
-    ([0, 0, 1, 1], [0, 0, 1, 2], 0.8, 4 / 7),
-])
+@pytest.mark.parametrize(
+    "a, b, want_nmi, want_ari",
+    [
+        ([0] * 6, [0] * 6, 1.0, 1.0),  # one cluster each side
+        ([0] * 6, [5] * 6, 1.0, 1.0),
+        (list(range(6)), list(range(6)), 1.0, 1.0),  # all singletons each side
+        (list(range(6)), [0] * 6, 0.0, 0.0),  # singletons vs one cluster
+        ([0] * 6, list(range(6)), 0.0, 0.0),
+        ([0, 0, 1, 1, 2, 2], [0] * 6, 0.0, 0.0),  # one side one cluster only
+        # pred refines true: MI = H(true) = log 3, H(pred) = log 6; no pair is together in pred
+        ([0, 0, 1, 1, 2, 2], list(range(6)), 2 * math.log(3) / math.log(18), 0.0),
+        ([3], [9], 1.0, 1.0),  # one row
+        ([], [], 1.0, 1.0),  # no rows
+        # pred is a function of true (cat, eel -> x; dog -> y): MI = H(pred); pairs: together in both 2,
+        # in true 2, in pred 4, of 10: ARI = (2 - 0.8) / (3 - 0.8)
+        (
+            ["cat", "dog", "dog", "cat", "eel"],
+            ["x", "y", "y", "x", "x"],
+            2 * _h(0.6, 0.4) / (_h(0.4, 0.4, 0.2) + _h(0.6, 0.4)),
+            1.2 / 2.2,
+        ),
+        (["b", "a", "a", "c"], [2, 0, 0, 1], 1.0, 1.0),  # strings vs ints, the same partition
+        ([0, 1, 0, 1], [0, 0, 1, 1], 0.0, -0.5),  # independent: NMI 0, ARI negative
+        # pred refines true: NMI = 2 log 2 / (log 2 + 1.5 log 2); pairs 1, 2, 1 of 6: ARI = (2/3) / (7/6)
+        ([0, 0, 1, 1], [0, 0, 1, 2], 0.8, 4 / 7),
+    ],
+)
 def test_nmi_ari_values_and_edge_cases(a, b, want_nmi, want_ari):
     assert nmi(a, b) == pytest.approx(want_nmi, abs=1e-12, rel=0)
     assert ari(a, b) == pytest.approx(want_ari, abs=1e-12, rel=0)
@@ -97,6 +105,7 @@ def test_nmi_ari_bad_input():
 
 
 # -- head ------------------------------------------------------------------------------------------
+
 
 def test_head_accuracy_hand_example():
     features = np.array([[1, 0], [0, 1], [1, 1], [-1, 0]], dtype=np.float32)
@@ -132,6 +141,7 @@ def test_head_accuracy_bad_input():
 
 # -- probe -----------------------------------------------------------------------------------------
 
+
 def leak_task(seed=0, n=200, k=K, d=D):
     """Training features carry no label information (noise in dims :8, zero in dims 8:); test
     features are zero in dims :8 and perfectly separable by their labels in dims 8:."""
@@ -142,7 +152,7 @@ def leak_task(seed=0, n=200, k=K, d=D):
     test_y = np.repeat(np.arange(k), n // k)
     means = rng.normal(size=(k, d - d // 2)) * 5
     test_x = np.zeros((n, d))
-    test_x[:, d // 2:] = means[test_y] + 0.1 * rng.normal(size=(n, d - d // 2))
+    test_x[:, d // 2 :] = means[test_y] + 0.1 * rng.normal(size=(n, d - d // 2))
     return train_x, train_y, test_x, test_y
 
 
@@ -221,6 +231,7 @@ def test_probe_bad_input():
 
 # -- separability ----------------------------------------------------------------------------------
 
+
 def test_separability_of_separated_clusters_and_of_random_labels():
     _, _, test_x, test_y, _, _ = gaussian_task(seed=7)
     sep = separability(test_x, test_y, ALGORITHMS)
@@ -286,6 +297,7 @@ def test_normalize_rescaled_rows_and_zero_rows():
 
 # -- all three -------------------------------------------------------------------------------------
 
+
 def test_interfaces_are_independent_of_the_head():
     train_x, train_y, test_x, test_y, weight, bias = gaussian_task(seed=0)
     good = interface_scores(test_x, test_y, weight, bias, train_x, train_y)
@@ -293,8 +305,9 @@ def test_interfaces_are_independent_of_the_head():
     perm = np.roll(np.arange(K), 1)  # the head's label mapping shuffled: no class keeps its row
     shuffled = interface_scores(test_x, test_y, weight[perm], bias[perm], train_x, train_y)
     assert shuffled["head"] < 0.1
-    assert {key: v for key, v in shuffled.items() if key != "head"} == \
-        {key: v for key, v in good.items() if key != "head"}
+    assert {key: v for key, v in shuffled.items() if key != "head"} == {
+        key: v for key, v in good.items() if key != "head"
+    }
     # the head sees raw features even with normalize=True; on normalised rows it would do worse
     assert good["head"] == head_accuracy(test_x, weight, bias, test_y)
     assert head_accuracy(l2(test_x), weight, bias, test_y) < good["head"] - 0.2
@@ -309,8 +322,12 @@ def test_interface_scores_keys_and_determinism():
     assert list(everything) == ["head", "probe"] + [f"{a}_{m}" for a in ALGORITHMS for m in ("nmi", "ari")]
     again = interface_scores(test_x, test_y, weight, bias, train_x, train_y, algorithms=ALGORITHMS, seed=3)
     assert again == everything
-    assert list(interface_scores(test_x, test_y, weight, bias, train_x, train_y, algorithms=["spectral"])) == \
-        ["head", "probe", "spectral_nmi", "spectral_ari"]
+    assert list(interface_scores(test_x, test_y, weight, bias, train_x, train_y, algorithms=["spectral"])) == [
+        "head",
+        "probe",
+        "spectral_nmi",
+        "spectral_ari",
+    ]
     for alg in ALGORITHMS:
         assert np.array_equal(cluster(test_x, K, alg, seed=5), cluster(test_x, K, alg, seed=5))
     with pytest.raises(ValueError, match=r"train_x must have 16 features like test_x.*\(200, 8\)"):

@@ -28,7 +28,7 @@ def test_mix_weight_closed_form_and_expectation():
     masks = torch.rand(draws, 4, 3, generator=g) < p
     mean = mix_weight(w.expand(draws, 4, 3), u.expand(draws, 4, 3), masks, p).mean(0)
     # sd of one draw is |w - u| sqrt(p / (1 - p)); 5 standard errors
-    tol = 5 * (w - u).abs().max() * (p / (1 - p)) ** 0.5 / draws ** 0.5
+    tol = 5 * (w - u).abs().max() * (p / (1 - p)) ** 0.5 / draws**0.5
     assert (mean - w).abs().max() < tol
     assert (mean - u).abs().max() > 10 * tol  # the test can tell w from the anchor
 

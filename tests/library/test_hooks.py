@@ -17,8 +17,7 @@ def test_forward_hooks_act_inside_the_block_only():
     x = torch.randn(2, 3)
     plain = model(x)
     seen = []
-    with forward_hooks([(a, lambda m, args, out: seen.append("a")),
-                        (b, lambda m, args, out: out * 0)]) as handles:
+    with forward_hooks([(a, lambda m, args, out: seen.append("a")), (b, lambda m, args, out: out * 0)]) as handles:
         assert len(handles) == 2
         assert torch.equal(model(x), torch.zeros_like(plain))  # a forward hook's return replaces the output
     assert seen == ["a"] and no_hooks(a, b)
@@ -29,8 +28,12 @@ def test_pre_hooks_with_kwargs_and_prepend():
     lin = nn.Linear(3, 3)
     order = []
     with forward_hooks([(lin, lambda m, args: order.append("first"))], pre=True):
-        with forward_hooks([(lin, lambda m, args, kwargs: order.append(("kw", tuple(kwargs))))],
-                           pre=True, with_kwargs=True, prepend=True):
+        with forward_hooks(
+            [(lin, lambda m, args, kwargs: order.append(("kw", tuple(kwargs))))],
+            pre=True,
+            with_kwargs=True,
+            prepend=True,
+        ):
             lin(input=torch.randn(1, 3))
         lin(torch.randn(1, 3))
     assert order == [("kw", ("input",)), "first", "first"]  # prepended: runs before the earlier hook

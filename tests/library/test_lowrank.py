@@ -7,12 +7,21 @@ import numpy as np
 import pytest
 import torch
 
-from crucible.quant.lowrank import SCALE_FLOOR, ErrorSVD, InputStats, activation_scale, compensate, error_spectrum, factorize
+from crucible.quant.lowrank import (
+    SCALE_FLOOR,
+    ErrorSVD,
+    InputStats,
+    activation_scale,
+    compensate,
+    error_spectrum,
+    factorize,
+)
 from crucible.quant.mxfp4 import dequantize, quantize
 from crucible.quant.rank_allocation import allocate_ranks, uniform_ranks, weighted_error
 
 
 # --------------------------------------------------------------------------- helpers
+
 
 def _random_case(rng, n_max=4, len_max=5):
     n = int(rng.integers(1, n_max + 1))
@@ -65,6 +74,7 @@ def _orthogonal_design(n, scales, seed):
 
 
 # --------------------------------------------------------------------------- allocate_ranks
+
 
 def test_allocate_matches_brute_force_optimum():
     rng = np.random.default_rng(0)
@@ -141,11 +151,15 @@ def test_equal_loads_equal_spectra_match_uniform():
 
 def test_accepts_tensors_arrays_and_lists():
     sp = [torch.tensor([3.0, 1.0]), np.array([2.0, 2.0, 0.0]), [1.5]]
-    assert allocate_ranks(sp, torch.tensor([1.0, 1.0, 1.0]), 3) == allocate_ranks(
-        [[3.0, 1.0], [2.0, 2.0, 0.0], [1.5]], [1, 1, 1], 3) == [1, 2, 0]
+    assert (
+        allocate_ranks(sp, torch.tensor([1.0, 1.0, 1.0]), 3)
+        == allocate_ranks([[3.0, 1.0], [2.0, 2.0, 0.0], [1.5]], [1, 1, 1], 3)
+        == [1, 2, 0]
+    )
 
 
 # --------------------------------------------------------------------------- uniform_ranks
+
 
 def test_uniform_ranks_closed_forms():
     assert uniform_ranks([1, 5, 5, 2], 9) == [1, 3, 3, 2]
@@ -171,6 +185,7 @@ def test_uniform_ranks_sum_cap_evenness():
 
 
 # --------------------------------------------------------------------------- validation
+
 
 def test_allocation_validation_names_the_problem():
     sp = [[3.0, 2.0], [1.0, 0.5, 0.1]]
@@ -205,6 +220,7 @@ def test_weighted_error_closed_form():
 
 
 # --------------------------------------------------------------------------- activation scales
+
 
 def test_activation_scale_hand_computed():
     x = torch.tensor([[1.0, -2.0, 4.0], [3.0, 2.0, -4.0]])
@@ -259,6 +275,7 @@ def test_scale_validation():
 
 
 # --------------------------------------------------------------------------- compensate
+
 
 @pytest.mark.parametrize("shape", [(24, 40), (40, 24)])
 def test_full_rank_reconstructs_exactly(shape):
@@ -377,6 +394,7 @@ def test_gram_eigh_fallback_when_lapack_fails(monkeypatch, shape):
 
 
 # --------------------------------------------------------------------------- real use: MXFP4 errors
+
 
 def test_mxfp4_error_compensation_monotone_and_exact_at_full_rank():
     g = torch.Generator().manual_seed(11)

@@ -6,8 +6,19 @@ import pytest
 import torch
 from torch import nn
 
-from crucible.merge import (GS3R, MERGERS, OPCM, TIES, MagMax, TaskArithmetic, WeightAverage,
-                            energy_rank, make_merger, merge_sequence, task_vector)
+from crucible.merge import (
+    GS3R,
+    MERGERS,
+    OPCM,
+    TIES,
+    MagMax,
+    TaskArithmetic,
+    WeightAverage,
+    energy_rank,
+    make_merger,
+    merge_sequence,
+    task_vector,
+)
 from crucible.merge.gs3r import balance_factors, retruncate, separate
 from crucible.merge.opcm import opcm_project
 from crucible.merge.ties import ties_disjoint_mean, ties_elect, ties_trim
@@ -41,7 +52,7 @@ def disjoint_tasks(m=12, n=10, rank=3, n_tasks=3, scales=None):
     tasks = []
     for t in range(n_tasks):
         s = torch.tensor([3.0, 2.0, 1.0][:rank], dtype=F64) * (scales[t] if scales else 1.0)
-        Pt, Qt = P[:, rank * t: rank * (t + 1)], Q[:, rank * t: rank * (t + 1)]
+        Pt, Qt = P[:, rank * t : rank * (t + 1)], Q[:, rank * t : rank * (t + 1)]
         tasks.append((Pt, torch.diag(s), Qt))
     return tasks
 
@@ -86,8 +97,7 @@ def test_gs3r_never_overwrites_an_earlier_task():
     merger = full_gs3r(balance=0.0)
     merger.add({"w": P @ S @ Q.T})
     for _ in range(2):
-        merger.add({"w": torch.randn(12, 3, generator=g, dtype=F64)
-                    @ torch.randn(3, 10, generator=g, dtype=F64)})
+        merger.add({"w": torch.randn(12, 3, generator=g, dtype=F64) @ torch.randn(3, 10, generator=g, dtype=F64)})
     delta = merger.merged_task_vector()["w"]
     torch.testing.assert_close(P.T @ delta @ Q, S)
     U, V = merger.U["w"], merger.V["w"]
@@ -127,21 +137,29 @@ def test_retruncate_by_balanced_singular_value():
     assert retruncate(sigma, owner, 1).tolist() == [2]
     assert retruncate(sigma, owner, 4).tolist() == [0, 1, 2, 3]
     # floor: a task with only small components still keeps its leading one
-    assert retruncate(torch.tensor([5.0, 4.0, 3.0, 1e-3]), torch.tensor([0, 0, 0, 1]),
-                      2).tolist() == [0, 3]
+    assert retruncate(torch.tensor([5.0, 4.0, 3.0, 1e-3]), torch.tensor([0, 0, 0, 1]), 2).tolist() == [0, 3]
 
 
 def test_gs3r_state_does_not_grow_with_tasks():
     g = torch.Generator().manual_seed(0)
-    shapes = {"l0.weight": (16, 12), "l1.weight": (12, 16), "l0.bias": (16,),
-              "embeddings.word_embeddings.weight": (9, 4)}
+    shapes = {
+        "l0.weight": (16, 12),
+        "l1.weight": (12, 16),
+        "l0.bias": (16,),
+        "embeddings.word_embeddings.weight": (9, 4),
+    }
     merger = GS3R(energy=1.0, rank_budget=6, dtype=F64)
     sizes = {}
     for t in range(1, 9):
-        tv = {k: (torch.randn(s[0], 4, generator=g, dtype=F64)  # rank 4 per task
-                  @ torch.randn(4, s[1], generator=g, dtype=F64)) if k.startswith("l")
-              and len(s) == 2 else torch.randn(s, generator=g, dtype=F64)
-              for k, s in shapes.items()}
+        tv = {
+            k: (
+                torch.randn(s[0], 4, generator=g, dtype=F64)  # rank 4 per task
+                @ torch.randn(4, s[1], generator=g, dtype=F64)
+            )
+            if k.startswith("l") and len(s) == 2
+            else torch.randn(s, generator=g, dtype=F64)
+            for k, s in shapes.items()
+        }
         merger.add(tv)
         sizes[t] = merger.state_numel()
         if t == 4:  # budget 6 >= 4 tasks: every task, the latest included, keeps a component
@@ -189,9 +207,11 @@ def test_magmax_argmax_with_ties_to_the_later_task():
 
 
 def test_ties_three_steps_on_a_hand_example():
-    taus = [torch.tensor([4.0, -1.0, 2.0, -3.0, 0.5]),
-            torch.tensor([-2.0, 5.0, -1.0, 1.0, -6.0]),
-            torch.tensor([1.0, 3.0, -4.0, -2.0, 0.1])]
+    taus = [
+        torch.tensor([4.0, -1.0, 2.0, -3.0, 0.5]),
+        torch.tensor([-2.0, 5.0, -1.0, 1.0, -6.0]),
+        torch.tensor([1.0, 3.0, -4.0, -2.0, 0.1]),
+    ]
     trimmed = [ties_trim({"w": t}, density=0.6)["w"] for t in taus]
     assert [t.tolist() for t in trimmed] == [[4, 0, 2, -3, 0], [-2, 5, 0, 0, -6], [0, 3, -4, -2, 0]]
     stack = torch.stack(trimmed)
@@ -203,16 +223,13 @@ def test_ties_three_steps_on_a_hand_example():
     merger = TIES(density=0.6, lam=0.5)
     for t in taus:
         merger.add({"w": t})
-    torch.testing.assert_close(merger.merged_task_vector()["w"],
-                               0.5 * torch.tensor([4.0, 4.0, -4.0, -2.5, -6.0]))
+    torch.testing.assert_close(merger.merged_task_vector()["w"], 0.5 * torch.tensor([4.0, 4.0, -4.0, -2.5, -6.0]))
 
 
 def test_ties_trim_scope_global_vs_tensor():
     tv = {"a": torch.tensor([10.0, 9.0]), "b": torch.tensor([2.0, 0.5])}
-    assert {k: v.tolist() for k, v in ties_trim(tv, 0.5, "global").items()} == \
-        {"a": [10.0, 9.0], "b": [0.0, 0.0]}
-    assert {k: v.tolist() for k, v in ties_trim(tv, 0.5, "tensor").items()} == \
-        {"a": [10.0, 0.0], "b": [2.0, 0.0]}
+    assert {k: v.tolist() for k, v in ties_trim(tv, 0.5, "global").items()} == {"a": [10.0, 9.0], "b": [0.0, 0.0]}
+    assert {k: v.tolist() for k, v in ties_trim(tv, 0.5, "tensor").items()} == {"a": [10.0, 0.0], "b": [2.0, 0.0]}
 
 
 def test_continual_ties_equals_batch_ties():
@@ -261,8 +278,7 @@ def test_opcm_rescales_to_the_mean_task_vector_norm():
     merger.add(tv1)
     merger.add(tv2)
     norm = lambda d: float(torch.sqrt(sum(v.pow(2).sum() for v in d.values())))  # noqa: E731
-    raw = {"weight": tv1["weight"] + opcm_project(tv2["weight"], tv1["weight"], 0.5),
-           "bias": tv1["bias"] + tv2["bias"]}
+    raw = {"weight": tv1["weight"] + opcm_project(tv2["weight"], tv1["weight"], 0.5), "bias": tv1["bias"] + tv2["bias"]}
     target = (norm(tv1) + norm(tv2)) / 2
     out = merger.merged_task_vector()
     for k in raw:

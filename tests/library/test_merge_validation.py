@@ -22,8 +22,7 @@ from crucible.merge.opcm import opcm_project
 from crucible.merge.ties import ties_trim
 
 torch.set_num_threads(1)
-SHAPES = {"a.weight": (6, 5), "a.bias": (6,), "b.weight": (5, 6), "c.weight": (4, 4),
-          "embed.weight": (7, 3)}
+SHAPES = {"a.weight": (6, 5), "a.bias": (6,), "b.weight": (5, 6), "c.weight": (4, 4), "embed.weight": (7, 3)}
 SOURCE = "data/bbc/finetune/model.safetensors"
 
 
@@ -102,9 +101,12 @@ def test_nonfinite_task_vector_is_refused_and_changes_nothing(name, param, bad, 
     merger = fed(name, tvs[:arrival])
     before = snapshot(vars(merger))
     counts = "2 NaN, 0 inf" if bad == "nan" else "0 NaN, 2 inf"
-    with pytest.raises(ValueError, match=rf"{name}\.add: task {arrival}: .*parameter "
-                                         rf"'{re.escape(param)}' has 2 non-finite values "
-                                         rf"\({counts}\) of {tvs[0][param].numel()}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{name}\.add: task {arrival}: .*parameter "
+        rf"'{re.escape(param)}' has 2 non-finite values "
+        rf"\({counts}\) of {tvs[0][param].numel()}",
+    ):
         merger.add(poison(tvs[arrival], param, bad))
     assert_same(vars(merger), before)
     for tv in tvs[arrival:]:
@@ -176,7 +178,7 @@ def test_svd_failure_inside_add_leaves_the_state_unchanged(monkeypatch, name, mo
         monkeypatch.setattr(torch.linalg, "svd", real)
         assert_same(vars(merger), before, f"state after SVD {k} of {n_calls} failed")
         merger.add(tvs[arrival])
-        assert_continues_like_fresh(merger, name, tvs[:arrival + 1])
+        assert_continues_like_fresh(merger, name, tvs[: arrival + 1])
 
 
 def test_gs3r_retruncation_failure_restores_dropped_components(monkeypatch):
@@ -213,8 +215,11 @@ def test_gs3r_retruncation_failure_restores_dropped_components(monkeypatch):
 def test_mismatched_arrivals_name_the_parameter_and_change_nothing(name):
     tvs = task_vectors(2)
     merger = make_merger(name)
-    with pytest.raises(ValueError, match=rf"{name}\.add: task 0: parameter 'a.bias' must be a "
-                                         r"floating tensor, got torch.int64"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{name}\.add: task 0: parameter 'a.bias' must be a "
+        r"floating tensor, got torch.int64",
+    ):
         merger.add({**tvs[0], "a.bias": torch.ones(6, dtype=torch.int64)})
     with pytest.raises(ValueError, match="empty task vector"):
         merger.add({})
@@ -224,12 +229,15 @@ def test_mismatched_arrivals_name_the_parameter_and_change_nothing(name):
     cases = [
         ({k: v for k, v in tvs[1].items() if k != "a.bias"}, r"missing \['a.bias'\], extra \[\]"),
         ({**tvs[1], "d.weight": torch.ones(2, 2)}, r"missing \[\], extra \['d.weight'\]"),
-        ({**tvs[1], "b.weight": torch.ones(6, 5)},
-         r"parameter 'b.weight' has shape \(6, 5\), task 0 had \(5, 6\)"),
-        ({**tvs[1], "a.bias": torch.ones(6, dtype=torch.float64)},
-         r"parameter 'a.bias' has dtype torch.float64, task 0 had torch.float32"),
-        ({**tvs[1], "c.weight": torch.ones(4, 4, dtype=torch.int32)},
-         r"parameter 'c.weight' must be a floating tensor"),
+        ({**tvs[1], "b.weight": torch.ones(6, 5)}, r"parameter 'b.weight' has shape \(6, 5\), task 0 had \(5, 6\)"),
+        (
+            {**tvs[1], "a.bias": torch.ones(6, dtype=torch.float64)},
+            r"parameter 'a.bias' has dtype torch.float64, task 0 had torch.float32",
+        ),
+        (
+            {**tvs[1], "c.weight": torch.ones(4, 4, dtype=torch.int32)},
+            r"parameter 'c.weight' must be a floating tensor",
+        ),
     ]
     for tv, pattern in cases:
         with pytest.raises(ValueError, match=rf"{name}\.add: task 1: .*{pattern}"):
@@ -247,15 +255,21 @@ def test_merged_validates_theta_0(name):
     path = "models/base/model.safetensors"
     bad = {**base, "a.bias": base["a.bias"].clone()}
     bad["a.bias"][2] = float("nan")
-    with pytest.raises(ValueError, match=rf"{name}\.merged: theta_0 \({re.escape(path)}\): .*"
-                                         r"'a.bias' has 1 non-finite values \(1 NaN, 0 inf\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{name}\.merged: theta_0 \({re.escape(path)}\): .*"
+        r"'a.bias' has 1 non-finite values \(1 NaN, 0 inf\)",
+    ):
         merger.merged(bad, source=path)
     with pytest.raises(ValueError, match=r"missing \['c.weight'\]"):
         merger.merged({k: v for k, v in base.items() if k != "c.weight"})
     with pytest.raises(ValueError, match=r"extra floating \['d.weight'\]"):
         merger.merged({**base, "d.weight": torch.zeros(2)})
-    with pytest.raises(ValueError, match=r"'b.weight' has shape \(6, 5\), the task vectors "
-                                         r"\(5, 6\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"'b.weight' has shape \(6, 5\), the task vectors "
+        r"\(5, 6\)",
+    ):
         merger.merged({**base, "b.weight": torch.zeros(6, 5)})
     with pytest.raises(ValueError, match=r"'a.bias' must be a floating tensor"):
         merger.merged({**base, "a.bias": torch.zeros(6, dtype=torch.int64)})
@@ -270,20 +284,29 @@ def test_task_vector_refuses_nonfinite_weights_and_names_the_file():
     bad = {**tuned, "a.weight": tuned["a.weight"].clone()}
     bad["a.weight"][0, :3] = float("inf")
     kept = snapshot(bad)
-    with pytest.raises(ValueError, match=rf"task_vector: fine-tuned model \({re.escape(SOURCE)}\)"
-                                         r": .*'a.weight' has 3 non-finite values "
-                                         r"\(0 NaN, 3 inf\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"task_vector: fine-tuned model \({re.escape(SOURCE)}\)"
+        r": .*'a.weight' has 3 non-finite values "
+        r"\(0 NaN, 3 inf\)",
+    ):
         task_vector(bad, base, inplace=True, source=SOURCE)
     assert_same(bad, kept)  # refused before anything was overwritten
     bad_base = {**base, "embed.weight": base["embed.weight"].clone()}
     bad_base["embed.weight"][1, 1] = float("nan")
-    with pytest.raises(ValueError, match=r"task_vector: base model \(base.safetensors\): .*"
-                                         r"'embed.weight' has 1 non-finite"):
+    with pytest.raises(
+        ValueError,
+        match=r"task_vector: base model \(base.safetensors\): .*"
+        r"'embed.weight' has 1 non-finite",
+    ):
         task_vector(tuned, bad_base, base_source="base.safetensors")
     with pytest.raises(ValueError, match=r"'a.bias' must be a floating tensor"):
         task_vector({**tuned, "a.bias": torch.ones(6, dtype=torch.int64)}, base)
-    with pytest.raises(ValueError, match=r"shape of 'a.bias' is \(5,\) in the fine-tuned model "
-                                         r"but \(6,\) in the base"):
+    with pytest.raises(
+        ValueError,
+        match=r"shape of 'a.bias' is \(5,\) in the fine-tuned model "
+        r"but \(6,\) in the base",
+    ):
         task_vector({**tuned, "a.bias": torch.ones(5)}, base)
 
 

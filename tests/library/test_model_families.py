@@ -32,8 +32,13 @@ def _finetune(folder: Path, pattern: str, pooling: str, ids, labels, seed: int):
     model = EncoderClassifier(encoder, 2, dropout=0.1, seed=seed, pooling=pooling)
     gm = GMixout.wrap(model.encoder, GMixoutConfig(p=0.3, period=1, modules=pattern, seed=seed))
     data = Examples(ids, labels, torch.ones(len(ids)))
-    train(model, data, data, TrainConfig(max_steps=3, batch_size=8, eval_every=3, seed=seed, progress=False,
-                                         pad_id=tokenizer.pad_token_id), mixout=gm)
+    train(
+        model,
+        data,
+        data,
+        TrainConfig(max_steps=3, batch_size=8, eval_every=3, seed=seed, progress=False, pad_id=tokenizer.pad_token_id),
+        mixout=gm,
+    )
     gm.unwrap()
     return model.eval()
 
@@ -41,8 +46,14 @@ def _finetune(folder: Path, pattern: str, pooling: str, ids, labels, seed: int):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_through_every_step(family, tmp_path):
     from crucible.merge import make_merger, task_vector
-    from crucible.models import (block_linear_pattern, count_linears, input_embedding_pattern, is_decoder, load_base,
-                                 resolve_pooling)
+    from crucible.models import (
+        block_linear_pattern,
+        count_linears,
+        input_embedding_pattern,
+        is_decoder,
+        load_base,
+        resolve_pooling,
+    )
     from crucible.quant import load_quantized_encoder, quantize_model, save_quantized
     from crucible.quant.linear import quantize_embeddings
     from crucible.serialize import safetensors_bytes
@@ -69,7 +80,9 @@ def test_family_through_every_step(family, tmp_path):
     again = _finetune(folder, pattern, pooling, ids, labels, seed=1)
     b = _finetune(folder, pattern, pooling, ids, labels, seed=2)
     state_a = {k: v.contiguous() for k, v in a.encoder.state_dict().items()}
-    assert safetensors_bytes(state_a) == safetensors_bytes({k: v.contiguous() for k, v in again.encoder.state_dict().items()})
+    assert safetensors_bytes(state_a) == safetensors_bytes(
+        {k: v.contiguous() for k, v in again.encoder.state_dict().items()}
+    )
     assert any(not torch.equal(state_a[k], theta_0[k]) for k in theta_0 if theta_0[k].is_floating_point())
 
     # merge two tasks
@@ -89,23 +102,43 @@ def test_family_through_every_step(family, tmp_path):
     rebuilt, _ = load_quantized_encoder(qfile, folder)
     batch = tokenizer(sample[:4], padding=True, return_tensors="pt")
     from crucible.models import encode
+
     with torch.no_grad():
-        assert torch.allclose(encode(encoder.eval(), batch["input_ids"], batch["attention_mask"], pooling),
-                              encode(rebuilt, batch["input_ids"], batch["attention_mask"], pooling), atol=1e-5)
+        assert torch.allclose(
+            encode(encoder.eval(), batch["input_ids"], batch["attention_mask"], pooling),
+            encode(rebuilt, batch["input_ids"], batch["attention_mask"], pooling),
+            atol=1e-5,
+        )
 
     # evaluate with each task's head on the quantized model
     for model in (a, b):
         clf = EncoderClassifier(rebuilt, 2, dropout=0.0, pooling=pooling)
         clf.head.load_state_dict(model.head.state_dict())
-        assert 0.0 <= evaluate(clf, Examples(ids, labels, torch.ones(len(ids))), 8, tokenizer.pad_token_id)["accuracy"] <= 1.0
+        assert (
+            0.0
+            <= evaluate(clf, Examples(ids, labels, torch.ones(len(ids))), 8, tokenizer.pad_token_id)["accuracy"]
+            <= 1.0
+        )
 
     # the registered pyfunc, loaded in a fresh process from its folder alone
-    heads = {f"{t}.{k}": v.detach().contiguous() for t, m in (("t1", a), ("t2", b)) for k, v in m.head.state_dict().items()}
+    heads = {
+        f"{t}.{k}": v.detach().contiguous() for t, m in (("t1", a), ("t2", b)) for k, v in m.head.state_dict().items()
+    }
     classes = {"t1": ["no", "yes"], "t2": ["neg", "pos"]}
-    (tmp_path / "quantize" / "heads.safetensors").write_bytes(safetensors_bytes(heads, {"classes": json.dumps(classes)}))
-    (tmp_path / "quantize" / "config.json").write_text(json.dumps(
-        {"base_model": family, "classes": classes, "order": ["t1", "t2"], "max_length": {"t1": 16, "t2": 16},
-         "pooling": pooling}))
+    (tmp_path / "quantize" / "heads.safetensors").write_bytes(
+        safetensors_bytes(heads, {"classes": json.dumps(classes)})
+    )
+    (tmp_path / "quantize" / "config.json").write_text(
+        json.dumps(
+            {
+                "base_model": family,
+                "classes": classes,
+                "order": ["t1", "t2"],
+                "max_length": {"t1": 16, "t2": 16},
+                "pooling": pooling,
+            }
+        )
+    )
     example = pd.DataFrame({"text": sample[:2], "task": ["t1", "t2"]})
     dest = save_multitask_model(tmp_path / "pyfunc", tmp_path / "quantize", "quantized", str(folder), example)
     folder.rename(tmp_path / "gone")  # nothing may be read from the base model's folder any more
@@ -115,8 +148,14 @@ def test_family_through_every_step(family, tmp_path):
         out = m.predict(pd.DataFrame({{"text": {sample[:4]!r}, "task": ["t1", "t2", "t1", "t2"]}}))
         print(json.dumps(out["label"].tolist()))
     """)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**__import__("os").environ, "PYTHONPATH": ""}, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "PYTHONPATH": ""},
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     served = json.loads(proc.stdout.strip().splitlines()[-1])
     with torch.no_grad():
@@ -125,8 +164,14 @@ def test_family_through_every_step(family, tmp_path):
             clf = EncoderClassifier(rebuilt, 2, dropout=0.0, pooling=pooling)
             clf.head.load_state_dict((a if t == "t1" else b).head.state_dict())
             clf.eval()
-            logits = clf(*[x for x in __import__("crucible.train", fromlist=["collate"]).collate(
-                [tokenize(tokenizer, [sample[i]], 16)[0]], tokenizer.pad_token_id)])
+            logits = clf(
+                *[
+                    x
+                    for x in __import__("crucible.train", fromlist=["collate"]).collate(
+                        [tokenize(tokenizer, [sample[i]], 16)[0]], tokenizer.pad_token_id
+                    )
+                ]
+            )
             expected.append(classes[t][int(logits.argmax())])
     assert served == expected
 
@@ -179,8 +224,9 @@ def test_auto_pooling_prefers_the_shipped_config_over_the_family_default(tmp_pat
 
     folder = save_tiny("bert", tmp_path / "m")
     (folder / "1_Pooling").mkdir()
-    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_cls_token": True,
-                                                                  "pooling_mode_mean_tokens": False}))
+    (folder / "1_Pooling" / "config.json").write_text(
+        json.dumps({"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False})
+    )
     assert resolve_pooling(folder, AutoConfig.from_pretrained(folder), "auto") == "cls"
     assert resolve_pooling(folder, AutoConfig.from_pretrained(folder), "last") == "last"
 
@@ -193,7 +239,10 @@ def test_minilm_auto_detection_matches_the_old_regexes():
     from tasks.data.models import resolve_model
 
     model, _ = load_base(resolve_model("all-MiniLM-L6-v2"))
-    assert list(select_linears(model, block_linear_pattern(model))) == list(select_linears(model, r"encoder\.layer\.\d+\."))
+    assert list(select_linears(model, block_linear_pattern(model))) == list(
+        select_linears(model, r"encoder\.layer\.\d+\.")
+    )
     assert len(select_linears(model, block_linear_pattern(model))) == 36
-    assert list(select_modules(model, input_embedding_pattern(model), nn.Embedding)) == \
-        list(select_modules(model, "word_embeddings", nn.Embedding))
+    assert list(select_modules(model, input_embedding_pattern(model), nn.Embedding)) == list(
+        select_modules(model, "word_embeddings", nn.Embedding)
+    )

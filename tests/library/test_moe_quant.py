@@ -19,9 +19,11 @@ from support.moe_models import tiny_mixtral, tiny_qwen2moe, tiny_qwen3, token_ba
 
 torch.set_num_threads(1)
 
-MODELS = {"mixtral": lambda: tiny_mixtral(seed=0, init=0.1),
-          "qwen3": lambda: tiny_qwen3(seed=1, init=0.1, mlp_only_layers=(1,)),
-          "qwen2moe-shared": lambda: tiny_qwen2moe(seed=2, init=0.1)}
+MODELS = {
+    "mixtral": lambda: tiny_mixtral(seed=0, init=0.1),
+    "qwen3": lambda: tiny_qwen3(seed=1, init=0.1, mlp_only_layers=(1,)),
+    "qwen2moe-shared": lambda: tiny_qwen2moe(seed=2, init=0.1),
+}
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +48,19 @@ def _routing(block, hidden):
 
 def _kl(qmodel, model, batches):
     with torch.no_grad():
-        return sum(float(F.kl_div(torch.log_softmax(qmodel(b).logits, -1), torch.log_softmax(model(b).logits, -1),
-                                  log_target=True, reduction="none").sum(-1).mean()) for b in batches) / len(batches)
+        return sum(
+            float(
+                F.kl_div(
+                    torch.log_softmax(qmodel(b).logits, -1),
+                    torch.log_softmax(model(b).logits, -1),
+                    log_target=True,
+                    reduction="none",
+                )
+                .sum(-1)
+                .mean()
+            )
+            for b in batches
+        ) / len(batches)
 
 
 # --------------------------------------------------------------------------- the module
@@ -97,8 +110,9 @@ def test_full_rank_adapters_recover_the_float_experts(setup, batches, scaling):
         q = qmodel.get_submodule(name).experts
         assert q.ranks["gate_up"] == [64] * 4 and q.ranks["down"] == [64] * 4
         for e in range(4):
-            torch.testing.assert_close(q.effective_weight("gate_up", e), block.experts.gate_up_proj[e].detach(),
-                                       rtol=0, atol=1e-5)
+            torch.testing.assert_close(
+                q.effective_weight("gate_up", e), block.experts.gate_up_proj[e].detach(), rtol=0, atol=1e-5
+            )
         idx, w = _routing(block, hidden)
         with torch.no_grad():
             want = block.experts(hidden, idx, w)
@@ -112,8 +126,10 @@ def test_compensation_lowers_the_layer_output_error(setup, batches):
     ranks = plan_ranks(plan, budget=plan.total_rank // 4)
     with torch.no_grad():
         hidden = {n: [] for n in routes.layers}
-        hooks = [b.experts.register_forward_pre_hook(lambda m, a, n=n: hidden[n].append(a[0]))
-                 for n, b in moe_layers(model).items()]
+        hooks = [
+            b.experts.register_forward_pre_hook(lambda m, a, n=n: hidden[n].append(a[0]))
+            for n, b in moe_layers(model).items()
+        ]
         for b in batches:
             model(b)
         for h in hooks:
@@ -201,7 +217,9 @@ def test_quantize_moe_keeps_router_and_embeddings_float():
     qmodel = copy.deepcopy(model)
     built = quantize_moe(qmodel)
     assert sorted(n for n, m in built.items() if isinstance(m, MXExperts)) == [
-        "model.layers.0.mlp.experts", "model.layers.2.mlp.experts"]
+        "model.layers.0.mlp.experts",
+        "model.layers.2.mlp.experts",
+    ]
     assert isinstance(qmodel.model.layers[0].self_attn.o_proj, MXLinear)
     assert isinstance(qmodel.model.layers[1].mlp.down_proj, MXLinear)  # the dense layer's MLP, load 1
     for name, block in moe_layers(qmodel).items():
@@ -216,15 +234,20 @@ def test_quantize_moe_keeps_router_and_embeddings_float():
         gate = q.model.layers[0].mlp.shared_expert_gate.weight.clone()
         quantize_moe(q, shared=on)
         block = q.model.layers[0].mlp
-        assert all(isinstance(getattr(block.shared_expert, f"{k}_proj"), MXLinear) == on for k in ("gate", "up", "down"))
+        assert all(
+            isinstance(getattr(block.shared_expert, f"{k}_proj"), MXLinear) == on for k in ("gate", "up", "down")
+        )
         assert type(block.shared_expert_gate) is torch.nn.Linear and torch.equal(block.shared_expert_gate.weight, gate)
     bad = tiny_mixtral(seed=5)
     with torch.no_grad():
         bad.model.layers[1].mlp.experts.down_proj[2, 3, 4] = float("nan")
-    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts\.down_proj: non-finite value nan at \[2, 3, 4\]"):
+    with pytest.raises(
+        ValueError, match=r"model\.layers\.1\.mlp\.experts\.down_proj: non-finite value nan at \[2, 3, 4\]"
+    ):
         quantize_moe(bad)
     assert isinstance(bad.model.layers[0].mlp.experts, torch.nn.Module) and not isinstance(
-        bad.model.layers[0].mlp.experts, MXExperts)  # all or nothing
+        bad.model.layers[0].mlp.experts, MXExperts
+    )  # all or nothing
 
 
 def test_moe_nbytes_counts_4_25_bits_and_adapters_at_their_dtype(setup):
@@ -242,8 +265,13 @@ def test_moe_nbytes_counts_4_25_bits_and_adapters_at_their_dtype(setup):
     size = moe_nbytes(qmodel)
     elems = sum(r * sum(plan.layers[k].shape) for k, r in ranks.items())
     assert size["expert_adapters"] + size["linear_adapters"] == 2 * elems  # bfloat16
-    floats = sum(p.numel() * 4 for n, p in model.named_parameters() if "experts" not in n and "self_attn" not in n
-                 and not n.endswith(("gate_proj.weight", "up_proj.weight", "down_proj.weight")))
+    floats = sum(
+        p.numel() * 4
+        for n, p in model.named_parameters()
+        if "experts" not in n
+        and "self_attn" not in n
+        and not n.endswith(("gate_proj.weight", "up_proj.weight", "down_proj.weight"))
+    )
     floats += sum(p.numel() * 4 for n, p in model.named_parameters() if "_norm" in n and "self_attn" in n)
     assert size["float"] == floats
     assert size["total"] == sum(v for k, v in size.items() if k not in ("total", "bits_per_weight"))
@@ -293,7 +321,9 @@ def test_load_errors_name_the_file_and_the_tensor(setup, tmp_path):
     data = save_quantized_moe(qmodel, path)
     cut = tmp_path / "cut.safetensors"
     cut.write_bytes(data[: len(data) // 2])
-    with pytest.raises(ValueError, match=r"cut\.safetensors: not a readable safetensors file, truncated: tensor '[\w.]+'"):
+    with pytest.raises(
+        ValueError, match=r"cut\.safetensors: not a readable safetensors file, truncated: tensor '[\w.]+'"
+    ):
         load_quantized_moe(cut, copy.deepcopy(model))
     nan = tmp_path / "nan.safetensors"
     key = "model.layers.0.mlp.experts.gate_up_lora_a"
@@ -301,27 +331,34 @@ def test_load_errors_name_the_file_and_the_tensor(setup, tmp_path):
     def poison(t):
         t[key] = t[key].clone()
         t[key][0, 0] = float("nan")
+
     _rewrite(path, nan, poison)
     with pytest.raises(ValueError, match=rf"nan\.safetensors: tensor '{key}' holds NaN or inf"):
         load_quantized_moe(nan, copy.deepcopy(model))
     other = MODELS_OTHER[type(model).__name__]()
     snapshot = {k: v.clone() for k, v in other.state_dict().items()}
-    with pytest.raises(ValueError, match=r"moe\.safetensors: tensor 'model\.layers\.0\.mlp\.experts\.gate_up_packed' is "
-                                         r"torch\.uint8 \[4, 128, 32\] in the file, the architecture needs torch\.uint8 "
-                                         r"\[4, 192, 32\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"moe\.safetensors: tensor 'model\.layers\.0\.mlp\.experts\.gate_up_packed' is "
+        r"torch\.uint8 \[4, 128, 32\] in the file, the architecture needs torch\.uint8 "
+        r"\[4, 192, 32\]",
+    ):
         load_quantized_moe(path, other)
     assert other.state_dict().keys() == snapshot.keys()  # all or nothing: the skeleton is untouched
     assert all(torch.equal(v, other.state_dict()[k]) for k, v in snapshot.items())
     with pytest.raises(ValueError, match=r"no 'crucible\.moe' metadata"):
         plain = tmp_path / "plain.safetensors"
         from safetensors.torch import save_file
+
         save_file({"x": torch.zeros(2)}, str(plain))
         load_quantized_moe(plain, copy.deepcopy(model))
 
 
-MODELS_OTHER = {"MixtralForCausalLM": lambda: tiny_mixtral(seed=0, intermediate=96),
-                "Qwen3MoeForCausalLM": lambda: tiny_qwen3(seed=1, intermediate=96, mlp_only_layers=(1,)),
-                "Qwen2MoeForCausalLM": lambda: tiny_qwen2moe(seed=2, intermediate=96, shared=96)}
+MODELS_OTHER = {
+    "MixtralForCausalLM": lambda: tiny_mixtral(seed=0, intermediate=96),
+    "Qwen3MoeForCausalLM": lambda: tiny_qwen3(seed=1, intermediate=96, mlp_only_layers=(1,)),
+    "Qwen2MoeForCausalLM": lambda: tiny_qwen2moe(seed=2, intermediate=96, shared=96),
+}
 
 
 # --------------------------------------------------------------------------- replay QAT
@@ -371,8 +408,18 @@ def test_replay_qat_raises_consistency_and_lowers_error_with_frozen_weights(qat_
 def test_replay_qat_resume_equals_an_uninterrupted_run(qat_case, tmp_path):
     model, batches, routes, qmodel = qat_case
     straight = copy.deepcopy(qmodel)
-    h_straight = replay_qat(straight, model, batches, routes, steps=8, lr=3e-3, progress=False, seed=3,
-                            checkpoint_dir=tmp_path / "a", checkpoint_every=3)
+    h_straight = replay_qat(
+        straight,
+        model,
+        batches,
+        routes,
+        steps=8,
+        lr=3e-3,
+        progress=False,
+        seed=3,
+        checkpoint_dir=tmp_path / "a",
+        checkpoint_every=3,
+    )
     interrupted = copy.deepcopy(qmodel)
 
     class Crash(Exception):
@@ -383,11 +430,32 @@ def test_replay_qat_resume_equals_an_uninterrupted_run(qat_case, tmp_path):
             raise Crash  # after the step-3 checkpoint, before the step-6 one
 
     with pytest.raises(Crash):
-        replay_qat(interrupted, model, batches, routes, steps=8, lr=3e-3, progress=False, seed=3,
-                   checkpoint_dir=tmp_path / "b", checkpoint_every=3, log=crash)
+        replay_qat(
+            interrupted,
+            model,
+            batches,
+            routes,
+            steps=8,
+            lr=3e-3,
+            progress=False,
+            seed=3,
+            checkpoint_dir=tmp_path / "b",
+            checkpoint_every=3,
+            log=crash,
+        )
     resumed = copy.deepcopy(qmodel)  # a fresh process: the adapters come from the checkpoint
-    h_resumed = replay_qat(resumed, model, batches, routes, steps=8, lr=3e-3, progress=False, seed=3,
-                           checkpoint_dir=tmp_path / "b", checkpoint_every=3)
+    h_resumed = replay_qat(
+        resumed,
+        model,
+        batches,
+        routes,
+        steps=8,
+        lr=3e-3,
+        progress=False,
+        seed=3,
+        checkpoint_dir=tmp_path / "b",
+        checkpoint_every=3,
+    )
     assert [h["batch"] for h in h_resumed] == [h["batch"] for h in h_straight]
     assert [h["loss"] for h in h_resumed] == [h["loss"] for h in h_straight]
     a, b = adapter_parameters(straight), adapter_parameters(resumed)
@@ -396,11 +464,29 @@ def test_replay_qat_resume_equals_an_uninterrupted_run(qat_case, tmp_path):
     replay_qat(other, model, batches, routes, steps=8, lr=3e-3, progress=False, seed=4)
     assert not all(torch.equal(a[k], adapter_parameters(other)[k]) for k in a)  # the seed matters (batch order)
     with pytest.raises(ValueError, match=r"checkpoint is at step 8, past steps=6"):
-        replay_qat(copy.deepcopy(qmodel), model, batches, routes, steps=6, lr=3e-3, progress=False, seed=3,
-                   checkpoint_dir=tmp_path / "b")
+        replay_qat(
+            copy.deepcopy(qmodel),
+            model,
+            batches,
+            routes,
+            steps=6,
+            lr=3e-3,
+            progress=False,
+            seed=3,
+            checkpoint_dir=tmp_path / "b",
+        )
     with pytest.raises(ValueError, match=r"other settings .*'lr': \(0\.003, 0\.001\)"):
-        replay_qat(copy.deepcopy(qmodel), model, batches, routes, steps=9, lr=1e-3, progress=False, seed=3,
-                   checkpoint_dir=tmp_path / "b")
+        replay_qat(
+            copy.deepcopy(qmodel),
+            model,
+            batches,
+            routes,
+            steps=9,
+            lr=1e-3,
+            progress=False,
+            seed=3,
+            checkpoint_dir=tmp_path / "b",
+        )
 
 
 def test_replay_qat_hidden_loss_and_attention_adapters_on_qwen3():
@@ -414,8 +500,9 @@ def test_replay_qat_hidden_loss_and_attention_adapters_on_qwen3():
     compensate_moe(qmodel, plan, plan_ranks(plan, 64))
     attn = {k: v.clone() for k, v in adapter_parameters(qmodel, train_attention=True).items() if "self_attn" in k}
     assert attn
-    history = replay_qat(qmodel, model, batches, routes, steps=12, lr=3e-3, loss="hidden", progress=False,
-                         train_attention=True)
+    history = replay_qat(
+        qmodel, model, batches, routes, steps=12, lr=3e-3, loss="hidden", progress=False, train_attention=True
+    )
     assert history[-1]["loss"] < history[0]["loss"]
     now = adapter_parameters(qmodel, train_attention=True)
     assert any(not torch.equal(v, now[k]) for k, v in attn.items())
@@ -447,8 +534,9 @@ def test_save_load_with_tied_embeddings(batches, tmp_path):
     qmodel = copy.deepcopy(model)
     quantize_moe(qmodel)
     size = moe_nbytes(qmodel)
-    assert size["float"] < sum(p.numel() * 4 for n, p in model.named_parameters(remove_duplicate=False)
-                               if "embed" in n or "lm_head" in n)  # the shared table counted once
+    assert size["float"] < sum(
+        p.numel() * 4 for n, p in model.named_parameters(remove_duplicate=False) if "embed" in n or "lm_head" in n
+    )  # the shared table counted once
     path = tmp_path / "tied.safetensors"
     save_quantized_moe(qmodel, path)
     skeleton = tiny_mixtral(seed=8, tie=True)

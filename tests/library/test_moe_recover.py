@@ -43,8 +43,9 @@ def test_recovery_lowers_the_kl_and_trains_only_its_parameters(pair, train):
     before = {k: v.clone() for k, v in moe.state_dict().items()}
     names = set(trainable_parameters(moe, train))
     start = sum(kl(moe, dense, b) for b in batches())
-    history = recover(moe, dense, batches(), steps=12, lr=1e-2 if train == "router" else 3e-3, train=train,
-                      progress=False)
+    history = recover(
+        moe, dense, batches(), steps=12, lr=1e-2 if train == "router" else 3e-3, train=train, progress=False
+    )
     assert [h["step"] for h in history] == list(range(1, 13)) and sorted({h["batch"] for h in history}) == [0, 1]
     # the routers alone move the MoE less than the experts do
     assert sum(kl(moe, dense, b) for b in batches()) < (0.97 if train == "router" else 0.8) * start
@@ -56,8 +57,11 @@ def test_recovery_lowers_the_kl_and_trains_only_its_parameters(pair, train):
     if train == "router":
         assert names == {f"model.layers.{i}.mlp.{n}.weight" for i in range(2) for n in ("gate", "shared_expert_gate")}
     if train == "layers":  # attention and norms of the MoE's decoder layers, not embeddings or the head
-        assert {f"model.layers.{i}.{n}.weight" for i in range(2)
-                for n in ("self_attn.q_proj", "self_attn.o_proj", "input_layernorm", "mlp.gate")} <= names
+        assert {
+            f"model.layers.{i}.{n}.weight"
+            for i in range(2)
+            for n in ("self_attn.q_proj", "self_attn.o_proj", "input_layernorm", "mlp.gate")
+        } <= names
         assert not any(n.startswith(("model.embed_tokens", "model.norm", "lm_head")) for n in names)
 
 
@@ -72,7 +76,9 @@ def test_resumed_recovery_ends_where_an_uninterrupted_one_does(pair, tmp_path):
     for (k, a), b in zip(straight.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), k
     with pytest.raises(ValueError, match=r"other settings.*'lr': \(0.01, 0.02\)"):
-        recover(copy.deepcopy(built), dense, batches(), steps=6, lr=2e-2, progress=False, seed=5, checkpoint_dir=tmp_path)
+        recover(
+            copy.deepcopy(built), dense, batches(), steps=6, lr=2e-2, progress=False, seed=5, checkpoint_dir=tmp_path
+        )
     with pytest.raises(ValueError, match=r"other settings.*'start'"):  # another model's checkpoint
         recover(straight, dense, batches(), steps=6, lr=1e-2, progress=False, seed=5, checkpoint_dir=tmp_path)
 
@@ -89,11 +95,17 @@ def test_a_recovery_past_its_teacher_cache_recomputes_the_same_targets(pair):
         assert torch.equal(a, b) and torch.equal(a, c), k
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(cache_bytes=-1), r"cache_bytes=-1"),
-    (dict(steps=-1), r"steps=-1"), (dict(lr=float("nan")), r"lr=nan"), (dict(train="all"), r"train='all'"),
-    (dict(temperature=0), r"temperature=0"), (dict(batches=[]), r"batches is empty"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(cache_bytes=-1), r"cache_bytes=-1"),
+        (dict(steps=-1), r"steps=-1"),
+        (dict(lr=float("nan")), r"lr=nan"),
+        (dict(train="all"), r"train='all'"),
+        (dict(temperature=0), r"temperature=0"),
+        (dict(batches=[]), r"batches is empty"),
+    ],
+)
 def test_bad_arguments_are_named(pair, kwargs, match):
     dense, moe = pair
     args = dict(batches=batches(), steps=1, progress=False) | kwargs

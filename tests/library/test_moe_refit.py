@@ -42,8 +42,9 @@ def test_refit_lowers_every_layers_error_and_the_models_kl(pair):
     assert kl(moe, dense, ids(1)) < kl(built, dense, ids(1))
     # only the down projections moved
     changed = {k for k, v in moe.state_dict().items() if not torch.equal(v, built.state_dict()[k])}
-    assert changed == {f"model.layers.{i}.mlp.{n}" for i in range(2)
-                       for n in ("experts.down_proj", "shared_expert.down_proj.weight")}
+    assert changed == {
+        f"model.layers.{i}.mlp.{n}" for i in range(2) for n in ("experts.down_proj", "shared_expert.down_proj.weight")
+    }
 
 
 def test_the_first_layer_matches_a_brute_force_lstsq(pair):
@@ -59,9 +60,14 @@ def test_the_first_layer_matches_a_brute_force_lstsq(pair):
         f = _features(block, x)
         target = dense.model.layers[0].mlp(x).double()
     refit_down(moe, dense, ids(1), ridge=1e-9)  # ~ plain least squares
-    expected = torch.linalg.lstsq(f, target).solution.T             # [H, S + E w]
-    got = torch.cat([block.shared_expert.down_proj.weight.double(),
-                     block.experts.down_proj.double().permute(1, 0, 2).reshape(expected.shape[0], -1)], 1)
+    expected = torch.linalg.lstsq(f, target).solution.T  # [H, S + E w]
+    got = torch.cat(
+        [
+            block.shared_expert.down_proj.weight.double(),
+            block.experts.down_proj.double().permute(1, 0, 2).reshape(expected.shape[0], -1),
+        ],
+        1,
+    )
     assert torch.allclose(f @ got.T, f @ expected.T, atol=1e-4)
 
 

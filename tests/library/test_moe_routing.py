@@ -7,8 +7,16 @@ import pytest
 import torch
 
 from crucible.moe.mx_experts import quantize_moe
-from crucible.moe.routing import (Routes, consistency, expert_load, hidden_drift, moe_layers, record_routes, replay,
-                                  router_renormalises)
+from crucible.moe.routing import (
+    Routes,
+    consistency,
+    expert_load,
+    hidden_drift,
+    moe_layers,
+    record_routes,
+    replay,
+    router_renormalises,
+)
 from support.moe_models import tiny_mixtral, tiny_qwen2moe, tiny_qwen3, token_batches
 
 torch.set_num_threads(1)
@@ -71,8 +79,9 @@ def test_record_keeps_topk_per_token_in_batch_order(case, batches):
         assert idx.dtype == torch.int16 and idx.shape == (sum(routes.batch_tokens), 2)
     # the same ids the router returns, token by token, batch after batch
     seen = {n: [] for n in routes.layers}
-    hooks = [b.gate.register_forward_hook(lambda m, a, o, n=n: seen[n].append(o[2]))
-             for n, b in moe_layers(model).items()]
+    hooks = [
+        b.gate.register_forward_hook(lambda m, a, o, n=n: seen[n].append(o[2])) for n, b in moe_layers(model).items()
+    ]
     with torch.no_grad():
         for b in batches:
             model(b)
@@ -97,14 +106,17 @@ def test_replay_forces_the_recorded_sets_and_recomputes_weights(case, batches):
         def fn(module, args):
             hidden, index, weights = args
             got[n].append((index.clone(), weights.clone()))
+
         return fn
 
     logits = {n: [] for n in routes.layers}
     blocks = moe_layers(qmodel)
     with replay(qmodel, routes) as cursor:
         hooks = [b.experts.register_forward_pre_hook(capture(n)) for n, b in blocks.items()]
-        hooks += [b.gate.register_forward_hook(lambda m, a, o, n=n: logits[n].append(o[0].detach()))
-                  for n, b in blocks.items()]
+        hooks += [
+            b.gate.register_forward_hook(lambda m, a, o, n=n: logits[n].append(o[0].detach()))
+            for n, b in blocks.items()
+        ]
         again = record_routes(qmodel, batches)
         for h in hooks:
             h.remove()
@@ -153,7 +165,9 @@ def test_replay_restores_the_router_on_exit_and_on_error(case, batches):
 def test_replay_refuses_token_count_and_layer_mismatch(case, batches):
     _, model, routes, qmodel = case
     first = routes.layers[0]
-    with pytest.raises(ValueError, match=rf"layer '{first}' routes 64 tokens so far \(this call 64\), but the routes recorded 32"):
+    with pytest.raises(
+        ValueError, match=rf"layer '{first}' routes 64 tokens so far \(this call 64\), but the routes recorded 32"
+    ):
         with replay(qmodel, routes.batch(0)):
             qmodel(torch.cat([batches[0], batches[1]]))
     with replay(qmodel, routes.batch(0), strict=False):  # a prefix is fine when asked for
@@ -192,8 +206,15 @@ def test_consistency_closed_form_and_errors():
 
 
 def test_expert_load_shares():
-    r = Routes({"a": torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0]], dtype=torch.int16),
-                "b": torch.tensor([[1, 2], [1, 2], [1, 2], [1, 2]], dtype=torch.int16)}, 4, 2, [1, 3])
+    r = Routes(
+        {
+            "a": torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0]], dtype=torch.int16),
+            "b": torch.tensor([[1, 2], [1, 2], [1, 2], [1, 2]], dtype=torch.int16),
+        },
+        4,
+        2,
+        [1, 3],
+    )
     load = expert_load(r)
     assert load.shape == (2, 4)
     assert torch.equal(load, torch.tensor([[1.0, 0.5, 0.25, 0.25], [0.0, 1.0, 1.0, 0.0]], dtype=torch.float64))

@@ -19,9 +19,11 @@ from support.moe_models import clone, tiny_mixtral, tiny_qwen2moe, tiny_qwen3, t
 
 torch.set_num_threads(1)
 
-MODELS = {"qwen2moe-shared": lambda: tiny_qwen2moe(seed=2, init=0.1),
-          "mixtral": lambda: tiny_mixtral(seed=0, init=0.1),
-          "qwen3": lambda: tiny_qwen3(seed=1, init=0.1, mlp_only_layers=(1,))}
+MODELS = {
+    "qwen2moe-shared": lambda: tiny_qwen2moe(seed=2, init=0.1),
+    "mixtral": lambda: tiny_mixtral(seed=0, init=0.1),
+    "qwen3": lambda: tiny_qwen3(seed=1, init=0.1, mlp_only_layers=(1,)),
+}
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +64,13 @@ def test_down_proj_load_is_the_routing_weighted_gradient_of_the_experts_output(b
     def router_hook(name):
         def fn(module, args, out):
             captured[name].append((out[1].detach(), out[2].detach()))  # (top-k weights, top-k index)
+
         return fn
 
     def experts_hook(name):
         def fn(module, args, out):
             out.register_hook(lambda g: grads[name].append(g.detach()))
+
         return fn
 
     handles = [b.gate.register_forward_hook(router_hook(n)) for n, b in layers.items()]
@@ -99,8 +103,9 @@ def test_loads_are_finite_positive_shares_sum_to_top_k_and_load_is_share_times_g
         e = block.experts.num_experts
         shares = [sens[f"{name}.experts.gate_up_proj.{j}"].share for j in range(e)]
         assert sum(shares) == pytest.approx(model.config.num_experts_per_tok)
-        assert [sens[f"{name}.experts.down_proj.{j}"].rows for j in range(e)] == \
-               [sens[f"{name}.experts.gate_up_proj.{j}"].rows for j in range(e)]
+        assert [sens[f"{name}.experts.down_proj.{j}"].rows for j in range(e)] == [
+            sens[f"{name}.experts.gate_up_proj.{j}"].rows for j in range(e)
+        ]
     for k, s in sens.items():
         assert math.isfinite(s.load) and s.load > 0, k  # every matrix is reached by these random tokens
         assert s.load == pytest.approx(s.share * s.grad, rel=1e-12)
@@ -132,8 +137,12 @@ def test_a_matrix_no_gradient_reaches_gets_load_zero_and_no_rank(batches):
 def test_replayed_routes_decide_the_shares_and_an_unrouted_expert_gets_load_zero(batches):
     model = tiny_qwen2moe(seed=5, init=0.1, experts=4, top_k=2)
     recorded = record_routes(model, batches)
-    forced = Routes({n: torch.tensor([[0, 1]] * recorded.tokens, dtype=v.dtype) for n, v in recorded.indices.items()},
-                    recorded.num_experts, recorded.top_k, recorded.batch_tokens)
+    forced = Routes(
+        {n: torch.tensor([[0, 1]] * recorded.tokens, dtype=v.dtype) for n, v in recorded.indices.items()},
+        recorded.num_experts,
+        recorded.top_k,
+        recorded.batch_tokens,
+    )
     sens = output_sensitivity(model, batches, forced)
     for name in moe_layers(model):
         for e, share in enumerate([1.0, 1.0, 0.0, 0.0]):
@@ -147,7 +156,9 @@ def test_deterministic_leaves_the_model_unchanged_and_refuses_a_quantized_model(
     before = {k: v.clone() for k, v in model.state_dict().items()}
     a = output_sensitivity(model, batches)
     b = output_sensitivity(model, batches)
-    assert {k: (s.energy, s.rows, s.tokens) for k, s in a.items()} == {k: (s.energy, s.rows, s.tokens) for k, s in b.items()}
+    assert {k: (s.energy, s.rows, s.tokens) for k, s in a.items()} == {
+        k: (s.energy, s.rows, s.tokens) for k, s in b.items()
+    }
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not any("forward" in vars(b.experts) for b in moe_layers(model).values())  # the eager forward is gone
     no_shared = output_sensitivity(model, batches, shared=False, attention=False)

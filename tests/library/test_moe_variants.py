@@ -83,8 +83,12 @@ def test_end_to_end_metrics(case):
     kl = {k: c["kl"] for k, c in sel["candidates"].items()}
     assert sel["start"] == min(kl, key=kl.get) == m["qat"]["start"] and all(v > 0 for v in kl.values())
     assert len(m["qat"]["history"]) == 6
-    assert {"plan (quantization error SVD)", "output sensitivity (calib)", f"qat (from {sel['start']})",
-            "eval qat"} <= set(m["seconds"])
+    assert {
+        "plan (quantization error SVD)",
+        "output sensitivity (calib)",
+        f"qat (from {sel['start']})",
+        "eval qat",
+    } <= set(m["seconds"])
 
 
 def test_equal_total_rank_and_rank_table(case):
@@ -102,16 +106,18 @@ def test_equal_total_rank_and_rank_table(case):
     assert we["load_aware"] <= min(we["uniform"], we["load_aware_prop"]) and we["uniform"] < we["none"]
     assert wp["load_aware_prop"] <= min(wp["uniform"], wp["load_aware"]) and wp["uniform"] < wp["none"]
     rows = r["matrices"]
-    assert all(row["load_prop"] > 0 and row["load_aware_prop"] == out.ranks["load_aware_prop"][row["name"]]
-               for row in rows)
+    assert all(
+        row["load_prop"] > 0 and row["load_aware_prop"] == out.ranks["load_aware_prop"][row["name"]] for row in rows
+    )
     assert [row["name"] for row in rows] == list(out.ranks["uniform"])
     experts = [row for row in rows if row["expert"] is not None]
     assert len(experts) == 2 * 2 * 4 and {row["kind"] for row in experts} == {"gate_up", "down"}
     assert {row["kind"] for row in rows if row["expert"] is None} == {"q", "k", "v", "o"}
     assert all(row["load"] == 1.0 for row in rows if row["expert"] is None)
     load = out.metrics["load_calib"]["model.layers.1.mlp"]
-    assert [row["load"] for row in experts if row["module"] == "model.layers.1.mlp.experts"
-            and row["kind"] == "down"] == load
+    assert [
+        row["load"] for row in experts if row["module"] == "model.layers.1.mlp.experts" and row["kind"] == "down"
+    ] == load
     # the returned model is the trained QAT start, with its ranks
     start = out.metrics["qat"]["start"]
     q = out.model.get_submodule("model.layers.1.mlp.experts")
@@ -124,13 +130,35 @@ def test_same_seed_same_metrics_and_reference_reuse(case):
     again = quantize_variants(model, calib, held, rank_budget=budget, qat_steps=6, qat_lr=3e-3, seed=0, batch_size=2)
     assert _without_seconds(again.metrics) == _without_seconds(out.metrics)
     ref = float_reference(model, held, batch_size=2)
-    reused = quantize_variants(model, calib, held, rank_budget=budget, qat_steps=6, qat_lr=3e-3, seed=0, batch_size=2,
-                               reference=ref, include_float=False, include_mxfp4=False)
+    reused = quantize_variants(
+        model,
+        calib,
+        held,
+        rank_budget=budget,
+        qat_steps=6,
+        qat_lr=3e-3,
+        seed=0,
+        batch_size=2,
+        reference=ref,
+        include_float=False,
+        include_mxfp4=False,
+    )
     assert set(reused.metrics["variants"]) == {*COMPENSATED, "qat"}
     for name in (*COMPENSATED, "qat"):
         assert reused.metrics["variants"][name] == out.metrics["variants"][name]
-    other = quantize_variants(model, calib, held, rank_budget=budget, qat_steps=6, qat_lr=3e-3, seed=1, batch_size=2,
-                              reference=ref, include_float=False, include_mxfp4=False)
+    other = quantize_variants(
+        model,
+        calib,
+        held,
+        rank_budget=budget,
+        qat_steps=6,
+        qat_lr=3e-3,
+        seed=1,
+        batch_size=2,
+        reference=ref,
+        include_float=False,
+        include_mxfp4=False,
+    )
     assert other.metrics["qat"]["history"] != out.metrics["qat"]["history"]  # the seed orders the QAT batches
 
 
@@ -157,8 +185,16 @@ def test_bad_arguments_raise_before_any_work(case):
 
 def test_qat_checkpoints_resume(case, tmp_path):
     model, calib, held, budget, out = case
-    kw = dict(rank_budget=budget, qat_lr=3e-3, seed=0, batch_size=2, include_float=False, include_mxfp4=False,
-              checkpoint_dir=tmp_path, checkpoint_every=2)
+    kw = dict(
+        rank_budget=budget,
+        qat_lr=3e-3,
+        seed=0,
+        batch_size=2,
+        include_float=False,
+        include_mxfp4=False,
+        checkpoint_dir=tmp_path,
+        checkpoint_every=2,
+    )
     first = quantize_variants(model, calib, held, qat_steps=4, **kw)
     assert (tmp_path / "qat").is_dir()
     resumed = quantize_variants(model, calib, held, qat_steps=6, **kw)  # continues from step 4
@@ -168,14 +204,17 @@ def test_qat_checkpoints_resume(case, tmp_path):
 
 def test_the_best_start_is_the_lowest_calibration_kl_and_a_named_start_is_honoured(case):
     model, calib, held, budget, out = case
-    kw = dict(rank_budget=budget, qat_steps=2, qat_lr=3e-3, seed=0, batch_size=2, include_float=False,
-              include_mxfp4=False)
+    kw = dict(
+        rank_budget=budget, qat_steps=2, qat_lr=3e-3, seed=0, batch_size=2, include_float=False, include_mxfp4=False
+    )
     named = quantize_variants(model, calib, held, qat_start="uniform", **kw)
     assert named.metrics["qat"]["start"] == "uniform" and named.metrics["selection"]["by"] == "named"
-    assert named.model.get_submodule("model.layers.0.mlp.experts").ranks["gate_up"] == \
-        [named.ranks["uniform"][f"model.layers.0.mlp.experts.gate_up_proj.{e}"] for e in range(4)]
-    none = quantize_variants(model, calib, held, qat_steps=0, propagation=False, **{k: v for k, v in kw.items()
-                                                                                    if k != "qat_steps"})
+    assert named.model.get_submodule("model.layers.0.mlp.experts").ranks["gate_up"] == [
+        named.ranks["uniform"][f"model.layers.0.mlp.experts.gate_up_proj.{e}"] for e in range(4)
+    ]
+    none = quantize_variants(
+        model, calib, held, qat_steps=0, propagation=False, **{k: v for k, v in kw.items() if k != "qat_steps"}
+    )
     assert set(none.metrics["variants"]) == {"uniform", "load_aware"} and none.metrics["qat"] is None
     assert "weighted_error_prop" not in none.metrics["ranks"]
     # calibration_fit: the float MoE against itself has KL 0 and its own calibration perplexity
@@ -188,8 +227,9 @@ def test_shared_expert_quantized_or_kept_float(shared):
     model = tiny_qwen2moe(seed=2, init=0.1)
     calib, held = _ids(6, 16, 3), _ids(4, 16, 4)
     budget = default_rank_budget(model, shared=shared)
-    out = quantize_variants(model, calib, held, rank_budget=budget, qat_steps=2, qat_lr=3e-3, seed=0, batch_size=2,
-                            shared=shared)
+    out = quantize_variants(
+        model, calib, held, rank_budget=budget, qat_steps=2, qat_lr=3e-3, seed=0, batch_size=2, shared=shared
+    )
     r = out.metrics["ranks"]
     assert all(r["total"][a] == budget for a in COMPENSATED)
     shared_rows = [row for row in r["matrices"] if row["group"] == "shared"]
@@ -199,8 +239,9 @@ def test_shared_expert_quantized_or_kept_float(shared):
     assert isinstance(lin, MXLinear) == shared
     assert isinstance(out.model.get_submodule("model.layers.0.mlp.shared_expert_gate"), torch.nn.Linear)
     size = moe_nbytes(out.model)
-    float_shared = sum(p.numel() for n, p in out.model.named_parameters()
-                       if ".shared_expert." in n and n.endswith(".weight"))
+    float_shared = sum(
+        p.numel() for n, p in out.model.named_parameters() if ".shared_expert." in n and n.endswith(".weight")
+    )
     assert (float_shared == 0) == shared
     v = out.metrics["variants"]["mxfp4"]
     assert v["bytes"]["total"] == size["total"] - sum(size[k] for k in ("expert_adapters", "linear_adapters"))
@@ -219,10 +260,17 @@ def test_a_kept_calibration_gives_the_shared_float_setting_the_same_numbers():
     with pytest.raises(ValueError, match="kept for other calib_ids"):
         quantize_variants(model, calib[:4], held, rank_budget=budget, shared=False, calibration=full.calibration, **kw)
     with pytest.raises(ValueError, match="has no plan for"):
-        quantize_variants(model, calib, held, rank_budget=default_rank_budget(model), calibration=_kept_without_shared(
-            model, calib, held, budget, kw), **kw)
+        quantize_variants(
+            model,
+            calib,
+            held,
+            rank_budget=default_rank_budget(model),
+            calibration=_kept_without_shared(model, calib, held, budget, kw),
+            **kw,
+        )
 
 
 def _kept_without_shared(model, calib, held, budget, kw):
-    return quantize_variants(model, calib, held, rank_budget=budget, shared=False, keep_calibration=True,
-                             **kw).calibration
+    return quantize_variants(
+        model, calib, held, rank_budget=budget, shared=False, keep_calibration=True, **kw
+    ).calibration

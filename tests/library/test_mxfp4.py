@@ -7,8 +7,17 @@ import math
 import pytest
 import torch
 
-from crucible.quant.mxfp4 import (BLOCK, E2M1_VALUES, MXFP4Tensor, dequantize, max_abs_error_bound, pack_codes, pow2,
-                                  quantize, unpack_codes)
+from crucible.quant.mxfp4 import (
+    BLOCK,
+    E2M1_VALUES,
+    MXFP4Tensor,
+    dequantize,
+    max_abs_error_bound,
+    pack_codes,
+    pow2,
+    quantize,
+    unpack_codes,
+)
 
 
 def block(*values, fill=0.0):
@@ -43,8 +52,24 @@ def test_known_block_exact_bytes():
     assert dequantize(q)[0, :4].tolist() == [0.5, -1.0, 3.0, 0.25]
 
 
-@pytest.mark.parametrize("x, expect", [(0.25, 0.0), (0.75, 1.0), (1.25, 1.0), (1.75, 2.0), (2.5, 2.0), (3.5, 4.0),
-                                       (5.0, 4.0), (f32_next(0.25, 0), 0.0), (f32_next(0.25, 1), 0.5), (f32_next(0.75, 0), 0.5), (f32_next(5.0, 6), 6.0), (-0.75, -1.0), (-5.0, -4.0)])
+@pytest.mark.parametrize(
+    "x, expect",
+    [
+        (0.25, 0.0),
+        (0.75, 1.0),
+        (1.25, 1.0),
+        (1.75, 2.0),
+        (2.5, 2.0),
+        (3.5, 4.0),
+        (5.0, 4.0),
+        (f32_next(0.25, 0), 0.0),
+        (f32_next(0.25, 1), 0.5),
+        (f32_next(0.75, 0), 0.5),
+        (f32_next(5.0, 6), 6.0),
+        (-0.75, -1.0),
+        (-5.0, -4.0),
+    ],
+)
 def test_ties_round_to_the_even_code(x, expect):
     # amax 6 in the block fixes the scale at 1, so the element is rounded as it stands
     q = quantize(block(6.0, x))
@@ -76,8 +101,8 @@ def test_ceil_mode_never_clips_and_picks_the_smallest_such_scale():
     q = quantize(x, mode="ceil")
     blocks = x.view(64, -1, BLOCK).abs().amax(-1)
     scale = pow2(q.scales.to(torch.int32) - 127)
-    assert (blocks / scale <= 6.0).all()          # no element exceeds 6 * scale: nothing clips
-    assert (blocks / (scale / 2) > 6.0).all()     # half the scale would clip: it is the smallest
+    assert (blocks / scale <= 6.0).all()  # no element exceeds 6 * scale: nothing clips
+    assert (blocks / (scale / 2) > 6.0).all()  # half the scale would clip: it is the smallest
     assert quantize(block(6.0), mode="ceil").scales.item() == 127
     assert quantize(block(6.01), mode="ceil").scales.item() == 128
     assert quantize(block(7.9), mode="ceil").scales.item() == 128  # floor gives 127 and clips
@@ -96,15 +121,15 @@ def test_zero_nan_inf_subnormal_blocks():
     q = quantize(x)
     assert q.scales[:, 0].tolist() == [0, 255, 253, 253, 0]
     back = dequantize(q)
-    assert torch.equal(back[0], torch.zeros(32))                 # all-zero block: exact zeros
-    assert back[1].isnan().all()                                 # NaN anywhere: the whole block is NaN
-    assert back[2, 0].item() == float("inf") and back[2, 1].item() == 0.0   # inf round-trips, the rest flush
+    assert torch.equal(back[0], torch.zeros(32))  # all-zero block: exact zeros
+    assert back[1].isnan().all()  # NaN anywhere: the whole block is NaN
+    assert back[2, 0].item() == float("inf") and back[2, 1].item() == 0.0  # inf round-trips, the rest flush
     assert back[3, 0].item() == -float("inf")
     assert dequantize(q, torch.bfloat16)[2, 0].item() == float("inf")
     # subnormal-only block: scale 2^-127, far above its elements, which round to +-0 (sign kept)
     assert torch.equal(back[4], torch.zeros(32)) and torch.signbit(back[4, 1]).item()
     # a subnormal block that fills its scale: 2^-128 and 2^-127 * 6 are codes 1 and 7 at scale 2^-127
-    y = block(2.0 ** -128, 2.0 ** -127 * 3)
+    y = block(2.0**-128, 2.0**-127 * 3)
     qy = quantize(y)
     assert qy.scales.item() == 0 and torch.equal(dequantize(qy), y)
     cods = codes_of(q)
@@ -189,17 +214,19 @@ def _edge_tensor():
     x[8, :32] = 4.0
     x[8, 32:] = torch.tensor([f32_next(4.0, 8.0)] * 32)
     x[9, 10] = 500.0  # an outlier
-    x[10] = torch.tensor([2.0 ** k for k in range(-20, 44)])
+    x[10] = torch.tensor([2.0**k for k in range(-20, 44)])
     return x
 
 
 @pytest.mark.parametrize("case", ["random", "wide", "edges", "bf16"])
 def test_bit_exact_with_torchao(torchao_mx, case):
     g = torch.Generator().manual_seed(4)
-    x = {"random": lambda: torch.randn(96, 384, generator=g) * 0.04,
-         "wide": lambda: torch.randn(16, 512, generator=g) * torch.logspace(-8, 8, 16).unsqueeze(1),
-         "edges": _edge_tensor,
-         "bf16": lambda: (torch.randn(32, 128, generator=g) * 3).to(torch.bfloat16)}[case]()
+    x = {
+        "random": lambda: torch.randn(96, 384, generator=g) * 0.04,
+        "wide": lambda: torch.randn(16, 512, generator=g) * torch.logspace(-8, 8, 16).unsqueeze(1),
+        "edges": _edge_tensor,
+        "bf16": lambda: (torch.randn(32, 128, generator=g) * 3).to(torch.bfloat16),
+    }[case]()
     s, d, v = torchao_mx(x)
     q = quantize(x)
     assert torch.equal(q.scales, s)
@@ -213,11 +240,11 @@ def test_bit_exact_with_torchao(torchao_mx, case):
 def test_documented_difference_from_torchao_for_blocks_below_2_pow_minus_125(torchao_mx):
     # scale byte 0 with non-zero elements: torchao quantizes with 2^-126 and dequantizes with 2^-127
     x = torch.zeros(1, 32)
-    x[0, 0] = 2.0 ** -126 * 0.75   # a normal float32 whose block gets scale byte 0
+    x[0, 0] = 2.0**-126 * 0.75  # a normal float32 whose block gets scale byte 0
     s, d, v = torchao_mx(x)
     q = quantize(x)
     assert q.scales.item() == s.item() == 0
-    assert v[0, 0].item() == pytest.approx(x[0, 0].item() / 2, rel=0.34)       # torchao halves it
+    assert v[0, 0].item() == pytest.approx(x[0, 0].item() / 2, rel=0.34)  # torchao halves it
     assert dequantize(q)[0, 0].item() == pytest.approx(x[0, 0].item(), rel=0.34)  # ours keeps it
 
 
@@ -239,4 +266,4 @@ def test_huge_finite_blocks_never_overflow(mode):
     assert q.scales.item() <= 252
     back = dequantize(q)
     assert torch.isfinite(back).all()
-    assert back[0, 0].item() == 6 * 2.0 ** 125 and back[0, 1].item() == -6 * 2.0 ** 125
+    assert back[0, 0].item() == 6 * 2.0**125 and back[0, 1].item() == -6 * 2.0**125

@@ -199,8 +199,9 @@ def test_triton_interpreter_equals_torch_path():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT], capture_output=True, text=True,
-                         env=env, timeout=240, cwd=ROOT)
+    res = subprocess.run(
+        [sys.executable, "-c", INTERPRETER_SCRIPT], capture_output=True, text=True, env=env, timeout=240, cwd=ROOT
+    )
     assert res.returncode == 0 and "MXFP4_TRITON_OK" in res.stdout, (res.stdout[-2000:], res.stderr[-4000:])
 
 
@@ -228,8 +229,7 @@ def test_module_imports_without_triton():
     """)
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
-                         timeout=120, cwd=ROOT)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
     assert res.returncode == 0 and "NO_TRITON_OK" in res.stdout, res.stderr[-3000:]
 
 
@@ -258,13 +258,34 @@ def test_quantize_rejects(kwargs, match):
 
 
 BAD_DEQUANTIZE = [
-    (dict(packed=torch.zeros(4, 16, dtype=U8), scales=torch.zeros(4, 1, dtype=U8), k=48), r"k must be a positive multiple of 32, got 48"),
-    (dict(packed=torch.zeros(4, 16, dtype=U8), scales=torch.zeros(4, 1, dtype=U8), k=64), r"packed must have last dimension k // 2 = 32, got shape \[4, 16\]"),
-    (dict(packed=torch.zeros(4, 16, dtype=U8), scales=torch.zeros(4, 2, dtype=U8), k=32), r"scales must have shape \[4, 1\].*got \[4, 2\]"),
-    (dict(packed=torch.zeros(4, 16, dtype=U8), scales=torch.zeros(3, 1, dtype=U8), k=32), r"scales must have shape \[4, 1\].*got \[3, 1\]"),
-    (dict(packed=torch.zeros(4, 16, dtype=torch.int8), scales=torch.zeros(4, 1, dtype=U8), k=32), r"packed must be torch.uint8, got torch.int8"),
-    (dict(packed=torch.zeros(4, 16, dtype=U8), scales=torch.zeros(4, 1), k=32), r"scales must be torch.uint8, got torch.float32"),
-    (dict(packed=torch.zeros(4, 16, dtype=U8), scales=torch.zeros(4, 1, dtype=U8), k=32, dtype=torch.int32), r"dtype must be a floating-point"),
+    (
+        dict(packed=torch.zeros(4, 16, dtype=U8), scales=torch.zeros(4, 1, dtype=U8), k=48),
+        r"k must be a positive multiple of 32, got 48",
+    ),
+    (
+        dict(packed=torch.zeros(4, 16, dtype=U8), scales=torch.zeros(4, 1, dtype=U8), k=64),
+        r"packed must have last dimension k // 2 = 32, got shape \[4, 16\]",
+    ),
+    (
+        dict(packed=torch.zeros(4, 16, dtype=U8), scales=torch.zeros(4, 2, dtype=U8), k=32),
+        r"scales must have shape \[4, 1\].*got \[4, 2\]",
+    ),
+    (
+        dict(packed=torch.zeros(4, 16, dtype=U8), scales=torch.zeros(3, 1, dtype=U8), k=32),
+        r"scales must have shape \[4, 1\].*got \[3, 1\]",
+    ),
+    (
+        dict(packed=torch.zeros(4, 16, dtype=torch.int8), scales=torch.zeros(4, 1, dtype=U8), k=32),
+        r"packed must be torch.uint8, got torch.int8",
+    ),
+    (
+        dict(packed=torch.zeros(4, 16, dtype=U8), scales=torch.zeros(4, 1), k=32),
+        r"scales must be torch.uint8, got torch.float32",
+    ),
+    (
+        dict(packed=torch.zeros(4, 16, dtype=U8), scales=torch.zeros(4, 1, dtype=U8), k=32, dtype=torch.int32),
+        r"dtype must be a floating-point",
+    ),
 ]
 
 
@@ -283,7 +304,10 @@ def _lin(**over):
 
 BAD_LINEAR = [
     (_lin(k=40), r"k must be a positive multiple of 32, got 40"),
-    (_lin(x=torch.zeros(3, 64, dtype=torch.float16)), r"x must be float32 or bfloat16, got torch.float16 \(shape \[3, 64\]\)"),
+    (
+        _lin(x=torch.zeros(3, 64, dtype=torch.float16)),
+        r"x must be float32 or bfloat16, got torch.float16 \(shape \[3, 64\]\)",
+    ),
     (_lin(x=torch.zeros(3, 96)), r"x must have last dimension k = 64, got shape \[3, 96\]"),
     (_lin(packed=torch.zeros(2, 8, 32, dtype=U8)), r"packed must be 2-D .* got shape \[2, 8, 32\]"),
     (_lin(packed=torch.zeros(8, 16, dtype=U8)), r"packed must have last dimension k // 2 = 32, got shape \[8, 16\]"),
@@ -315,8 +339,11 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
     # whatever this process's TRITON_INTERPRET: the wrappers see a machine without the interpreter
     monkeypatch.setattr(tk, "_interpreting", lambda: False)
     p, s = _w()
-    for call in (lambda: tk.quantize(torch.zeros(2, 64)), lambda: tk.dequantize(p, s, 64),
-                 lambda: tk.mx_linear(torch.zeros(3, 64), p, s, 64)):
+    for call in (
+        lambda: tk.quantize(torch.zeros(2, 64)),
+        lambda: tk.dequantize(p, s, 64),
+        lambda: tk.mx_linear(torch.zeros(3, 64), p, s, 64),
+    ):
         with pytest.raises(ValueError, match=r"need a CUDA device, or TRITON_INTERPRET=1"):
             call()
     if torch.cuda.is_available():

@@ -13,8 +13,7 @@ M = np.array([1.0, 0.0, 1.0, 1.0, 0.0, 1.0])
 Y = np.array([0, -1, 1, 1, -1, 0])
 PI = np.array([0.5, 0.6, 1.0, 0.4, 0.7, 0.8])
 P1 = np.array([0.2, 0.6, 0.9, 0.4, 0.3, 0.55])  # the teacher's probability of class 1
-PRED = pl.Predictions(label=(P1 > 0.5).astype(int), confidence=np.maximum(P1, 1 - P1),
-                      proba=np.c_[1 - P1, P1])
+PRED = pl.Predictions(label=(P1 > 0.5).astype(int), confidence=np.maximum(P1, 1 - P1), proba=np.c_[1 - P1, P1])
 SEL = np.array([True, False, True, False, True, True])
 CLASSES = ("a", "b")
 
@@ -28,15 +27,23 @@ def all_audits(pi):
 def test_estimates_are_design_unbiased_by_exact_enumeration():
     truth = pl.true_quality(PRED, CLASSES, M, Y, SEL)
     correct = (M == 1) & (Y == PRED.label)
-    oracle = {"accuracy": (correct.sum(), M.sum()), "selected_accuracy": ((correct & SEL).sum(), (M * SEL).sum()),
-              "prior_a": (((M == 1) & (Y == 0)).sum(), M.sum()), "prior_b": (((M == 1) & (Y == 1)).sum(), M.sum())}
+    oracle = {
+        "accuracy": (correct.sum(), M.sum()),
+        "selected_accuracy": ((correct & SEL).sum(), (M * SEL).sum()),
+        "prior_a": (((M == 1) & (Y == 0)).sum(), M.sum()),
+        "prior_b": (((M == 1) & (Y == 1)).sum(), M.sum()),
+    }
     means = {k: np.zeros(2) for k in oracle}
     total = 0.0
     for i, prob in all_audits(PI):
         # the audit reveals M and the label of audited members only
         q = pl.estimate_quality(PRED, CLASSES, S, i, np.where(i == 1, M, np.nan), np.where(i == 1, Y, -1), PI, SEL)
-        ests = {"accuracy": q.accuracy, "selected_accuracy": q.selected_accuracy,
-                "prior_a": q.prior["a"], "prior_b": q.prior["b"]}
+        ests = {
+            "accuracy": q.accuracy,
+            "selected_accuracy": q.selected_accuracy,
+            "prior_a": q.prior["a"],
+            "prior_b": q.prior["b"],
+        }
         for k, est in ests.items():
             means[k] += prob * np.array([est.numerator, est.denominator])
         total += prob
@@ -164,14 +171,20 @@ def test_binary_teacher_matches_the_logistic_sigmoid():
 
 def test_single_class_reference_is_refused():
     x, _ = _blobs(0, n=20)
-    with pytest.raises(ValueError, match=r"ref.parquet, column 'label': all 20 rows have the single class 'pos'; "
-                                         r"expected labeled rows of at least two classes"):
+    with pytest.raises(
+        ValueError,
+        match=r"ref.parquet, column 'label': all 20 rows have the single class 'pos'; "
+        r"expected labeled rows of at least two classes",
+    ):
         pl.fit_teacher(x, np.array(["pos"] * 20, dtype=object), source="ref.parquet")
 
 
 def test_audit_label_outside_the_classes_is_refused():
-    with pytest.raises(ValueError, match=r"audit.parquet: row 2 has label 'sport', which is not one of the "
-                                         r"task's classes \['a', 'b'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"audit.parquet: row 2 has label 'sport', which is not one of the "
+        r"task's classes \['a', 'b'\]",
+    ):
         pl.label_indices(np.array(["a", None, "sport"], dtype=object), ("a", "b"), source="audit.parquet")
     np.testing.assert_array_equal(pl.label_indices(np.array(["b", None, "a"], dtype=object), ("a", "b")), [1, -1, 0])
 

@@ -7,8 +7,17 @@ import pytest
 import torch
 from torch import nn
 
-from crucible.quant import (CompensationPlan, MXLinear, collect_input_stats, dequantize, load_quantized, quantize,
-                            quantize_model, save_quantized, select_linears)
+from crucible.quant import (
+    CompensationPlan,
+    MXLinear,
+    collect_input_stats,
+    dequantize,
+    load_quantized,
+    quantize,
+    quantize_model,
+    save_quantized,
+    select_linears,
+)
 from crucible.quant.linear import mx_layers
 
 torch.set_num_threads(1)
@@ -18,8 +27,14 @@ def tiny_bert(seed: int = 0):
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(seed)
-    cfg = BertConfig(vocab_size=50, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                     intermediate_size=128, max_position_embeddings=32)
+    cfg = BertConfig(
+        vocab_size=50,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=32,
+    )
     return BertModel(cfg).eval()
 
 
@@ -49,8 +64,12 @@ def test_mxlinear_forward_is_dequantized_linear_plus_adapter():
     expect = x @ w.T + lin.bias.detach() + (x @ b.T) @ a.T
     torch.testing.assert_close(layer(x), expect, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(layer.effective_weight(), w + a @ b, rtol=1e-6, atol=1e-6)
-    assert layer.rank == 3 and layer.nbytes() == {"packed": 48 * 32, "scales": 48 * 2, "adapter": 3 * 112 * 4,
-                                                  "bias": 48 * 4}
+    assert layer.rank == 3 and layer.nbytes() == {
+        "packed": 48 * 32,
+        "scales": 48 * 2,
+        "adapter": 3 * 112 * 4,
+        "bias": 48 * 4,
+    }
     # bf16 storage: the adapter held for compute is the bf16-rounded one
     layer16 = MXLinear.from_linear(lin, adapter=(a, b))
     assert torch.equal(layer16.lora_a, a.to(torch.bfloat16).float())
@@ -124,11 +143,21 @@ def test_load_quantized_refuses_truncated_foreign_and_incomplete_files(tmp_path)
         load_quantized(bad, tiny_bert())
     from transformers import BertConfig, BertModel
 
-    other = BertModel(BertConfig(vocab_size=50, hidden_size=96, num_hidden_layers=2, num_attention_heads=2,
-                                 intermediate_size=128, max_position_embeddings=32))
+    other = BertModel(
+        BertConfig(
+            vocab_size=50,
+            hidden_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=128,
+            max_position_embeddings=32,
+        )
+    )
     good = tmp_path / "q.safetensors"
     good.write_bytes(data)
-    with pytest.raises(ValueError, match=r"q.safetensors: layer 'encoder\.layer\.0\.[a-z.]+' is 64 x 64 in the file but Linear 96 x 96"):
+    with pytest.raises(
+        ValueError, match=r"q.safetensors: layer 'encoder\.layer\.0\.[a-z.]+' is 64 x 64 in the file but Linear 96 x 96"
+    ):
         load_quantized(good, other)
     from safetensors.torch import load_file, save_file
 
@@ -157,8 +186,9 @@ def test_input_stats_count_unpadded_tokens_only():
     hidden(model, ids, mask)
     handle.remove()
     rows = seen[0][mask.bool()]
-    stats = collect_input_stats(model, [name], [(ids, mask)], forward=lambda m, b: m(input_ids=b[0], attention_mask=b[1]),
-                                masks=lambda b: b[1])[name]
+    stats = collect_input_stats(
+        model, [name], [(ids, mask)], forward=lambda m, b: m(input_ids=b[0], attention_mask=b[1]), masks=lambda b: b[1]
+    )[name]
     assert stats.count == int(mask.sum()) == rows.shape[0]
     torch.testing.assert_close(stats.sum_sq, (rows.double() ** 2).sum(0))
     torch.testing.assert_close(stats.sum_abs, rows.double().abs().sum(0))
@@ -168,8 +198,9 @@ def test_full_rank_compensation_is_exact_and_allocation_beats_uniform():
     model = tiny_bert()
     ids, mask = batch()
     lin = select_linears(model, PATTERN)
-    stats = collect_input_stats(model, lin, [(ids, mask)], forward=lambda m, b: m(input_ids=b[0], attention_mask=b[1]),
-                                masks=lambda b: b[1])
+    stats = collect_input_stats(
+        model, lin, [(ids, mask)], forward=lambda m, b: m(input_ids=b[0], attention_mask=b[1]), masks=lambda b: b[1]
+    )
     plan = CompensationPlan.build(lin, stats, scaling="qera")
     assert plan.total_rank == sum(min(m.weight.shape) for m in lin.values())
     with pytest.raises(ValueError, match=f"rank budget {plan.total_rank + 1} exceeds the total rank {plan.total_rank}"):
@@ -219,15 +250,21 @@ def test_output_sensitivity_closed_form_and_no_side_effects():
     # masked tokens do not count: a (b, t, k) input with half the positions masked out
     seq = torch.randn(2, 4, 4)
     mask = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]])
-    sens = collect_output_sensitivity(model, ["1"], [seq], lambda m, b: (m(b) * c * mask[..., None]).sum(),
-                                      masks=lambda b: mask)
+    sens = collect_output_sensitivity(
+        model, ["1"], [seq], lambda m, b: (m(b) * c * mask[..., None]).sum(), masks=lambda b: mask
+    )
     assert sens["1"] == pytest.approx(float(c @ c) / 2)  # every counted token has gradient c
     with pytest.raises(ValueError, match="the loss is nan"):
         collect_output_sensitivity(model, ["1"], [x], lambda m, b: m(b).sum() * float("nan"))
     with pytest.raises(ValueError, match="needs each layer's output sensitivity"):
         CompensationPlan.build({"0": nn.Linear(32, 4)}, None, scaling="plain", load="sensitivity")
-    plan = CompensationPlan.build({"a": nn.Linear(32, 4), "b": nn.Linear(32, 4)}, None, scaling="plain",
-                                  load="sensitivity", sensitivity={"a": 2.0, "b": 0.5})
+    plan = CompensationPlan.build(
+        {"a": nn.Linear(32, 4), "b": nn.Linear(32, 4)},
+        None,
+        scaling="plain",
+        load="sensitivity",
+        sensitivity={"a": 2.0, "b": 0.5},
+    )
     assert plan.layers["a"].load == 2.0 and plan.layers["b"].load == 0.5
 
 
@@ -253,8 +290,16 @@ def test_mx_embeddings_dequantize_looked_up_rows_and_round_trip(tmp_path):
     assert torch.equal(hidden(loaded, ids, mask), out)
     from transformers import BertConfig, BertModel
 
-    other = BertModel(BertConfig(vocab_size=60, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                 intermediate_size=128, max_position_embeddings=32))
+    other = BertModel(
+        BertConfig(
+            vocab_size=60,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=128,
+            max_position_embeddings=32,
+        )
+    )
     with pytest.raises(ValueError, match=r"embedding 'embeddings.word_embeddings' is 50 x 64 in the file"):
         load_quantized(path, other)
 
@@ -294,7 +339,7 @@ def test_the_cache_holds_bfloat16_and_is_exact_for_every_mxfp4_value():
     lin = torch.nn.Linear(64, 16)
     with torch.no_grad():  # rows spanning the whole exponent range, including subnormal results
         for i, e in enumerate((-140, -127, -126, -100, -20, 0, 20, 100, 126)):
-            lin.weight[i] = torch.randn(64) * 2.0 ** e
+            lin.weight[i] = torch.randn(64) * 2.0**e
     model = torch.nn.Sequential(lin)
     quantize_model(model, r"^0$")
     layer = model[0]
@@ -304,6 +349,7 @@ def test_the_cache_holds_bfloat16_and_is_exact_for_every_mxfp4_value():
 
     def _same(a, b):  # bit for bit; the 2^126 row's sums overflow, and some CPUs' kernels give NaN there
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
     cache_dequantized(model)
     _same(model(x), plain)
     cached = layer._dense_cache[1]

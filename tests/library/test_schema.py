@@ -4,15 +4,19 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from crucible.schema import (DataValidationError, validate_audit_against_pool, validate_disjoint,
-                             validate_reference_classes, validate_table)
+from crucible.schema import (
+    DataValidationError,
+    validate_audit_against_pool,
+    validate_disjoint,
+    validate_reference_classes,
+    validate_table,
+)
 
 SRC = "data/t/audit.parquet"
 
 
 def audit(**over):
-    df = pd.DataFrame({"id": ["a", "b", "c"], "pi": [0.5, 1.0, 0.2], "member": [1, 0, 1],
-                       "label": ["x", None, "y"]})
+    df = pd.DataFrame({"id": ["a", "b", "c"], "pi": [0.5, 1.0, 0.2], "member": [1, 0, 1], "label": ["x", None, "y"]})
     for k, v in over.items():
         df[k] = v
     return df
@@ -80,7 +84,9 @@ def test_score_outside_unit_interval():
 
 def test_audit_id_absent_from_pool():
     pool = pd.DataFrame({"id": ["a", "b"], "text": ["x", "y"]})
-    with pytest.raises(DataValidationError, match="column 'id', row 2: got 'c'; expected an id that is present in the pool"):
+    with pytest.raises(
+        DataValidationError, match="column 'id', row 2: got 'c'; expected an id that is present in the pool"
+    ):
         validate_audit_against_pool(audit(), pool, SRC)
 
 
@@ -90,10 +96,13 @@ def test_empty_table():
 
 # ---- cross-table rules
 
+
 def tables(**over):
-    out = {"reference": pd.DataFrame({"id": ["r1", "r2"], "text": ["good", "bad"], "label": ["x", "y"]}),
-           "pool": pd.DataFrame({"id": ["p1", "p2", "p3"], "text": ["fine", "poor", "meh"]}),
-           "test": pd.DataFrame({"id": ["t1", "t2"], "text": ["nice", "awful"], "label": ["x", "y"]})}
+    out = {
+        "reference": pd.DataFrame({"id": ["r1", "r2"], "text": ["good", "bad"], "label": ["x", "y"]}),
+        "pool": pd.DataFrame({"id": ["p1", "p2", "p3"], "text": ["fine", "poor", "meh"]}),
+        "test": pd.DataFrame({"id": ["t1", "t2"], "text": ["nice", "awful"], "label": ["x", "y"]}),
+    }
     out.update(over)
     return out
 
@@ -110,9 +119,11 @@ def test_single_class_reference_names_the_class_and_count():
     ref = pd.DataFrame({"id": ["a", "b", "c"], "text": ["u", "v", "w"], "label": ["x", "x", "x"]})
     with pytest.raises(DataValidationError) as err:
         validate_reference_classes(ref, "data/t/reference.parquet")
-    assert str(err.value) == ("data/t/reference.parquet, column 'label': all 3 rows have the single class 'x'; "
-                              "expected labeled rows of at least two classes (the teacher is a classifier, fitted "
-                              "and calibrated on the reference); add rows of another class")
+    assert str(err.value) == (
+        "data/t/reference.parquet, column 'label': all 3 rows have the single class 'x'; "
+        "expected labeled rows of at least two classes (the teacher is a classifier, fitted "
+        "and calibrated on the reference); add rows of another class"
+    )
     assert (err.value.column, err.value.value) == ("label", "x")
     validate_reference_classes(tables()["reference"], "data/t/reference.parquet")
 
@@ -125,8 +136,10 @@ def test_shared_id_names_both_files_and_rows(first, second, row):
     with pytest.raises(DataValidationError) as err:
         validate_disjoint(t, SOURCES)
     msg = str(err.value)
-    assert msg.startswith(f"data/t/{second}.parquet, column 'id': 1 id(s) also in data/t/{first}.parquet: "
-                          f"'{shared}' ({second} row {row}, {first} row 0); expected ids disjoint from the {first}'s")
+    assert msg.startswith(
+        f"data/t/{second}.parquet, column 'id': 1 id(s) also in data/t/{first}.parquet: "
+        f"'{shared}' ({second} row {row}, {first} row 0); expected ids disjoint from the {first}'s"
+    )
     assert (err.value.source, err.value.column, err.value.row, err.value.value) == (SOURCES[second], "id", row, shared)
 
 
@@ -142,11 +155,15 @@ def test_allow_shared_ids_covers_test_only():
 
 def test_many_shared_ids_are_counted_and_the_first_three_listed():
     pool = pd.DataFrame({"id": [f"p{i}" for i in range(6)], "text": [f"w{i}" for i in range(6)]})
-    test = pd.DataFrame({"id": ["p5", "p4", "t", "p3", "p2", "p1"], "text": [f"v{i}" for i in range(6)],
-                         "label": ["x"] * 6})
-    with pytest.raises(DataValidationError, match=r"5 id\(s\) also in data/t/pool.parquet: 'p5' \(test row 0, "
-                                                  r"pool row 5\), 'p4' \(test row 1, pool row 4\), 'p3' \(test row 3, "
-                                                  r"pool row 3\) and 2 more; "):
+    test = pd.DataFrame(
+        {"id": ["p5", "p4", "t", "p3", "p2", "p1"], "text": [f"v{i}" for i in range(6)], "label": ["x"] * 6}
+    )
+    with pytest.raises(
+        DataValidationError,
+        match=r"5 id\(s\) also in data/t/pool.parquet: 'p5' \(test row 0, "
+        r"pool row 5\), 'p4' \(test row 1, pool row 4\), 'p3' \(test row 3, "
+        r"pool row 3\) and 2 more; ",
+    ):
         validate_disjoint(tables(pool=pool, test=test), SOURCES)
 
 
@@ -162,7 +179,8 @@ def test_test_text_copied_elsewhere_is_refused_even_with_shared_ids_allowed(firs
     assert str(err.value).startswith(
         f"data/t/test.parquet, column 'text': 1 text(s) also in data/t/{first}.parquet, exact copies: "
         f"'{long[:57]}...' (test row 1, id '{tid}'; {first} row 1, id '{fid}'); expected test texts absent from "
-        f"the {first}: ")
+        f"the {first}: "
+    )
     assert (err.value.column, err.value.row) == ("text", 1)
 
 
@@ -176,9 +194,13 @@ def test_reference_and_pool_may_share_a_text():
 def test_a_later_stage_names_its_own_pair():
     labeled = pd.DataFrame({"id": ["r1", "t2"], "text": ["good", "awful"], "label": ["x", "y"]})
     sources = {"labeled": "data/t/labeled.parquet", "test": "data/t/test.parquet"}
-    with pytest.raises(DataValidationError, match=r"data/t/test.parquet, column 'id': 1 id\(s\) also in "
-                                                  r"data/t/labeled.parquet: 't2' \(test row 1, labeled row 1\)"):
+    with pytest.raises(
+        DataValidationError,
+        match=r"data/t/test.parquet, column 'id': 1 id\(s\) also in "
+        r"data/t/labeled.parquet: 't2' \(test row 1, labeled row 1\)",
+    ):
         validate_disjoint({"labeled": labeled, "test": tables()["test"]}, sources, pairs=(("labeled", "test"),))
     with pytest.raises(DataValidationError, match=r"column 'text': 1 text\(s\) also in data/t/labeled.parquet"):
-        validate_disjoint({"labeled": labeled, "test": tables()["test"]}, sources, pairs=(("labeled", "test"),),
-                          allow_shared_ids=True)
+        validate_disjoint(
+            {"labeled": labeled, "test": tables()["test"]}, sources, pairs=(("labeled", "test"),), allow_shared_ids=True
+        )

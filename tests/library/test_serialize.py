@@ -35,8 +35,11 @@ def test_nonfinite_finds_every_nan_and_inf_in_every_float_dtype():
     for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         x = torch.linspace(-3, 3, 24).reshape(4, 6).to(dtype)
         assert nonfinite(x) is None and nonfinite(x[:0]) is None
-        for bad, at, text in ((float("nan"), (1, 2), "nan"), (float("inf"), (3, 5), "inf"),
-                              (-float("inf"), (0, 0), "-inf")):
+        for bad, at, text in (
+            (float("nan"), (1, 2), "nan"),
+            (float("inf"), (3, 5), "inf"),
+            (-float("inf"), (0, 0), "-inf"),
+        ):
             y = x.clone()
             y[at] = bad
             assert nonfinite(y) == f"1 NaN or inf values of 24 (first: {text} at {list(at)})", (dtype, bad)
@@ -49,15 +52,13 @@ def test_nonfinite_finds_every_nan_and_inf_in_every_float_dtype():
         nonfinite(torch.zeros(2).to(torch.float8_e4m3fn))
 
 
-
 def test_state_digest_names_the_content_not_the_dict():
     """The same weights in another dict (copied, keys in another order, a non-contiguous view) have
     one digest; a flipped bit, a renamed key, another dtype or shape over the same bytes do not."""
     from crucible.serialize import state_digest
 
     g = torch.Generator().manual_seed(0)
-    state = {"b.weight": torch.randn(4, 3, generator=g), "a.bias": torch.randn(3, generator=g),
-             "ids": torch.arange(5)}
+    state = {"b.weight": torch.randn(4, 3, generator=g), "a.bias": torch.randn(3, generator=g), "ids": torch.arange(5)}
     same = {k: state[k].clone() for k in reversed(list(state))}
     same["b.weight"] = state["b.weight"].T.contiguous().T  # same values, column-major memory
     assert not same["b.weight"].is_contiguous()

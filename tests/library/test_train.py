@@ -12,8 +12,17 @@ from transformers import BertConfig, BertModel
 
 from crucible.checkpoint import latest_checkpoint, load_checkpoint
 from crucible.gmixout import GMixout, GMixoutConfig
-from crucible.train import (EncoderClassifier, Examples, RunDropout, TrainConfig, collate, linear_schedule, train,
-                            weighted_cross_entropy, wise_ft)
+from crucible.train import (
+    EncoderClassifier,
+    Examples,
+    RunDropout,
+    TrainConfig,
+    collate,
+    linear_schedule,
+    train,
+    weighted_cross_entropy,
+    wise_ft,
+)
 
 torch.set_num_threads(1)
 
@@ -31,14 +40,29 @@ def examples(n: int, seed: int) -> Examples:
 
 def tiny_model(seed: int = 0) -> EncoderClassifier:
     torch.manual_seed(seed)
-    config = BertConfig(vocab_size=200, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=32)
+    config = BertConfig(
+        vocab_size=200,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
     return EncoderClassifier(BertModel(config, add_pooling_layer=False), n_classes=2)
 
 
 TRAIN, DEV = examples(48, 1), examples(24, 2)
-CFG = TrainConfig(lr=1e-3, head_lr=1e-2, max_steps=8, batch_size=8, warmup=0.25, eval_every=4,
-                  checkpoint_every=2, progress=False, seed=7)
+CFG = TrainConfig(
+    lr=1e-3,
+    head_lr=1e-2,
+    max_steps=8,
+    batch_size=8,
+    warmup=0.25,
+    eval_every=4,
+    checkpoint_every=2,
+    progress=False,
+    seed=7,
+)
 MIX = GMixoutConfig(p=0.5, anchor="ema", ema_beta=0.9, period=3, sparse=True, seed=7)
 
 
@@ -46,8 +70,17 @@ def run(tmp_path=None, stop_after=None, mixout=True, cfg=CFG, resume=True, model
     model = model if model is not None else tiny_model()
     gm = GMixout.wrap(model, GMixoutConfig(**{**MIX.__dict__, "seed": cfg.seed})) if mixout else None
     losses = {}
-    result = train(model, TRAIN, DEV, cfg, mixout=gm, checkpoint_dir=tmp_path, resume=resume, stop_after=stop_after,
-                   log=lambda m, step: losses.__setitem__(step, m["train_loss"]) if "train_loss" in m else None)
+    result = train(
+        model,
+        TRAIN,
+        DEV,
+        cfg,
+        mixout=gm,
+        checkpoint_dir=tmp_path,
+        resume=resume,
+        stop_after=stop_after,
+        log=lambda m, step: losses.__setitem__(step, m["train_loss"]) if "train_loss" in m else None,
+    )
     return model, result, losses
 
 
@@ -120,9 +153,11 @@ def test_a_training_does_not_change_when_another_trains_beside_it():
 
     def worker(name, cfg):
         try:
+
             def sync(metrics, step):
                 if "train_loss" in metrics:
                     barrier.wait(timeout=60)
+
             barrier.wait(timeout=60)
             gm = GMixout.wrap(models[name], GMixoutConfig(**{**MIX.__dict__, "seed": cfg.seed}))
             train(models[name], TRAIN, DEV, cfg, mixout=gm, log=sync)
@@ -160,13 +195,17 @@ def test_every_dropout_is_a_run_dropout_that_draws_from_the_bound_generator():
     assert not torch.allclose(outs[0], eval_out)  # dropout is active in training
     # eval mode runs transformers' sdpa: the same numbers as the unmodified model
     torch.manual_seed(0)
-    plain = BertModel(model.encoder.config.__class__(**{**model.encoder.config.to_dict(), "_attn_implementation": "sdpa"}),
-                      add_pooling_layer=False).eval()
+    plain = BertModel(
+        model.encoder.config.__class__(**{**model.encoder.config.to_dict(), "_attn_implementation": "sdpa"}),
+        add_pooling_layer=False,
+    ).eval()
     plain.load_state_dict(model.encoder.state_dict())
     model.eval()
     with torch.no_grad():
-        assert torch.equal(model.encoder(input_ids=ids, attention_mask=mask).last_hidden_state,
-                           plain(input_ids=ids, attention_mask=mask).last_hidden_state)
+        assert torch.equal(
+            model.encoder(input_ids=ids, attention_mask=mask).last_hidden_state,
+            plain(input_ids=ids, attention_mask=mask).last_hidden_state,
+        )
 
 
 def test_head_initialisation_is_nn_linear_from_the_given_seed():
@@ -199,7 +238,10 @@ def test_checkpoint_holds_everything_without_pickle(tmp_path):
     assert ckpt["dropout_rng"].dtype == torch.uint8
     assert ckpt["mixout"]["step"] == 2 and ckpt["mixout"]["rng"].dtype == torch.uint8
     assert any(k.startswith("anchor.") for k in ckpt["mixout"]) and any(k.startswith("mask.") for k in ckpt["mixout"])
-    assert ckpt["optimizer"]["state"][0]["exp_avg"].shape == ckpt["model"]["encoder.embeddings.word_embeddings.weight"].shape
+    assert (
+        ckpt["optimizer"]["state"][0]["exp_avg"].shape
+        == ckpt["model"]["encoder.embeddings.word_embeddings.weight"].shape
+    )
 
 
 def test_early_stopping_keeps_the_best_evaluation():

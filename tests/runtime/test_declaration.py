@@ -55,12 +55,20 @@ def test_dag_check_fails_on_a_stale_dvc_yaml(tmp_path):
     text = (ROOT / "dvc.yaml").read_text().replace("- data/${key}/test.parquet\n", "", 1)
     (tmp_path / "dvc.yaml").write_text(text)
     (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "dag", "check", "--root", str(tmp_path)],
-                          capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "dag", "check", "--root", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert proc.returncode == 1 and "stale" in proc.stderr
     (tmp_path / "dvc.yaml").write_text(dvc_yaml(TASKS))
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "dag", "check", "--root", str(tmp_path)],
-                          capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "dag", "check", "--root", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr
 
 
@@ -68,8 +76,9 @@ def test_a_changed_declaration_changes_dvc_yaml(monkeypatch):
     from tasks.stages import curate
 
     before = dvc_yaml(TASKS)
-    monkeypatch.setattr(curate, "SPEC", StageSpec(**{**curate.SPEC.__dict__, "params": (*curate.SPEC.params,
-                                                                                       "evaluate.normalize")}))
+    monkeypatch.setattr(
+        curate, "SPEC", StageSpec(**{**curate.SPEC.__dict__, "params": (*curate.SPEC.params, "evaluate.normalize")})
+    )
     after = dvc_yaml(TASKS)
     assert after != before and "- evaluate.normalize" in after
 
@@ -165,8 +174,15 @@ def test_finetune_depends_on_the_chosen_methods_options_only():
     with pytest.raises(UndeclaredParam, match="finetune.gmixout"):
         declared_view(plain, keys, "finetune").finetune.gmixout.p
     # the resolved config keeps every common key and the chosen method's options, flat
-    assert set(p.finetune.resolved()) == {*FinetuneParams.common_fields(), "method", "p", "anchor", "ema_beta",
-                                          "period", "sparse"}
+    assert set(p.finetune.resolved()) == {
+        *FinetuneParams.common_fields(),
+        "method",
+        "p",
+        "anchor",
+        "ema_beta",
+        "period",
+        "sparse",
+    }
     assert set(plain.finetune.resolved()) == {*FinetuneParams.common_fields(), "method"}
 
 
@@ -182,9 +198,17 @@ def test_declared_values_are_what_the_run_logs():
 
 def _diff(a, b, path=""):
     if isinstance(a, dict) and isinstance(b, dict):
-        return [d for k in sorted(set(a) | set(b)) for d in
-                ([f"{path}{k}: only in params.yaml"] if k not in b else [f"{path}{k}: missing from params.yaml"]
-                 if k not in a else _diff(a[k], b[k], f"{path}{k}."))]
+        return [
+            d
+            for k in sorted(set(a) | set(b))
+            for d in (
+                [f"{path}{k}: only in params.yaml"]
+                if k not in b
+                else [f"{path}{k}: missing from params.yaml"]
+                if k not in a
+                else _diff(a[k], b[k], f"{path}{k}.")
+            )
+        ]
     return [] if a == b else [f"{path[:-1]}: params.yaml has {a!r}, the schema's default is {b!r}"]
 
 
@@ -202,8 +226,10 @@ def test_the_defaults_check_catches_a_drifted_default():
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
     raw["ingest"]["n_pool"] += 1
     defaults = yaml.safe_load((ROOT / "params.yaml").read_text())
-    assert _diff(raw, defaults) == [f"ingest.n_pool: params.yaml has {raw['ingest']['n_pool']}, the schema's "
-                                    f"default is {defaults['ingest']['n_pool']}"]
+    assert _diff(raw, defaults) == [
+        f"ingest.n_pool: params.yaml has {raw['ingest']['n_pool']}, the schema's "
+        f"default is {defaults['ingest']['n_pool']}"
+    ]
 
 
 @pytest.mark.parametrize("profile", sorted(p.stem for p in (ROOT / "profiles").glob("*.yaml")))

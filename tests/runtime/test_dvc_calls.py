@@ -48,8 +48,9 @@ def test_commit_retries_while_a_dvc_repro_holds_a_stage_output(project):
     tries (which then refuses to run): the flow's commit of that stage waits until it lets go."""
     repro = subprocess.Popen(["sleep", "60"])  # stands in for the `dvc repro` process
     (project / ".dvc" / "tmp").mkdir(exist_ok=True)
-    (project / ".dvc" / "tmp" / "rwlock").write_text(json.dumps(
-        {"write": {str(project / "out.txt"): {"pid": repro.pid, "cmd": "dvc repro"}}, "read": {}}))
+    (project / ".dvc" / "tmp" / "rwlock").write_text(
+        json.dumps({"write": {str(project / "out.txt"): {"pid": repro.pid, "cmd": "dvc repro"}}, "read": {}})
+    )
     threading.Timer(6.0, lambda: (repro.kill(), repro.wait())).start()  # it exits: DVC drops its entry
     try:
         with pytest.raises(RuntimeError, match="is busy, it is being blocked by"):

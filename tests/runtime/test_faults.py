@@ -127,8 +127,14 @@ def test_a_killed_stage_leaves_no_running_run_and_no_temporary_files(tiny_projec
     crucible = str(Path(sys.executable).with_name("crucible"))
     env = {**os.environ, "PREFECT_HOME": str(root / ".prefect")}
     subprocess.run([crucible, "stage", "ingest", "--task", "bbc"], cwd=root, env=env, check=True, capture_output=True)
-    proc = subprocess.Popen([crucible, "stage", "embed", "--task", "bbc"], cwd=root, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [crucible, "stage", "embed", "--task", "bbc"],
+        cwd=root,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     client = MlflowClient(tracking_uri=tracking_uri(root))
     deadline = time.time() + 120
     while time.time() < deadline:  # wait until the stage's run exists, then kill it mid-work
@@ -146,8 +152,9 @@ def test_a_killed_stage_leaves_no_running_run_and_no_temporary_files(tiny_projec
         assert proc.returncode != 0 and run.info.status == "FAILED", proc.stderr.read()[-2000:]
     else:
         assert run.info.status == "RUNNING"  # nobody could end it ...
-        subprocess.run([crucible, "stage", "ingest", "--task", "rotten"], cwd=root, env=env, check=True,
-                       capture_output=True)
+        subprocess.run(
+            [crucible, "stage", "ingest", "--task", "rotten"], cwd=root, env=env, check=True, capture_output=True
+        )
         assert client.get_run(run.info.run_id).info.status == "FAILED"  # ... until the next start
     assert not (root / "data" / "bbc" / "embeddings.safetensors").exists()
     assert not list((root / "data").rglob(".*.tmp")) or sig == signal.SIGKILL
@@ -202,10 +209,13 @@ def test_a_logged_model_whose_run_died_is_removed_at_the_next_start(tmp_path, sl
     import sqlite3
 
     with sqlite3.connect(tmp_path / "mlflow.db") as con:  # and the store's row says why
-        status, stage = con.execute("SELECT status, lifecycle_stage FROM logged_models WHERE model_id = ?",
-                                    (orphan.model_id,)).fetchone()
-        why = con.execute("SELECT tag_value FROM logged_model_tags WHERE model_id = ? AND tag_key = "
-                          "'crucible.failure'", (orphan.model_id,)).fetchone()[0]
+        status, stage = con.execute(
+            "SELECT status, lifecycle_stage FROM logged_models WHERE model_id = ?", (orphan.model_id,)
+        ).fetchone()
+        why = con.execute(
+            "SELECT tag_value FROM logged_model_tags WHERE model_id = ? AND tag_key = 'crucible.failure'",
+            (orphan.model_id,),
+        ).fetchone()[0]
     assert status == LoggedModelStatus.FAILED.to_int() and stage == "deleted"
     assert why.startswith(f"orphaned: its run register ({run}) ended FAILED before the model was registered")
     assert client.get_logged_model(kept.model_id).status == LoggedModelStatus.READY

@@ -9,9 +9,12 @@ from flows.resources import GpuSlots, gpu_request, local_cluster_gpus, local_gpu
 
 
 def params_with(tiny_params, runner="threads", gpus_per_task=0, device="auto", address=None):
-    return tiny_params.model_copy(update={
-        "pipeline": tiny_params.pipeline.model_copy(update={"runner": runner, "address": address}),
-        "runtime": tiny_params.runtime.model_copy(update={"gpus_per_task": gpus_per_task, "device": device})})
+    return tiny_params.model_copy(
+        update={
+            "pipeline": tiny_params.pipeline.model_copy(update={"runner": runner, "address": address}),
+            "runtime": tiny_params.runtime.model_copy(update={"gpus_per_task": gpus_per_task, "device": device}),
+        }
+    )
 
 
 def test_runs_go_to_the_least_loaded_gpu_and_come_back():
@@ -69,8 +72,12 @@ def test_a_dask_run_with_a_gpu_request_is_placed_on_a_worker_that_offers_it(tiny
     on a worker started with resources GPU=1 (a CPU stands in for the GPU here)."""
     dask = pytest.importorskip("dask")
     distributed = pytest.importorskip("distributed")
-    with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None,
-                                  resources={"GPU": 1}) as cluster, distributed.Client(cluster) as client:
+    with (
+        distributed.LocalCluster(
+            n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None, resources={"GPU": 1}
+        ) as cluster,
+        distributed.Client(cluster) as client,
+    ):
         with requesting(params_with(tiny_params, "dask", 1)):
             future = client.submit(lambda: distributed.get_worker().state.total_resources, pure=False)
         assert future.result(timeout=60) == {"GPU": 1}

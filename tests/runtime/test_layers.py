@@ -15,8 +15,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 # lower rank = lower layer; a module may import its own layer or any lower one
-LAYERS = {"crucible": 0, "tasks.runtime": 1, "tasks.data": 2, "tasks.registry": 3, "tasks.report": 3,
-          "tasks.stages": 4, "flows": 5}
+LAYERS = {
+    "crucible": 0,
+    "tasks.runtime": 1,
+    "tasks.data": 2,
+    "tasks.registry": 3,
+    "tasks.report": 3,
+    "tasks.stages": 4,
+    "flows": 5,
+}
 ORCHESTRATION = ("prefect", "prefect_dask", "prefect_ray", "dvc", "mlflow", "tasks", "flows")
 
 
@@ -69,8 +76,13 @@ def violations(modules: dict[str, Path]) -> list[str]:
                 continue
             other = layer(imp)
             if own is None or other is None or other == own:
-                if own == other == "tasks.stages" and imp in modules and imp != m and imp != "tasks.stages" \
-                        and m != "tasks.stages":
+                if (
+                    own == other == "tasks.stages"
+                    and imp in modules
+                    and imp != m
+                    and imp != "tasks.stages"
+                    and m != "tasks.stages"
+                ):
                     out.append(f"{m} imports {imp}: a stage imports no other stage")
                 continue
             if LAYERS[other] > LAYERS[own] or (LAYERS[other] == LAYERS[own]):
@@ -86,7 +98,7 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
         state[node] = 1
         for nxt in sorted(edges.get(node, ())):
             if state.get(nxt) == 1:
-                found.append(path[path.index(nxt):] + [nxt])
+                found.append(path[path.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt, path + [nxt])
         state[node] = 2
@@ -111,11 +123,13 @@ def test_no_import_cycles():
 def test_the_checks_catch_an_upward_import_a_sideways_stage_and_a_cycle(tmp_path, monkeypatch):
     """Guard the guard: a library module importing the runtime, a stage importing another stage and
     two modules importing each other are each reported."""
-    for rel, text in {"crucible/a.py": "from tasks.runtime import io\n",
-                      "tasks/stages/one.py": "from tasks.stages.two import run\n",
-                      "tasks/stages/two.py": "def run(): pass\n",
-                      "tasks/data/x.py": "import tasks.data.y\n",
-                      "tasks/data/y.py": "def f():\n    from tasks.data import x\n"}.items():
+    for rel, text in {
+        "crucible/a.py": "from tasks.runtime import io\n",
+        "tasks/stages/one.py": "from tasks.stages.two import run\n",
+        "tasks/stages/two.py": "def run(): pass\n",
+        "tasks/data/x.py": "import tasks.data.y\n",
+        "tasks/data/y.py": "def f():\n    from tasks.data import x\n",
+    }.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)

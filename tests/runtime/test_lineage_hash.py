@@ -15,13 +15,16 @@ from tasks.runtime.io import md5_file
 from tasks.runtime.lineage import MD5, compare, dir_md5, disk_md5, dvc_dir_hasher, tag_key
 
 DVC = Path(sys.executable).with_name("dvc")
-MAKE = ("mkdir -p out/sub out/deep/er && printf 'alpha\\n' > out/a.txt && printf 'beta' > out/sub/b.bin "
-        "&& printf 'gamma\\n' > out/deep/er/c.csv && printf 'one file' > single.txt")
+MAKE = (
+    "mkdir -p out/sub out/deep/er && printf 'alpha\\n' > out/a.txt && printf 'beta' > out/sub/b.bin "
+    "&& printf 'gamma\\n' > out/deep/er/c.csv && printf 'one file' > single.txt"
+)
 
 
 def _run(root: Path, *cmd: str) -> str:
-    proc = subprocess.run(list(cmd), cwd=root, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "DVC_NO_ANALYTICS": "1"})
+    proc = subprocess.run(
+        list(cmd), cwd=root, capture_output=True, text=True, timeout=300, env={**os.environ, "DVC_NO_ANALYTICS": "1"}
+    )
     assert proc.returncode == 0, f"{' '.join(cmd)}: {proc.stderr}"
     return proc.stdout
 

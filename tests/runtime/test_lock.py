@@ -32,8 +32,12 @@ def _hold_in_child(root: Path, kind: str = "flow", path: str | None = None) -> s
             from tasks.runtime.lock import WorkspaceLock
             lock = WorkspaceLock({str(root)!r}, {kind!r}, timeout=0).acquire()
             print("held", lock.token, flush=True); time.sleep(120)"""
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, text=True,
-                            cwd=Path(__file__).resolve().parents[2])
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     line = proc.stdout.readline()
     assert line.startswith("held"), line
     return proc
@@ -133,8 +137,12 @@ def test_crucible_stage_fails_clearly_while_another_run_holds_the_workspace(tmp_
     root = make_workspace(project_root, tmp_path / "ws", "tiny", overrides={"pipeline": {"lock_timeout": 1}})
     proc = _hold_in_child(root, "flow")
     try:
-        out = subprocess.run([str(Path(sys.executable).with_name("crucible")), "stage", "ingest", "--task", "bbc",
-                              "--root", str(root)], capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [str(Path(sys.executable).with_name("crucible")), "stage", "ingest", "--task", "bbc", "--root", str(root)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     finally:
         _kill(proc)
     assert out.returncode == 3, out.stderr
@@ -150,15 +158,20 @@ def test_crucible_run_says_who_holds_the_workspace_and_how_long_it_waits(tmp_pat
     root = make_workspace(project_root, tmp_path / "ws", "tiny", overrides={"pipeline": {"lock_timeout": 2}})
     proc = _hold_in_child(root, "stage")
     try:
-        out = subprocess.run([str(Path(sys.executable).with_name("crucible")), "run", "--root", str(root)],
-                             capture_output=True, text=True, timeout=600,
-                             env={**os.environ, "PREFECT_HOME": str(root / ".prefect")})
+        out = subprocess.run(
+            [str(Path(sys.executable).with_name("crucible")), "run", "--root", str(root)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "PREFECT_HOME": str(root / ".prefect")},
+        )
     finally:
         _kill(proc)
     assert out.returncode == 3, out.stderr[-3000:]
     said = [line for line in out.stderr.splitlines() if line.startswith("crucible: ")]
-    assert said and said[0] == (f"crucible: the workspace is locked by {holder_text(root, proc.pid)}; "
-                                f"waiting up to 2 s"), out.stderr[-3000:]
+    assert said and said[0] == (
+        f"crucible: the workspace is locked by {holder_text(root, proc.pid)}; waiting up to 2 s"
+    ), out.stderr[-3000:]
     assert "gave up after waiting 2 s (pipeline.lock_timeout)" in out.stderr
 
 
@@ -186,12 +199,18 @@ def test_a_stage_sets_torch_and_blas_threads(tmp_path, project_root):
         from threadpoolctl import threadpool_info
         from tasks.stages import execute
         from tasks.runtime.workspace import make_workspace
-        root = make_workspace({str(project_root)!r}, {str(tmp_path / 'ws')!r}, "tiny")
+        root = make_workspace({str(project_root)!r}, {str(tmp_path / "ws")!r}, "tiny")
         execute("ingest", "debates", root, threads=1)
         blas = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
         print(json.dumps({{"torch": torch.get_num_threads(), "blas": blas}}))""")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         cwd=project_root, env={k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=project_root,
+        env={k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["torch"] == 1 and got["blas"] and set(got["blas"]) == {1}, got

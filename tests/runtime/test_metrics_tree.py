@@ -37,15 +37,19 @@ def write_metrics(root: Path, accuracy: float) -> None:
     """Every metrics file of every stage (as dvc.yaml declares them), small and valid JSON."""
     for spec in specs():
         for template in spec.metrics:
-            for task in (TASKS if spec.per_task else [None]):
+            for task in TASKS if spec.per_task else [None]:
                 path = root / expand(template, task)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 body = {"n": 1}
                 if path.name == "curate.json":
                     body = {"eps_hat": 0.25, "ccmmd_value": 0.01}
                 if path.name == "evaluate.json":
-                    body = {"order": TASKS, "deployable": {"quantized": {
-                        "accuracy": {t: accuracy for t in TASKS}, "mean_accuracy": accuracy}}}
+                    body = {
+                        "order": TASKS,
+                        "deployable": {
+                            "quantized": {"accuracy": {t: accuracy for t in TASKS}, "mean_accuracy": accuracy}
+                        },
+                    }
                 if path.name == "registered.json":
                     body = {"model": "quantized", "size_mb": {"served": 12.5}, "gate": {"decision": "champion"}}
                 if path.name == "quantize.json":
@@ -128,7 +132,9 @@ def test_a_scheduled_run_prints_the_summary_of_crucible_run(tmp_path, monkeypatc
     fake = {"model": {"seconds": 1.5}, "ingest@bbc": "skipped"}
     monkeypatch.setattr(pipeline, "run_pipeline", lambda root, stages=None: fake)
     logged = []
-    monkeypatch.setattr(pipeline, "get_run_logger", lambda: type("L", (), {"info": lambda self, *a: logged.append(a)})())
+    monkeypatch.setattr(
+        pipeline, "get_run_logger", lambda: type("L", (), {"info": lambda self, *a: logged.append(a)})()
+    )
     assert pipeline.scheduled.fn(str(root)) == fake
     out = capsys.readouterr().out
     assert "  model                        ran in 1.5 s" in out and "  ingest@bbc                   up to date" in out

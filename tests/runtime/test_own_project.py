@@ -29,11 +29,17 @@ def write_profile(path: Path, body: str) -> Path:
 
 def test_override_replaces_the_inherited_task_list(project_root, tmp_path):
     merged = write_profile(tmp_path / "merged.yaml", "pipeline:\n  tasks:\n    spam: {corpus: bbc_news}\n")
-    replaced = write_profile(tmp_path / "replaced.yaml",
-                             "pipeline:\n  tasks: !override\n    spam: {corpus: bbc_news}\n")
+    replaced = write_profile(
+        tmp_path / "replaced.yaml", "pipeline:\n  tasks: !override\n    spam: {corpus: bbc_news}\n"
+    )
     # without the marker a profile adds to params.yaml's four demo tasks; with it, spam is the only one
-    assert list(load_params(project_root / "params.yaml", str(merged)).pipeline.tasks) == \
-        ["bbc", "rotten", "tweets", "debates", "spam"]
+    assert list(load_params(project_root / "params.yaml", str(merged)).pipeline.tasks) == [
+        "bbc",
+        "rotten",
+        "tweets",
+        "debates",
+        "spam",
+    ]
     assert list(load_params(project_root / "params.yaml", str(replaced)).pipeline.tasks) == ["spam"]
     # the rendered params (what DVC's foreach reads) hold plain mappings: YAML can write them
     rendered = render_params(project_root / "params.yaml", str(replaced))
@@ -59,8 +65,10 @@ def test_override_through_extends_and_on_a_scalar(project_root, tmp_path):
 
 
 def test_demo_only_params_under_files_are_listed(project_root, tmp_path):
-    mine = write_profile(tmp_path / "mine.yaml", "extends: files\ningest:\n  eps: 0.1\n  min_chars: 5\n"
-                                                 "pipeline:\n  tasks:\n    spam: {n_pool: 50}\n")
+    mine = write_profile(
+        tmp_path / "mine.yaml",
+        "extends: files\ningest:\n  eps: 0.1\n  min_chars: 5\npipeline:\n  tasks:\n    spam: {n_pool: 50}\n",
+    )
     settings = demo_only_settings(load_params(project_root / "params.yaml", str(mine)))
     # eps and a task's size are demo-only; min_chars applies to files too (a warning count)
     assert settings == ["ingest.eps = 0.1", "pipeline.tasks.spam.n_pool = 50"]
@@ -73,7 +81,9 @@ def own_project(tmp_path):
     from tasks.data.example_inputs import write_example_inputs
 
     write_example_inputs(tmp_path / "inputs")
-    write_profile(tmp_path / "mine.yaml", "extends: files\npipeline:\n  tasks: !override\n    sport: {}\n    reviews: {}\n")
+    write_profile(
+        tmp_path / "mine.yaml", "extends: files\npipeline:\n  tasks: !override\n    sport: {}\n    reviews: {}\n"
+    )
     return tmp_path
 
 
@@ -105,8 +115,10 @@ def test_a_failed_run_is_one_error_line_with_the_traceback_in_a_log(tiny_project
     proc = crucible("run", "--stage", "model", cwd=tiny_project)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert errors == [f"error: stage model: model.name = '{tiny_project / 'no-such-model'}': not a folder, a packaged "
-                      f"model, or a model in the local Hugging Face cache (nothing is downloaded)"], proc.stderr
+    assert errors == [
+        f"error: stage model: model.name = '{tiny_project / 'no-such-model'}': not a folder, a packaged "
+        f"model, or a model in the local Hugging Face cache (nothing is downloaded)"
+    ], proc.stderr
     assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
     log = Path(proc.stderr.strip().splitlines()[-1].split(": ", 1)[1])
     assert log.parent == tiny_project / ".crucible" / "logs"

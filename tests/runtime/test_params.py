@@ -111,12 +111,17 @@ def test_cli_check_fails_on_a_typo(project_root, tmp_path):
     data["ingest"]["n_refernce"] = 5
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(data))
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "params", "check", str(path)],
-                          capture_output=True, text=True, cwd=project_root)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "params", "check", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=project_root,
+    )
     assert proc.returncode == 2
     assert "unknown key 'ingest.n_refernce'" in proc.stderr and "did you mean 'ingest.n_reference'" in proc.stderr
-    ok = subprocess.run([sys.executable, "-m", "flows.cli", "params", "check"], capture_output=True, text=True,
-                        cwd=project_root)
+    ok = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "params", "check"], capture_output=True, text=True, cwd=project_root
+    )
     assert ok.returncode == 0 and "OK" in ok.stdout
 
 
@@ -154,13 +159,22 @@ def test_null_removes_a_merge_method(base):
     check(base, "merge.methods", "at least 1")
 
 
-@pytest.mark.parametrize("body, message", [
-    ("finetune:\n  max_steps: true\n", r"key 'finetune.max_steps' = True: Input should be a valid integer"),
-    ("finetune:\n  lr: '0.1'\n", r"key 'finetune.lr' = '0.1': Input should be a valid number"),
-    ("finetune:\n  modules: 'enc(oder'\n", r"key 'finetune.modules' = 'enc\(oder': .*not a valid regular expression"),
-    ("ingest:\n  eps: 0.2\ningest:\n  eps: 0.1\n", r"key 'ingest' appears twice in one mapping: at line 3 and at line 5"),
-    ("finetune:\n  lr: 0.001\n  lr: 0.002\n", r"key 'lr' appears twice in one mapping: at line 4 and at line 5"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("finetune:\n  max_steps: true\n", r"key 'finetune.max_steps' = True: Input should be a valid integer"),
+        ("finetune:\n  lr: '0.1'\n", r"key 'finetune.lr' = '0.1': Input should be a valid number"),
+        (
+            "finetune:\n  modules: 'enc(oder'\n",
+            r"key 'finetune.modules' = 'enc\(oder': .*not a valid regular expression",
+        ),
+        (
+            "ingest:\n  eps: 0.2\ningest:\n  eps: 0.1\n",
+            r"key 'ingest' appears twice in one mapping: at line 3 and at line 5",
+        ),
+        ("finetune:\n  lr: 0.001\n  lr: 0.002\n", r"key 'lr' appears twice in one mapping: at line 4 and at line 5"),
+    ],
+)
 def test_strict_types_duplicate_keys_and_regexes_are_refused_at_load(tmp_path, body, message):
     """A bool is not an int, a string not a number; a key given twice is not silently the last one;
     a regex that cannot compile fails `crucible params check`, not a stage."""

@@ -16,14 +16,29 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 # what the libraries printed on every run before quiet.install() (the issue's list)
-NOISE = ("torchao", "Failed to load", "register_constant", "is an Enum subclass", "Add type hints",
-         "Validating input example", "Downloading artifacts", "Loading weights",
-         "Creating initial MLflow database tables", "Updating database tables")
+NOISE = (
+    "torchao",
+    "Failed to load",
+    "register_constant",
+    "is an Enum subclass",
+    "Add type hints",
+    "Validating input example",
+    "Downloading artifacts",
+    "Loading weights",
+    "Creating initial MLflow database tables",
+    "Updating database tables",
+)
 
 
 def run(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+    )
 
 
 # The libraries' own calls (torchao's import, with torch's deprecation about it) and, through the
@@ -60,15 +75,16 @@ def test_library_noise_is_dropped_by_name_and_everything_else_shows():
     for line in quiet.stderr.splitlines():
         if line.strip() and not line.startswith("  "):  # (a warning's source line follows it, indented)
             assert "KEPT" in line, f"unexpected stderr line: {line!r}\n{quiet.stderr}"
-    for kept in ("KEPT torchao", "KEPT pytree", "KEPT mlflow: The version", "KEPT mlflow: the database",
-                 "KEPT ours"):
+    for kept in ("KEPT torchao", "KEPT pytree", "KEPT mlflow: The version", "KEPT mlflow: the database", "KEPT ours"):
         assert kept in quiet.stderr and kept in loud.stderr, quiet.stderr
 
 
 def test_install_leaves_the_users_switches_alone():
-    code = ("import os; from tasks.runtime import quiet; quiet.install(); quiet.install(); import logging; "
-            "print(os.environ['HF_HUB_DISABLE_PROGRESS_BARS'], os.environ['MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR'], "
-            "len(logging.getLogger('torchao').filters))")
+    code = (
+        "import os; from tasks.runtime import quiet; quiet.install(); quiet.install(); import logging; "
+        "print(os.environ['HF_HUB_DISABLE_PROGRESS_BARS'], os.environ['MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR'], "
+        "len(logging.getLogger('torchao').filters))"
+    )
     assert run(code).stdout.split() == ["1", "false", "1"]  # defaults set; installing twice adds nothing
     user = run(code, {"HF_HUB_DISABLE_PROGRESS_BARS": "0", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "true"})
     assert user.stdout.split() == ["0", "true", "1"]
@@ -82,11 +98,21 @@ def finetune_project(tmp_path_factory):
 
     root = make_workspace(ROOT, tmp_path_factory.mktemp("quiet"), "tiny")
     words = {"fresh": ["wonderful", "moving", "brilliant"], "rotten": ["dull", "tedious", "awful"]}
-    rows = [{"id": f"r{i}", "text": f"the film is {words[lab][i % 3]} and {words[lab][(i + 1) % 3]}", "label": lab,
-             "source": "reference", "confidence": 1.0, "weight": 1.0}
-            for i, lab in enumerate(["fresh", "rotten"] * 20)]
-    test = [{"id": f"t{i}", "text": f"this movie was {words[lab][(i + 2) % 3]} as well", "label": lab}
-            for i, lab in enumerate(["fresh", "rotten"] * 10)]
+    rows = [
+        {
+            "id": f"r{i}",
+            "text": f"the film is {words[lab][i % 3]} and {words[lab][(i + 1) % 3]}",
+            "label": lab,
+            "source": "reference",
+            "confidence": 1.0,
+            "weight": 1.0,
+        }
+        for i, lab in enumerate(["fresh", "rotten"] * 20)
+    ]
+    test = [
+        {"id": f"t{i}", "text": f"this movie was {words[lab][(i + 2) % 3]} as well", "label": lab}
+        for i, lab in enumerate(["fresh", "rotten"] * 10)
+    ]
     (root / "data" / "rotten").mkdir(parents=True)
     pd.DataFrame(rows).to_parquet(root / "data" / "rotten" / "labeled.parquet", index=False)
     pd.DataFrame(test).to_parquet(root / "data" / "rotten" / "test.parquet", index=False)
@@ -101,12 +127,19 @@ def test_a_stage_under_crucible_says_one_line_and_nothing_of_the_libraries(finet
     env.pop("CRUCIBLE_PROGRESS", None)
     env.pop("CRUCIBLE_QUIET", None)
     for args in (["model"], ["finetune", "--task", "rotten"]):
-        proc = subprocess.run([sys.executable, "-m", "flows.cli", "stage", *args, "--root", str(finetune_project)],
-                              cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+        proc = subprocess.run(
+            [sys.executable, "-m", "flows.cli", "stage", *args, "--root", str(finetune_project)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+        )
         assert proc.returncode == 0, proc.stderr
         for noise in NOISE:
             assert noise not in proc.stderr, proc.stderr
         assert "\r" not in proc.stderr
     lines = proc.stderr.splitlines()
-    assert len(lines) == 1 and re.fullmatch(r"finetune@rotten: \d+/\d+ step in .+ loss=\S+ ex_s=\S+", lines[0]), \
+    assert len(lines) == 1 and re.fullmatch(r"finetune@rotten: \d+/\d+ step in .+ loss=\S+ ex_s=\S+", lines[0]), (
         proc.stderr
+    )

@@ -17,7 +17,6 @@ from tasks.runtime.io import md5_file
 from tasks.stages import execute, specs
 
 
-
 @pytest.fixture(autouse=True)
 def no_cuda(monkeypatch):
     """Every test here sees a machine without CUDA, whatever machine runs it (in this process and in
@@ -26,6 +25,8 @@ def no_cuda(monkeypatch):
 
     monkeypatch.setattr(crucible.device, "visible_cuda", lambda: 0)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
 EMBEDDINGS = Path("data") / "debates" / "embeddings.safetensors"
 
 
@@ -62,7 +63,9 @@ def test_auto_is_the_cpu_here_and_is_recorded_on_the_run(embedded):
     (run,) = runs(embedded, "embed")
     tags = run.data.tags
     assert tags["crucible.runtime.device"] == "cpu" and tags["crucible.runtime.precision"] == "fp32"
-    assert tags["crucible.runtime.torch"] == torch.__version__ and tags["crucible.runtime.cuda"] == str(torch.version.cuda or "none")
+    assert tags["crucible.runtime.torch"] == torch.__version__ and tags["crucible.runtime.cuda"] == str(
+        torch.version.cuda or "none"
+    )
 
 
 def test_cpu_asked_for_explicitly_or_by_the_environment_gives_the_same_bytes(embedded, monkeypatch):
@@ -103,8 +106,20 @@ def test_cuda_without_a_gpu_stops_the_stage_before_it_writes_anything(embedded, 
 def test_the_command_says_so_in_one_line_and_exits_2(embedded):
     set_runtime(embedded, device="cuda")
     try:
-        proc = subprocess.run([str(Path(sys.executable).with_name("crucible")), "stage", "embed", "--task", "debates",
-                               "--root", str(embedded)], capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [
+                str(Path(sys.executable).with_name("crucible")),
+                "stage",
+                "embed",
+                "--task",
+                "debates",
+                "--root",
+                str(embedded),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     finally:
         set_runtime(embedded, device="auto")
     assert proc.returncode == 2, proc.stderr

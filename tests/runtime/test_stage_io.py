@@ -14,7 +14,9 @@ def test_read_stage_output_errors_and_success(tmp_path):
     with pytest.raises(ValueError, match=r"labeled.parquet: not a readable parquet file.*rerun pseudolabel"):
         read_stage_output(path, "labeled", ["id", "text"], "pseudolabel")
     pd.DataFrame({"id": ["a"], "label": ["x"]}).to_parquet(path)
-    with pytest.raises(ValueError, match=r"missing columns \['text'\]; expected \['id', 'text'\] \(rerun pseudolabel\)"):
+    with pytest.raises(
+        ValueError, match=r"missing columns \['text'\]; expected \['id', 'text'\] \(rerun pseudolabel\)"
+    ):
         read_stage_output(path, "labeled", ["id", "text"], "pseudolabel")
     pd.DataFrame({"id": ["a"], "text": ["t"]}).to_parquet(path)
     assert read_stage_output(path, "labeled", ["id", "text"], "pseudolabel")["text"].tolist() == ["t"]
@@ -35,8 +37,8 @@ def test_every_png_has_the_same_fixed_metadata():
     def chunks(data):
         i, out = 8, {}
         while i < len(data):
-            (n,) = struct.unpack(">I", data[i:i + 4])
-            out.setdefault(data[i + 4:i + 8], []).append(data[i + 8:i + 8 + n])
+            (n,) = struct.unpack(">I", data[i : i + 4])
+            out.setdefault(data[i + 4 : i + 8], []).append(data[i + 8 : i + 8 + n])
             i += 12 + n
         return out
 

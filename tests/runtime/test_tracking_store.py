@@ -29,8 +29,13 @@ def ws(tmp_path, project_root) -> Path:
 
 
 def crucible(root: Path, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "crucible"), *args, "--root", str(root)], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PREFECT_HOME": str(root / ".prefect"), **(env or {})})
+    return subprocess.run(
+        [str(BIN / "crucible"), *args, "--root", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PREFECT_HOME": str(root / ".prefect"), **(env or {})},
+    )
 
 
 def test_an_unreachable_tracking_server_is_named_within_30_seconds(ws):
@@ -40,8 +45,9 @@ def test_an_unreachable_tracking_server_is_named_within_30_seconds(ws):
     took = time.monotonic() - start
     assert out.returncode == 2, out.stderr[-3000:]
     assert took < 30, f"took {took:.0f} s"
-    assert out.stderr.startswith(f"error: stage evaluate: the MLflow tracking server {uri} (MLFLOW_TRACKING_URI) "
-                                 "does not answer"), out.stderr[-3000:]
+    assert out.stderr.startswith(
+        f"error: stage evaluate: the MLflow tracking server {uri} (MLFLOW_TRACKING_URI) does not answer"
+    ), out.stderr[-3000:]
     assert "Traceback" not in out.stderr and len(out.stderr.splitlines()) == 1
 
 
@@ -62,7 +68,10 @@ def test_the_stages_run_with_short_mlflow_http_retries_that_the_user_can_overrid
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "60")
     apply_defaults(tmp_path)
-    retries, factor = int(os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"]), int(os.environ["MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"])
+    retries, factor = (
+        int(os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"]),
+        int(os.environ["MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"]),
+    )
     assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "60"  # the user's own setting wins
     # a request to a dead server: retries + 1 tries, backoff factor * 2^(k-1) s between them (urllib3)
     waits = sum(factor * 2 ** (k - 1) for k in range(1, retries))
@@ -79,7 +88,9 @@ def test_a_corrupt_store_is_named_with_what_to_do(ws, damage):
     db.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"not a database " * 500)
     out = crucible(ws, "stage", "evaluate")
     assert out.returncode == 2, out.stderr[-3000:]
-    assert out.stderr.startswith(f"error: stage evaluate: {db}: the MLflow tracking store is corrupt or truncated"), out.stderr
+    assert out.stderr.startswith(f"error: stage evaluate: {db}: the MLflow tracking store is corrupt or truncated"), (
+        out.stderr
+    )
     assert f"mv {db} {db}.broken" in out.stderr and "Traceback" not in out.stderr
     assert len(out.stderr.splitlines()) == 1
     # every command that opens the store says the same
@@ -141,8 +152,11 @@ def test_a_copied_workspace_tracks_in_its_own_artifacts(tmp_path, capsys):
     assert [f.path for f in client.list_artifacts(run)] == ["note.txt"]
     import mlflow.artifacts
 
-    got = mlflow.artifacts.download_artifacts(artifact_uri=client.get_model_version_download_uri("m", "1"),
-                                              dst_path=str(tmp_path / "dl"), tracking_uri=tracking_uri(b))
+    got = mlflow.artifacts.download_artifacts(
+        artifact_uri=client.get_model_version_download_uri("m", "1"),
+        dst_path=str(tmp_path / "dl"),
+        tracking_uri=tracking_uri(b),
+    )
     assert (Path(got) / "note.txt").read_text() == "hello"
     # new runs write into b too, and a second look rewrites nothing
     assert client.create_run(exp).info.artifact_uri.startswith(mine + "/")

@@ -34,8 +34,11 @@ def test_truncated_embeddings_name_the_file_and_the_command(tmp_path, cut):
     path, frames, _ = _embeddings(tmp_path)
     data = path.read_bytes()
     path.write_bytes(data[:cut])
-    with pytest.raises(ValueError, match=r"embeddings\.safetensors: embeddings is not a readable safetensors file.*"
-                                         r"crucible stage embed --task bbc"):
+    with pytest.raises(
+        ValueError,
+        match=r"embeddings\.safetensors: embeddings is not a readable safetensors file.*"
+        r"crucible stage embed --task bbc",
+    ):
         load_embeddings(tmp_path, "bbc", frames)
 
 
@@ -55,9 +58,14 @@ def test_missing_embeddings(tmp_path):
 def _finetune(root, task="rotten"):
     folder = root / "data" / task / "finetune"
     folder.mkdir(parents=True)
-    save_file({"encoder.layer.0.w": torch.randn(3, 3), "embeddings.x": torch.randn(2)}, str(folder / "model.safetensors"))
-    save_file({"weight": torch.randn(2, 3), "bias": torch.zeros(2)}, str(folder / "head.safetensors"),
-              metadata={"classes": json.dumps(["fresh", "rotten"])})
+    save_file(
+        {"encoder.layer.0.w": torch.randn(3, 3), "embeddings.x": torch.randn(2)}, str(folder / "model.safetensors")
+    )
+    save_file(
+        {"weight": torch.randn(2, 3), "bias": torch.zeros(2)},
+        str(folder / "head.safetensors"),
+        metadata={"classes": json.dumps(["fresh", "rotten"])},
+    )
     (folder / "config.json").write_text(json.dumps({"base_model": "m", "max_length": 16}))
     return folder
 
@@ -72,16 +80,22 @@ def test_task_model_reads(tmp_path):
 def test_truncated_finetune_files_name_the_file_and_the_command(tmp_path, name):
     folder = _finetune(tmp_path)
     (folder / name).write_bytes((folder / name).read_bytes()[:40])
-    with pytest.raises(ValueError, match=rf"finetune/{name}: .* not a readable safetensors file.*"
-                                         r"crucible stage finetune --task rotten"):
+    with pytest.raises(
+        ValueError,
+        match=rf"finetune/{name}: .* not a readable safetensors file.*"
+        r"crucible stage finetune --task rotten",
+    ):
         read_task_model(tmp_path, "rotten", "m")
 
 
 def test_inf_in_a_finetuned_weight_names_the_tensor(tmp_path):
     folder = _finetune(tmp_path)
     save_file({"encoder.layer.0.w": torch.tensor([[1.0, float("inf")], [0.0, 1.0]])}, str(folder / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"model\.safetensors: tensor 'encoder\.layer\.0\.w' of the fine-tuned encoder "
-                                         r"of task 'rotten' has 1 NaN or inf values of 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"model\.safetensors: tensor 'encoder\.layer\.0\.w' of the fine-tuned encoder "
+        r"of task 'rotten' has 1 NaN or inf values of 4",
+    ):
         read_task_model(tmp_path, "rotten", "m")
 
 
@@ -95,10 +109,16 @@ def test_broken_config_is_named(tmp_path):
 def test_a_wrongly_shaped_head_names_the_tensor_its_shape_and_the_command(tmp_path):
     folder = _finetune(tmp_path)
     # three rows for the two classes of the metadata
-    save_file({"weight": torch.randn(3, 3), "bias": torch.zeros(3)}, str(folder / "head.safetensors"),
-              metadata={"classes": json.dumps(["fresh", "rotten"])})
-    with pytest.raises(ValueError, match=r"head\.safetensors: tensor 'weight' of the head of task 'rotten' has shape "
-                                         r"\[3, 3\], expected \[2, \*\]; rebuild it with `crucible stage finetune --task rotten`"):
+    save_file(
+        {"weight": torch.randn(3, 3), "bias": torch.zeros(3)},
+        str(folder / "head.safetensors"),
+        metadata={"classes": json.dumps(["fresh", "rotten"])},
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"head\.safetensors: tensor 'weight' of the head of task 'rotten' has shape "
+        r"\[3, 3\], expected \[2, \*\]; rebuild it with `crucible stage finetune --task rotten`",
+    ):
         read_task_model(tmp_path, "rotten", "m")
 
 
@@ -109,13 +129,18 @@ def test_the_reader_checks_names_shapes_and_values(tmp_path):
     path.write_bytes(safetensors_bytes({"a.weight": torch.ones(2, 4), "a.bias": torch.zeros(2)}, {"k": "v"}))
     tensors, meta = read_safetensors(path, "task heads", "rerun merge", shapes={"a.weight": (2, None), "a.bias": (2,)})
     assert set(tensors) == {"a.weight", "a.bias"} and meta == {"k": "v"}
-    with pytest.raises(ValueError, match=r"heads\.safetensors: tensor 'a\.weight' of the task heads has shape \[2, 4\], "
-                                         r"expected \[3, \*\]; rerun merge"):
+    with pytest.raises(
+        ValueError,
+        match=r"heads\.safetensors: tensor 'a\.weight' of the task heads has shape \[2, 4\], "
+        r"expected \[3, \*\]; rerun merge",
+    ):
         read_safetensors(path, "task heads", "rerun merge", shapes={"a.weight": (3, None), "a.bias": (2,)})
     with pytest.raises(ValueError, match=r"tensor 'a\.bias' of the task heads has shape \[2\], expected \[2, 1\]"):
         read_safetensors(path, "task heads", "rerun merge", shapes={"a.weight": (2, 4), "a.bias": (2, 1)})
     with pytest.raises(ValueError, match=r"tensor 'b\.weight' of the task heads is missing; expected shape \[2, \*\]"):
-        read_safetensors(path, "task heads", "rerun merge", shapes={"a.weight": (2, 4), "a.bias": (2,), "b.weight": (2, None)})
+        read_safetensors(
+            path, "task heads", "rerun merge", shapes={"a.weight": (2, 4), "a.bias": (2,), "b.weight": (2, None)}
+        )
     with pytest.raises(ValueError, match=r"unexpected tensor 'a\.bias' of the task heads of shape \[2\]"):
         read_safetensors(path, "task heads", "rerun merge", shapes={"a.weight": (2, 4)})
     # a callable check: its text, the file and the command
@@ -123,11 +148,17 @@ def test_the_reader_checks_names_shapes_and_values(tmp_path):
         read_safetensors(path, "task heads", "rerun merge", shapes=lambda t, m: f"metadata 'k' is {m['k']!r}")
     # a non-finite value: the tensor, how many, the first value and its index
     path.write_bytes(safetensors_bytes({"a.weight": torch.tensor([[0.0, 1.0], [float("-inf"), float("nan")]])}))
-    with pytest.raises(ValueError, match=r"tensor 'a\.weight' of the task heads has 2 NaN or inf values of 4 "
-                                         r"\(first: -inf at \[1, 0\]\); rerun merge"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor 'a\.weight' of the task heads has 2 NaN or inf values of 4 "
+        r"\(first: -inf at \[1, 0\]\); rerun merge",
+    ):
         read_safetensors(path, "task heads", "rerun merge")
     # truncated: the first tensor whose bytes are gone
     path.write_bytes(safetensors_bytes({"a": torch.zeros(4), "b": torch.ones(64)})[:-8])
-    with pytest.raises(ValueError, match=r"heads\.safetensors: task heads is not a readable safetensors file, "
-                                         r"truncated: tensor 'b' needs data bytes up to 272, the file holds 264"):
+    with pytest.raises(
+        ValueError,
+        match=r"heads\.safetensors: task heads is not a readable safetensors file, "
+        r"truncated: tensor 'b' needs data bytes up to 272, the file holds 264",
+    ):
         read_safetensors(path, "task heads", "rerun merge")

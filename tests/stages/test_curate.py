@@ -66,7 +66,9 @@ def test_gate_failure_names_the_figures_and_writes_nothing(curated_project):
     before = {f: md5_file(curated_project / f) for f in OUTPUTS}
     set_curate(curated_project, gate_max_ccmmd=-1.0)
     try:
-        with pytest.raises(DataQualityGateError, match=r"task 'rotten': data-quality gate failed: CC-MMD\^2 = .* interval"):
+        with pytest.raises(
+            DataQualityGateError, match=r"task 'rotten': data-quality gate failed: CC-MMD\^2 = .* interval"
+        ):
             execute("curate", "rotten", curated_project)
     finally:
         set_curate(curated_project, gate_max_ccmmd=None)

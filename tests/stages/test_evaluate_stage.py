@@ -37,11 +37,17 @@ def write_features(root, *, probe_rows: int = 30, seed: int = 0, merged: bool = 
         heads[f"{t}.weight"] = torch.tensor(means[t], dtype=torch.float32)
         heads[f"{t}.bias"] = torch.tensor(-0.5 * (means[t] ** 2).sum(1), dtype=torch.float32)
     merge_variants = [("base", "base", "base", -1, ORDER, 4.0)]
-    merge_variants += [(f"finetune:{t}", "finetune", "finetune", j, ORDER[:j + 1], 0.5) for j, t in enumerate(ORDER)]
-    merge_variants += [(f"{m}@{j}", "merge", m, j, ORDER[:j + 1], 1.0 + j + k) for k, m in enumerate(METHODS)
-                       for j in range(len(ORDER)) if merged]
-    quant_variants = [(f"quantize:{q}", "quantize", q, -1, ORDER, n)
-                      for q, n in (("mxfp4", 2.5), ("mxfp4_uniform", 2.2), ("mxfp4_load_aware", 2.1))]
+    merge_variants += [(f"finetune:{t}", "finetune", "finetune", j, ORDER[: j + 1], 0.5) for j, t in enumerate(ORDER)]
+    merge_variants += [
+        (f"{m}@{j}", "merge", m, j, ORDER[: j + 1], 1.0 + j + k)
+        for k, m in enumerate(METHODS)
+        for j in range(len(ORDER))
+        if merged
+    ]
+    quant_variants = [
+        (f"quantize:{q}", "quantize", q, -1, ORDER, n)
+        for q, n in (("mxfp4", 2.5), ("mxfp4_uniform", 2.2), ("mxfp4_load_aware", 2.1))
+    ]
 
     def store(variants):
         tensors = {f"labels/{t}/{s}": torch.tensor(y, dtype=torch.long) for (t, s), y in labels.items()}
@@ -51,29 +57,64 @@ def write_features(root, *, probe_rows: int = 30, seed: int = 0, merged: bool = 
                 for s in ("test", "probe"):
                     tensors[f"{name}/{t}/{s}"] = _cluster_features(rng, labels[t, s], means[t], noise)
             meta.append({"name": name, "family": family, "method": method, "arrival": arrival, "tasks": list(tasks)})
-        return safetensors_bytes(tensors, {"variants": json.dumps(meta), "classes": json.dumps(CLASSES),
-                                           "tasks": json.dumps(ORDER)})
+        return safetensors_bytes(
+            tensors, {"variants": json.dumps(meta), "classes": json.dumps(CLASSES), "tasks": json.dumps(ORDER)}
+        )
 
     for folder, variants in (("merge", merge_variants), ("quantize", quant_variants)):
         out = root / "models" / folder
         out.mkdir(parents=True, exist_ok=True)
         (out / "features.safetensors").write_bytes(store(variants))
-        (out / "config.json").write_text(json.dumps({"base_model": "all-MiniLM-L6-v2", "classes": CLASSES,
-                                                     "order": ORDER, "allocation": "load_aware", "main": "gs3r"}))
+        (out / "config.json").write_text(
+            json.dumps(
+                {
+                    "base_model": "all-MiniLM-L6-v2",
+                    "classes": CLASSES,
+                    "order": ORDER,
+                    "allocation": "load_aware",
+                    "main": "gs3r",
+                }
+            )
+        )
     (root / "models" / "merge" / "heads.safetensors").write_bytes(
-        safetensors_bytes(heads, {"classes": json.dumps(CLASSES)}))
+        safetensors_bytes(heads, {"classes": json.dumps(CLASSES)})
+    )
     for t in ORDER:
         d = root / "metrics" / t
         d.mkdir(parents=True, exist_ok=True)
-        (d / "curate.json").write_text(json.dumps({"eps_true": 0.3, "eps_hat": 0.28, "ccmmd_value": 0.001,
-                                                   "ccmmd_ci_low": -0.001, "ccmmd_ci_high": 0.003, "naive": 0.004,
-                                                   "audit_only": 0.0008, "oracle": 0.0005, "keep_precision": 0.9,
-                                                   "keep_recall": 0.5, "n_keep": 50, "n_pool": 120}))
-        (d / "pseudolabel.json").write_text(json.dumps({"accuracy": 0.9, "accuracy_ci_low": 0.85,
-                                                        "accuracy_ci_high": 0.95, "accuracy_true": 0.92,
-                                                        "naive_accuracy": 0.8, "n_selected": 70}))
-        (d / "finetune.json").write_text(json.dumps({"test_accuracy": 0.9, "dev_accuracy": 0.88, "steps": 6,
-                                                     "n_train": 70}))
+        (d / "curate.json").write_text(
+            json.dumps(
+                {
+                    "eps_true": 0.3,
+                    "eps_hat": 0.28,
+                    "ccmmd_value": 0.001,
+                    "ccmmd_ci_low": -0.001,
+                    "ccmmd_ci_high": 0.003,
+                    "naive": 0.004,
+                    "audit_only": 0.0008,
+                    "oracle": 0.0005,
+                    "keep_precision": 0.9,
+                    "keep_recall": 0.5,
+                    "n_keep": 50,
+                    "n_pool": 120,
+                }
+            )
+        )
+        (d / "pseudolabel.json").write_text(
+            json.dumps(
+                {
+                    "accuracy": 0.9,
+                    "accuracy_ci_low": 0.85,
+                    "accuracy_ci_high": 0.95,
+                    "accuracy_true": 0.92,
+                    "naive_accuracy": 0.8,
+                    "n_selected": 70,
+                }
+            )
+        )
+        (d / "finetune.json").write_text(
+            json.dumps({"test_accuracy": 0.9, "dev_accuracy": 0.88, "steps": 6, "n_train": 70})
+        )
 
 
 @pytest.fixture
@@ -94,12 +135,28 @@ def test_metrics_follow_from_the_per_variant_scores(project):
     metrics = json.loads((project / "metrics" / "evaluate.json").read_text())
     variants = json.loads((project / "metrics" / "variants.json").read_text())
     assert metrics["interfaces"] == ["head", "probe", "kmeans", "agglomerative"]
-    expected = {"base", "finetune:rotten", "finetune:bbc", "gs3r@0", "gs3r@1", "weight_average@0",
-                "weight_average@1", "quantize:mxfp4", "quantize:mxfp4_uniform", "quantize:mxfp4_load_aware"}
+    expected = {
+        "base",
+        "finetune:rotten",
+        "finetune:bbc",
+        "gs3r@0",
+        "gs3r@1",
+        "weight_average@0",
+        "weight_average@1",
+        "quantize:mxfp4",
+        "quantize:mxfp4_uniform",
+        "quantize:mxfp4_load_aware",
+    }
     assert set(variants) == expected
     assert set(variants["gs3r@0"]) == {"rotten"} and set(variants["gs3r@1"]) == {"rotten", "bbc"}
-    assert set(variants["base"]["bbc"]) == {"head", "probe", "kmeans_nmi", "kmeans_ari", "agglomerative_nmi",
-                                            "agglomerative_ari"}
+    assert set(variants["base"]["bbc"]) == {
+        "head",
+        "probe",
+        "kmeans_nmi",
+        "kmeans_ari",
+        "agglomerative_nmi",
+        "agglomerative_ari",
+    }
     # ACC and BWT by hand from the cells: R[j, i] = variant after arrival j on task i
     for method in METHODS:
         for iface, metric in (("head", "head"), ("probe", "probe"), ("kmeans", "kmeans_nmi")):
@@ -109,15 +166,18 @@ def test_metrics_follow_from_the_per_variant_scores(project):
             assert got["acc"] == pytest.approx((r10 + r11) / 2, abs=1e-6)
             assert got["bwt"] == pytest.approx(r10 - r00, abs=1e-6)
     lf = metrics["methods"]["latest_finetune"]["head"]
-    assert lf["acc"] == pytest.approx((variants["finetune:bbc"]["rotten"]["head"]
-                                       + variants["finetune:bbc"]["bbc"]["head"]) / 2, abs=1e-6)
-    assert lf["bwt"] == pytest.approx(variants["finetune:bbc"]["rotten"]["head"]
-                                      - variants["finetune:rotten"]["rotten"]["head"], abs=1e-6)
+    assert lf["acc"] == pytest.approx(
+        (variants["finetune:bbc"]["rotten"]["head"] + variants["finetune:bbc"]["bbc"]["head"]) / 2, abs=1e-6
+    )
+    assert lf["bwt"] == pytest.approx(
+        variants["finetune:bbc"]["rotten"]["head"] - variants["finetune:rotten"]["rotten"]["head"], abs=1e-6
+    )
     assert metrics["methods"]["base"]["probe"]["bwt"] == 0.0  # the base model neither learns nor forgets
     # the quantized model replaces the main method's final row; its diagonal start stays gs3r's
     q = metrics["methods"]["gs3r+mxfp4_load_aware"]["head"]
-    assert q["bwt"] == pytest.approx(variants["quantize:mxfp4_load_aware"]["rotten"]["head"]
-                                     - variants["gs3r@0"]["rotten"]["head"], abs=1e-6)
+    assert q["bwt"] == pytest.approx(
+        variants["quantize:mxfp4_load_aware"]["rotten"]["head"] - variants["gs3r@0"]["rotten"]["head"], abs=1e-6
+    )
     dep = metrics["deployable"]
     assert dep["quantized"]["variant"] == "quantize:mxfp4_load_aware" and dep["float"]["variant"] == "gs3r@1"
     assert dep["quantized"]["accuracy"] == {t: variants["quantize:mxfp4_load_aware"][t]["head"] for t in ORDER}
@@ -126,12 +186,21 @@ def test_metrics_follow_from_the_per_variant_scores(project):
     assert result.metrics["deployable.quantized.mean_accuracy"] == dep["quantized"]["mean_accuracy"]
     # what the register gate's derived floors start from: the majority class's share of the scored
     # test rows, and the base encoder through each task's head
-    assert metrics["baselines"] == {"chance": {"rotten": 0.5, "bbc": round(8 / 24, 6)},
-                                    "base": {t: variants["base"][t]["head"] for t in ORDER}}
+    assert metrics["baselines"] == {
+        "chance": {"rotten": 0.5, "bbc": round(8 / 24, 6)},
+        "base": {t: variants["base"][t]["head"] for t in ORDER},
+    }
     # plot data and report
     summary = pd.read_csv(project / "reports" / "plots" / "summary.csv")
-    assert set(summary["method"]) == {"gs3r", "weight_average", "latest_finetune", "base", "gs3r+mxfp4",
-                                      "gs3r+mxfp4_uniform", "gs3r+mxfp4_load_aware"}
+    assert set(summary["method"]) == {
+        "gs3r",
+        "weight_average",
+        "latest_finetune",
+        "base",
+        "gs3r+mxfp4",
+        "gs3r+mxfp4_uniform",
+        "gs3r+mxfp4_load_aware",
+    }
     matrix = pd.read_csv(project / "reports" / "plots" / "matrix.csv")
     assert len(matrix) == len(summary) * 3  # three cells (i <= j) per 2x2 matrix
     html = (project / "reports" / "index.html").read_text()
@@ -143,8 +212,10 @@ def test_metrics_follow_from_the_per_variant_scores(project):
 
 def test_same_inputs_give_the_same_artifacts(project):
     execute("evaluate", None, project)
-    first = {p: md5_file(p) for p in sorted((project / "metrics").glob("*.json")) + sorted(
-        (project / "reports").rglob("*.*"))}
+    first = {
+        p: md5_file(p)
+        for p in sorted((project / "metrics").glob("*.json")) + sorted((project / "reports").rglob("*.*"))
+    }
     execute("evaluate", None, project)
     assert first == {p: md5_file(p) for p in first}
 
@@ -186,8 +257,11 @@ def test_rows_that_differ_between_merge_and_quantize_are_refused_and_nothing_is_
 def test_missing_and_corrupt_features_name_the_file_and_the_fix(project):
     path = project / "models" / "quantize" / "features.safetensors"
     path.write_bytes(path.read_bytes()[:1000])
-    with pytest.raises(ValueError, match=r"quantize/features\.safetensors: features is not a readable safetensors file.*"
-                                         r"run the quantize stage"):
+    with pytest.raises(
+        ValueError,
+        match=r"quantize/features\.safetensors: features is not a readable safetensors file.*"
+        r"run the quantize stage",
+    ):
         execute("evaluate", None, project)
     path.unlink()
     with pytest.raises(FileNotFoundError, match=r"features not found; run the quantize stage first"):
@@ -214,29 +288,56 @@ def _edit_features(root, folder, change):
     return path
 
 
-@pytest.mark.parametrize("folder, change, message", [
-    ("quantize", lambda t, m: t.pop("quantize:mxfp4/bbc/test"),
-     r"tensor 'quantize:mxfp4/bbc/test' \(or 'labels/bbc/test'\) of variant 'quantize:mxfp4' is missing"),
-    ("merge", lambda t, m: [t.pop(k) for k in list(t) if k.endswith("/probe")],
-     r"tensor 'labels/rotten/probe' is missing \(evaluate scores every variant on the probe rows"),
-    ("quantize", lambda t, m: t.__setitem__("quantize:mxfp4/bbc/test", torch.zeros(24, 5)),
-     r"tensor 'quantize:mxfp4/bbc/test' has shape \[24, 5\], but the head of task 'bbc' \(.*merge/heads\.safetensors, "
-     r"tensor 'bbc\.weight'\) takes features of width 8"),
-    ("quantize", lambda t, m: t.__setitem__("quantize:mxfp4/bbc/test", torch.zeros(20, D)),
-     r"tensor 'quantize:mxfp4/bbc/test' has shape \[20, 8\], expected \[24, hidden\] \(the rows of 'labels/bbc/test'\)"),
-    ("merge", lambda t, m: t.__setitem__("labels/bbc/test", t["labels/bbc/test"][:20]),
-     r"tensor 'base/bbc/test' has shape \[24, 8\], expected \[20, hidden\] \(the rows of 'labels/bbc/test'\)"),
-    ("merge", lambda t, m: t["labels/bbc/probe"].__setitem__(3, 7),
-     r"tensor 'labels/bbc/probe' holds 1 labels outside the 3 classes of task 'bbc' \(first: 7 at row 3\)"),
-    ("merge", lambda t, m: m.__setitem__("classes", json.dumps({"rotten": CLASSES["rotten"]})),
-     r"metadata 'classes' has no classes for tasks \['bbc'\]"),
-])
+@pytest.mark.parametrize(
+    "folder, change, message",
+    [
+        (
+            "quantize",
+            lambda t, m: t.pop("quantize:mxfp4/bbc/test"),
+            r"tensor 'quantize:mxfp4/bbc/test' \(or 'labels/bbc/test'\) of variant 'quantize:mxfp4' is missing",
+        ),
+        (
+            "merge",
+            lambda t, m: [t.pop(k) for k in list(t) if k.endswith("/probe")],
+            r"tensor 'labels/rotten/probe' is missing \(evaluate scores every variant on the probe rows",
+        ),
+        (
+            "quantize",
+            lambda t, m: t.__setitem__("quantize:mxfp4/bbc/test", torch.zeros(24, 5)),
+            r"tensor 'quantize:mxfp4/bbc/test' has shape \[24, 5\], but the head of task 'bbc' \(.*merge/heads\.safetensors, "
+            r"tensor 'bbc\.weight'\) takes features of width 8",
+        ),
+        (
+            "quantize",
+            lambda t, m: t.__setitem__("quantize:mxfp4/bbc/test", torch.zeros(20, D)),
+            r"tensor 'quantize:mxfp4/bbc/test' has shape \[20, 8\], expected \[24, hidden\] \(the rows of 'labels/bbc/test'\)",
+        ),
+        (
+            "merge",
+            lambda t, m: t.__setitem__("labels/bbc/test", t["labels/bbc/test"][:20]),
+            r"tensor 'base/bbc/test' has shape \[24, 8\], expected \[20, hidden\] \(the rows of 'labels/bbc/test'\)",
+        ),
+        (
+            "merge",
+            lambda t, m: t["labels/bbc/probe"].__setitem__(3, 7),
+            r"tensor 'labels/bbc/probe' holds 1 labels outside the 3 classes of task 'bbc' \(first: 7 at row 3\)",
+        ),
+        (
+            "merge",
+            lambda t, m: m.__setitem__("classes", json.dumps({"rotten": CLASSES["rotten"]})),
+            r"metadata 'classes' has no classes for tasks \['bbc'\]",
+        ),
+    ],
+)
 def test_every_bad_feature_file_names_the_file_and_the_tensor(project, folder, change, message):
     path = _edit_features(project, folder, change)
     if folder == "merge" and "labels/bbc/probe" in message:  # the quantize stage scored the same rows
         _edit_features(project, "quantize", change)
-    with pytest.raises(ValueError, match=rf"^{path}: {message}.*rerun it with `crucible stage {folder}`|"
-                                         rf"^{path}: {message}.*run the {folder} stage first"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^{path}: {message}.*rerun it with `crucible stage {folder}`|"
+        rf"^{path}: {message}.*run the {folder} stage first",
+    ):
         execute("evaluate", None, project)
     # nothing written: neither evaluate's metrics (beside the per-task metrics it reads) nor the report
     assert not (project / "metrics" / "evaluate.json").exists() and not (project / "metrics" / "variants.json").exists()
@@ -259,8 +360,10 @@ def test_an_unwritable_metrics_folder_is_an_error_line_with_exit_2(project, caps
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in err, err
-    assert errors[0].startswith(f"error: stage evaluate: {project / 'metrics' / 'evaluate.json'}: cannot write it: "
-                                f"File exists ({project / 'metrics'})"), errors
+    assert errors[0].startswith(
+        f"error: stage evaluate: {project / 'metrics' / 'evaluate.json'}: cannot write it: "
+        f"File exists ({project / 'metrics'})"
+    ), errors
     assert not (project / "reports" / "index.html").exists()  # all or nothing
     if os.geteuid() != 0:  # a folder without write permission (root ignores permissions)
         (project / "metrics").unlink()

@@ -35,13 +35,17 @@ def workspace(project_root, dest):
 
 
 def digests(root, task="rotten") -> dict[str, str]:
-    return {**{name: md5_file(root / "data" / task / name) for name in OUTPUTS},
-            "finetune.json": md5_file(root / "metrics" / task / "finetune.json")}
+    return {
+        **{name: md5_file(root / "data" / task / name) for name in OUTPUTS},
+        "finetune.json": md5_file(root / "metrics" / task / "finetune.json"),
+    }
 
 
 def tree(folder) -> dict[str, tuple[str, int]]:
     """Every file under `folder`: relative path -> (md5, inode); a rewrite changes the inode."""
-    return {str(p.relative_to(folder)): (md5_file(p), p.stat().st_ino) for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): (md5_file(p), p.stat().st_ino) for p in sorted(folder.rglob("*")) if p.is_file()
+    }
 
 
 def skip_pyfunc(monkeypatch):
@@ -108,7 +112,9 @@ def test_a_killed_finetune_leaves_data_untouched_and_resumes_to_the_same_bytes(a
     and publishes the bytes of the uninterrupted run, then deletes the checkpoints."""
     root, expected = alone
     ckpt = finetune.checkpoint_dir(root, "rotten")
-    assert ckpt.resolve().is_relative_to(root.resolve()) and not ckpt.resolve().is_relative_to((root / "data").resolve())
+    assert ckpt.resolve().is_relative_to(root.resolve()) and not ckpt.resolve().is_relative_to(
+        (root / "data").resolve()
+    )
     real_train = finetune.train
     before = tree(root / "data")
 
@@ -135,5 +141,7 @@ def test_a_killed_finetune_leaves_data_untouched_and_resumes_to_the_same_bytes(a
     assert resumed_from == ["step-0000003"]
     assert digests(root) == expected
     after = tree(root / "data")
-    assert all(after[f"rotten/{name}"][1] != before[f"rotten/{name}"][1] for name in OUTPUTS)  # rewritten, not left in place
+    assert all(
+        after[f"rotten/{name}"][1] != before[f"rotten/{name}"][1] for name in OUTPUTS
+    )  # rewritten, not left in place
     assert not ckpt.exists() and not os.path.exists(root / "data" / "rotten" / ".finetune-checkpoints")

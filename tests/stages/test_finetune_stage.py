@@ -18,8 +18,12 @@ from tasks.stages import execute
 torch.set_num_threads(1)
 # the stage's outputs, relative to the workspace: the model under data/<task>/finetune/, the metrics
 # under metrics/<task>/
-OUTPUTS = ("data/rotten/finetune/model.safetensors", "data/rotten/finetune/head.safetensors",
-           "data/rotten/finetune/config.json", "metrics/rotten/finetune.json")
+OUTPUTS = (
+    "data/rotten/finetune/model.safetensors",
+    "data/rotten/finetune/head.safetensors",
+    "data/rotten/finetune/config.json",
+    "metrics/rotten/finetune.json",
+)
 
 
 def synthetic_tables(seed: int = 0) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -36,12 +40,24 @@ def synthetic_tables(seed: int = 0) -> tuple[pd.DataFrame, pd.DataFrame]:
     for source, n, weight in (("reference", 40, 1.0), ("audit", 10, 0.8), ("pseudo", 30, 0.5)):
         for i in range(n):
             label = "fresh" if i % 2 == 0 else "rotten"
-            rows.append({"id": f"{source}-{i}", "text": text(label), "label": label, "source": source,
-                         "confidence": 1.0 if source != "pseudo" else 0.9, "weight": weight if i != 3 else 0.0})
+            rows.append(
+                {
+                    "id": f"{source}-{i}",
+                    "text": text(label),
+                    "label": label,
+                    "source": source,
+                    "confidence": 1.0 if source != "pseudo" else 0.9,
+                    "weight": weight if i != 3 else 0.0,
+                }
+            )
     labeled = pd.DataFrame(rows)
     labeled.loc[labeled["source"] == "reference", "weight"] = 1.0
-    test = pd.DataFrame([{"id": f"t{i}", "text": text(lab, end="as well"), "label": lab}  # no copy of a training text
-                         for i, lab in enumerate(["fresh", "rotten"] * 20)])
+    test = pd.DataFrame(
+        [
+            {"id": f"t{i}", "text": text(lab, end="as well"), "label": lab}  # no copy of a training text
+            for i, lab in enumerate(["fresh", "rotten"] * 20)
+        ]
+    )
     return labeled, test
 
 
@@ -81,7 +97,9 @@ def test_outputs_config_and_metrics(finetuned_project):
     client = MlflowClient(tracking_uri=f"sqlite:///{finetuned_project / 'mlflow.db'}")
     exp = client.get_experiment_by_name("crucible")
     run = client.search_runs([exp.experiment_id], "tags.`crucible.stage` = 'finetune'")[0]
-    assert run.data.metrics["examples_per_second"] > 0 and run.data.params["torch_threads"] == str(torch.get_num_threads())
+    assert run.data.metrics["examples_per_second"] > 0 and run.data.params["torch_threads"] == str(
+        torch.get_num_threads()
+    )
     # where it ran (runtime.device auto): on the run and in the output's config
     from crucible.device import autocast_dtype, precision_name, resolve_device
 
@@ -89,8 +107,12 @@ def test_outputs_config_and_metrics(finetuned_project):
     precision = precision_name(autocast_dtype(device, "auto"))
     assert run.data.tags["crucible.runtime.device"] == str(device)
     assert run.data.tags["crucible.runtime.precision"] == precision
-    assert config["runtime"] == {"device": device.type, "precision": precision, "torch": torch.__version__,
-                                 "cuda": str(torch.version.cuda or "none")}
+    assert config["runtime"] == {
+        "device": device.type,
+        "precision": precision,
+        "torch": torch.__version__,
+        "cuda": str(torch.version.cuda or "none"),
+    }
     assert config["train"]["autocast"] == precision
     # the dev split is reference rows only, stratified
     labeled = pd.read_parquet(base / "labeled.parquet")
@@ -136,8 +158,7 @@ def test_rerun_is_byte_identical(finetuned_project):
 def test_split_dev_is_stratified_and_seeded():
     from tasks.stages.finetune import split_dev
 
-    df = pd.DataFrame({"source": ["reference"] * 20 + ["pseudo"] * 10,
-                       "label": ["a"] * 10 + ["b"] * 10 + ["a"] * 10})
+    df = pd.DataFrame({"source": ["reference"] * 20 + ["pseudo"] * 10, "label": ["a"] * 10 + ["b"] * 10 + ["a"] * 10})
     dev = split_dev(df, 0.2, seed=1)
     assert dev.sum() == 4 and not dev[20:].any()
     assert df["label"][dev].value_counts().to_dict() == {"a": 2, "b": 2}
@@ -165,7 +186,9 @@ def test_logged_pyfunc_predicts_like_the_stage(finetuned_project, tmp_path):
 
     client = MlflowClient(tracking_uri=f"sqlite:///{finetuned_project / 'mlflow.db'}")
     exp = client.get_experiment_by_name("crucible")
-    runs = client.search_runs([exp.experiment_id], "tags.`crucible.stage` = 'finetune' and attributes.status = 'FINISHED'")
+    runs = client.search_runs(
+        [exp.experiment_id], "tags.`crucible.stage` = 'finetune' and attributes.status = 'FINISHED'"
+    )
     assert runs, "no finished finetune run"
     # no mlflow.set_tracking_uri: it sets MLFLOW_TRACKING_URI for the whole process and its children
     local = client.download_artifacts(runs[0].info.run_id, "model", str(tmp_path))

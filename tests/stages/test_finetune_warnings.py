@@ -11,12 +11,17 @@ def cells(rows):
 
 
 def test_a_fine_tune_at_chance_or_below_the_base_probe_is_warned_about():
-    table = cells([
-        ("finetune:a", "a", "head", 0.75 + NEAR_CHANCE / 2), ("base", "a", "probe", 0.98),  # at chance
-        ("finetune:b", "b", "head", 0.80), ("base", "b", "probe", 0.90),  # above chance, below the probe
-        ("finetune:c", "c", "head", 0.95), ("base", "c", "probe", 0.90),  # fine
-        ("finetune:b", "a", "head", 0.10),  # another task's fine-tune on this task: not judged
-    ])
+    table = cells(
+        [
+            ("finetune:a", "a", "head", 0.75 + NEAR_CHANCE / 2),
+            ("base", "a", "probe", 0.98),  # at chance
+            ("finetune:b", "b", "head", 0.80),
+            ("base", "b", "probe", 0.90),  # above chance, below the probe
+            ("finetune:c", "c", "head", 0.95),
+            ("base", "c", "probe", 0.90),  # fine
+            ("finetune:b", "a", "head", 0.10),  # another task's fine-tune on this task: not judged
+        ]
+    )
     warnings = finetune_warnings(table, {"a": 0.75, "b": 0.5, "c": 0.5, "d": 0.5})
     assert len(warnings) == 2
     assert warnings[0].startswith("finetune@a: test accuracy 0.760 is at chance (0.750")

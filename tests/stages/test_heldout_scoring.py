@@ -27,8 +27,15 @@ def store():
     from tasks.data.models import resolve_model
 
     g = torch.Generator().manual_seed(0)
-    specs = [{"task": t, "classes": c, "max_length": 16,
-              "head": {"weight": torch.randn(2, 384, generator=g), "bias": torch.zeros(2)}} for t, c in CLASSES.items()]
+    specs = [
+        {
+            "task": t,
+            "classes": c,
+            "max_length": 16,
+            "head": {"weight": torch.randn(2, 384, generator=g), "bias": torch.zeros(2)},
+        }
+        for t, c in CLASSES.items()
+    ]
     tests = {t: rows(6, t, k) for k, t in enumerate(CLASSES)}
     probes = {t: rows(4, t, 10 + k) for k, t in enumerate(CLASSES)}
     scorer = Scorer(resolve_model("all-MiniLM-L6-v2"), specs, tests, 4, probes=probes)
@@ -88,7 +95,7 @@ def _metadata(data: bytes) -> dict:
     import struct
 
     (n,) = struct.unpack("<Q", data[:8])
-    return json.loads(data[8:8 + n])["__metadata__"]
+    return json.loads(data[8 : 8 + n])["__metadata__"]
 
 
 def test_a_failing_worker_names_its_method_and_a_stopped_one_is_gone(tmp_path, base_state):
@@ -100,8 +107,11 @@ def test_a_failing_worker_names_its_method_and_a_stopped_one_is_gone(tmp_path, b
     save_file({k: v.contiguous() for k, v in base_state.items()}, str(theta0))
     missing = tmp_path / "no-such-model.safetensors"
     failing = start_method("task_arithmetic", {"lam": 0.5}, theta0, [missing], tmp_path / "ta", "each", 1)
-    with pytest.raises(RuntimeError, match=r"merge method 'task_arithmetic' failed \(exit 1\)"
-                                           r"(.|\n)*no-such-model.safetensors"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"merge method 'task_arithmetic' failed \(exit 1\)"
+        r"(.|\n)*no-such-model.safetensors",
+    ):
         failing.result()
     running = start_method("weight_average", {}, theta0, [theta0], tmp_path / "wa", "each", 1)
     running.stop()

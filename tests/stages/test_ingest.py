@@ -59,14 +59,18 @@ def test_demo_ingest_is_deterministic_and_valid(tiny_project):
 def _write_user_files(root: Path, task: str, audit_pi=0.5) -> Path:
     base = root / "inputs" / task
     base.mkdir(parents=True, exist_ok=True)
-    pd.DataFrame({"id": ["r1", "r2", "r3"], "text": ["good film", "bad film", "fine film"],
-                  "label": ["pos", "neg", "pos"]}).to_parquet(base / "reference.parquet")
+    pd.DataFrame(
+        {"id": ["r1", "r2", "r3"], "text": ["good film", "bad film", "fine film"], "label": ["pos", "neg", "pos"]}
+    ).to_parquet(base / "reference.parquet")
     pd.DataFrame({"id": ["p1", "p2", "p3", "p4"], "text": ["great", "awful", "cookie banner", "meh"]}).to_parquet(
-        base / "pool.parquet")
+        base / "pool.parquet"
+    )
     pd.DataFrame({"id": ["p1", "p3"], "pi": [audit_pi, 0.5], "member": [1, 0], "label": ["pos", None]}).to_parquet(
-        base / "audit.parquet")
+        base / "audit.parquet"
+    )
     pd.DataFrame({"id": ["t1", "t2"], "text": ["lovely", "dull"], "label": ["pos", "neg"]}).to_parquet(
-        base / "test.parquet")
+        base / "test.parquet"
+    )
     return base
 
 
@@ -90,8 +94,11 @@ def test_bad_user_file_stops_the_stage_and_writes_nothing(tiny_project):
     assert "inputs/bbc/audit.parquet, column 'pi', row 0: got 0.0" in str(err.value)
     assert hashes(tiny_project, "bbc") == before, "earlier outputs must stay intact"
     # the same error through the command line: exit code 2 and the message on stderr
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "stage", "ingest", "--task", "bbc", "--root",
-                           str(tiny_project)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "stage", "ingest", "--task", "bbc", "--root", str(tiny_project)],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "column 'pi', row 0: got 0.0" in proc.stderr
 
 

@@ -17,8 +17,9 @@ TASK = "bbc"
 
 def _good_tables() -> dict[str, pd.DataFrame]:
     return {
-        "reference": pd.DataFrame({"id": ["r1", "r2", "r3"], "text": ["good film", "bad film", "fine film"],
-                                   "label": ["pos", "neg", "pos"]}),
+        "reference": pd.DataFrame(
+            {"id": ["r1", "r2", "r3"], "text": ["good film", "bad film", "fine film"], "label": ["pos", "neg", "pos"]}
+        ),
         "pool": pd.DataFrame({"id": ["p1", "p2", "p3", "p4"], "text": ["great", "awful", "cookie banner", "meh"]}),
         "audit": pd.DataFrame({"id": ["p1", "p3"], "pi": [0.5, 0.5], "member": [1, 0], "label": ["pos", None]}),
         "test": pd.DataFrame({"id": ["t1", "t2"], "text": ["lovely", "dull"], "label": ["pos", "neg"]}),
@@ -92,9 +93,12 @@ def test_single_class_reference_is_reported_against_the_reference(files_project)
         t["reference"]["label"] = "pos"
         t["audit"].loc[0, "label"] = "neg"
 
-    e = refused(files_project, one_class,
-                "{IN}/reference.parquet, column 'label': all 3 rows have the single class 'pos'; "
-                "expected labeled rows of at least two classes")
+    e = refused(
+        files_project,
+        one_class,
+        "{IN}/reference.parquet, column 'label': all 3 rows have the single class 'pos'; "
+        "expected labeled rows of at least two classes",
+    )
     assert e.source.endswith("reference.parquet") and e.column == "label" and e.value == "pos"
     assert "audit.parquet" not in str(e)
 
@@ -103,21 +107,33 @@ def test_id_shared_by_reference_and_test_is_refused(files_project):
     def leak(t):
         t["test"].loc[1, "id"] = "r2"
 
-    e = refused(files_project, leak,
-                "{IN}/test.parquet, column 'id': 1 id(s) also in {IN}/reference.parquet: "
-                "'r2' (test row 1, reference row 1)", "train/test leakage", "ingest.allow_shared_ids: true")
+    e = refused(
+        files_project,
+        leak,
+        "{IN}/test.parquet, column 'id': 1 id(s) also in {IN}/reference.parquet: 'r2' (test row 1, reference row 1)",
+        "train/test leakage",
+        "ingest.allow_shared_ids: true",
+    )
     assert (e.column, e.row, e.value) == ("id", 1, "r2")
 
 
 def test_ids_shared_by_pool_and_test_are_counted_and_listed(files_project):
     def leak(t):
-        t["test"] = pd.DataFrame({"id": ["p4", "p1", "p2", "p3", "t5"], "text": ["a1", "b2", "c3", "d4", "e5"],
-                                  "label": ["pos", "neg", "pos", "neg", "pos"]})
+        t["test"] = pd.DataFrame(
+            {
+                "id": ["p4", "p1", "p2", "p3", "t5"],
+                "text": ["a1", "b2", "c3", "d4", "e5"],
+                "label": ["pos", "neg", "pos", "neg", "pos"],
+            }
+        )
 
-    refused(files_project, leak,
-            "{IN}/test.parquet, column 'id': 4 id(s) also in {IN}/pool.parquet: "
-            "'p4' (test row 0, pool row 3), 'p1' (test row 1, pool row 0), 'p2' (test row 2, pool row 1) and 1 more; "
-            "expected ids disjoint from the pool's")
+    refused(
+        files_project,
+        leak,
+        "{IN}/test.parquet, column 'id': 4 id(s) also in {IN}/pool.parquet: "
+        "'p4' (test row 0, pool row 3), 'p1' (test row 1, pool row 0), 'p2' (test row 2, pool row 1) and 1 more; "
+        "expected ids disjoint from the pool's",
+    )
 
 
 def test_id_shared_by_reference_and_pool_is_refused_even_when_allowed(files_project):
@@ -125,18 +141,26 @@ def test_id_shared_by_reference_and_pool_is_refused_even_when_allowed(files_proj
         t["pool"].loc[1, "id"] = "r3"
 
     params = _with_allow_shared_ids(files_project, True)
-    refused(files_project, leak,
-            "{IN}/pool.parquet, column 'id': 1 id(s) also in {IN}/reference.parquet: "
-            "'r3' (pool row 1, reference row 2)", "does not cover reference and pool", params=params)
+    refused(
+        files_project,
+        leak,
+        "{IN}/pool.parquet, column 'id': 1 id(s) also in {IN}/reference.parquet: 'r3' (pool row 1, reference row 2)",
+        "does not cover reference and pool",
+        params=params,
+    )
 
 
 def test_test_text_copied_in_the_pool_is_refused(files_project):
     def leak(t):
         t["pool"].loc[3, "text"] = "dull"
 
-    e = refused(files_project, leak,
-                "{IN}/test.parquet, column 'text': 1 text(s) also in {IN}/pool.parquet, exact "
-                "copies: 'dull' (test row 1, id 't2'; pool row 3, id 'p4')", "train/test leakage")
+    e = refused(
+        files_project,
+        leak,
+        "{IN}/test.parquet, column 'text': 1 text(s) also in {IN}/pool.parquet, exact "
+        "copies: 'dull' (test row 1, id 't2'; pool row 3, id 'p4')",
+        "train/test leakage",
+    )
     assert (e.column, e.row) == ("text", 1)
 
 
@@ -144,9 +168,13 @@ def test_test_text_copied_in_the_reference_is_refused_even_when_ids_may_be_share
     def leak(t):
         t["reference"].loc[0, "text"] = "lovely"
 
-    refused(files_project, leak, "{IN}/test.parquet, column 'text': 1 text(s) also in "
-            "{IN}/reference.parquet", "'lovely' (test row 0, id 't1'; reference row 0, id 'r1')",
-            params=_with_allow_shared_ids(files_project, True))
+    refused(
+        files_project,
+        leak,
+        "{IN}/test.parquet, column 'text': 1 text(s) also in {IN}/reference.parquet",
+        "'lovely' (test row 0, id 't1'; reference row 0, id 'r1')",
+        params=_with_allow_shared_ids(files_project, True),
+    )
 
 
 def test_allow_shared_ids_accepts_ids_shared_with_test(files_project):
@@ -164,12 +192,17 @@ def test_allow_shared_ids_accepts_ids_shared_with_test(files_project):
 
 # ---- the demo: the same checks run on what it builds, before anything is written
 
+
 def _fake_corpus(name: str, n: int = 600, labels=("a", "b")) -> pd.DataFrame:
     """A corpus in which pairs of texts differ only after their 60th character."""
     rng = np.random.default_rng(len(name))
     head = [f"{name} story {i // 2:04d} " + "lorem ipsum dolor sit amet " * 2 for i in range(n)]
-    return pd.DataFrame({"text": [h[:60] + f" tail {i} {rng.integers(1000)}" for i, h in enumerate(head)],
-                         "label": [labels[(i // 2) % len(labels)] for i in range(n)]})
+    return pd.DataFrame(
+        {
+            "text": [h[:60] + f" tail {i} {rng.integers(1000)}" for i, h in enumerate(head)],
+            "label": [labels[(i // 2) % len(labels)] for i in range(n)],
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -205,9 +238,12 @@ def test_demo_single_class_reference_names_the_reference(demo_project, monkeypat
 
     before = _hashes(demo_project)
     monkeypatch.setattr(tasks.stages.ingest, "load_corpus", lambda name: _fake_corpus(name, labels=("a",)))
-    with pytest.raises(DataValidationError, match=rf"task '{TASK}': data/{TASK}/reference.parquet, column 'label': "
-                                                  r"the demo drew 40 rows of corpus 'bbc_news', all of the single "
-                                                  r"class 'a'; expected at least two classes"):
+    with pytest.raises(
+        DataValidationError,
+        match=rf"task '{TASK}': data/{TASK}/reference.parquet, column 'label': "
+        r"the demo drew 40 rows of corpus 'bbc_news', all of the single "
+        r"class 'a'; expected at least two classes",
+    ):
         execute("ingest", TASK, demo_project)
     assert _hashes(demo_project) == before
 
@@ -226,8 +262,11 @@ def test_demo_leakage_is_refused_before_anything_is_written(demo_project, monkey
 
     monkeypatch.setattr(tasks.stages.ingest, "build_demo", leaky)
     set_params(demo_project, pipeline__seed=5)  # the next run would change every file
-    with pytest.raises(DataValidationError, match=rf"data/{TASK}/test.parquet, column 'id': 1 id\(s\) also in "
-                                                  rf".*data/{TASK}/reference.parquet: '{TASK}-r000005' "
-                                                  r"\(test row 2, reference row 5\)"):
+    with pytest.raises(
+        DataValidationError,
+        match=rf"data/{TASK}/test.parquet, column 'id': 1 id\(s\) also in "
+        rf".*data/{TASK}/reference.parquet: '{TASK}-r000005' "
+        r"\(test row 2, reference row 5\)",
+    ):
         execute("ingest", TASK, demo_project)
     assert _hashes(demo_project) == before

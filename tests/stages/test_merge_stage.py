@@ -47,17 +47,33 @@ def fake_finetunes(root, theta_0: dict, seed: int = 0) -> None:
         folder.mkdir(parents=True)
         save_file(theta, str(folder / "model.safetensors"))
         save_file(head, str(folder / "head.safetensors"), metadata={"classes": json.dumps(classes)})
-        (folder / "config.json").write_text(json.dumps({"base_model": "all-MiniLM-L6-v2", "classes": classes,
-                                                        "base_model_hash": minilm_hash(), "max_length": 32}))
+        (folder / "config.json").write_text(
+            json.dumps(
+                {
+                    "base_model": "all-MiniLM-L6-v2",
+                    "classes": classes,
+                    "base_model_hash": minilm_hash(),
+                    "max_length": 32,
+                }
+            )
+        )
         rng = np.random.default_rng(k)
         words = ["market", "goal", "chip", "vote", "film", "great", "awful", "team", "price", "phone"]
-        test = pd.DataFrame({"id": [f"t{i}" for i in range(24)],
-                             "text": [" ".join(rng.choice(words, 6)) for _ in range(24)],
-                             "label": [classes[i % len(classes)] for i in range(24)]})
+        test = pd.DataFrame(
+            {
+                "id": [f"t{i}" for i in range(24)],
+                "text": [" ".join(rng.choice(words, 6)) for _ in range(24)],
+                "label": [classes[i % len(classes)] for i in range(24)],
+            }
+        )
         test.to_parquet(root / "data" / task / "test.parquet", index=False)
-        reference = pd.DataFrame({"id": [f"r{i}" for i in range(16)],
-                                  "text": [" ".join(rng.choice(words, 6)) for _ in range(16)],
-                                  "label": [classes[i % len(classes)] for i in range(16)]})
+        reference = pd.DataFrame(
+            {
+                "id": [f"r{i}" for i in range(16)],
+                "text": [" ".join(rng.choice(words, 6)) for _ in range(16)],
+                "label": [classes[i % len(classes)] for i in range(16)],
+            }
+        )
         reference.to_parquet(root / "data" / task / "reference.parquet", index=False)
 
 
@@ -65,10 +81,17 @@ def fake_finetunes(root, theta_0: dict, seed: int = 0) -> None:
 def merged_project(tmp_path_factory, project_root, base_state):
     from tasks.runtime.workspace import make_workspace
 
-    tasks = {"bbc": {"corpus": "bbc_news"}, "rotten": {"corpus": "rotten_tomatoes"},
-             "tweets": {"corpus": "tweet_sentiment"}}
-    root = make_workspace(project_root, tmp_path_factory.mktemp("merge"), "tiny",
-                          overrides={"pipeline": {"tasks": tasks}, "merge": {"order": ["rotten", "bbc", "tweets"]}})
+    tasks = {
+        "bbc": {"corpus": "bbc_news"},
+        "rotten": {"corpus": "rotten_tomatoes"},
+        "tweets": {"corpus": "tweet_sentiment"},
+    }
+    root = make_workspace(
+        project_root,
+        tmp_path_factory.mktemp("merge"),
+        "tiny",
+        overrides={"pipeline": {"tasks": tasks}, "merge": {"order": ["rotten", "bbc", "tweets"]}},
+    )
     # a profile's mapping merges into the defaults; three methods only: replace the section's list
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["merge"]["methods"] = METHODS
@@ -158,7 +181,7 @@ def test_features_are_those_of_the_scored_models(merged_project):
     acc = pd.read_csv(root / "metrics" / "merge_accuracy.csv")
     heads = load_file(str(root / "models" / "merge" / "heads.safetensors"))
     for j in range(3):
-        for t in order[:j + 1]:
+        for t in order[: j + 1]:
             x = tensors[f"gs3r@{j}/{t}/test"]
             y = tensors[f"labels/{t}/test"]
             assert tensors[f"gs3r@{j}/{t}/probe"].shape == (16, 384)
@@ -216,8 +239,11 @@ def test_finetune_of_other_base_weights_is_refused(merged_project):
     original = config_path.read_text()
     config_path.write_text(json.dumps({**json.loads(original), "base_model_hash": "0" * 32}))
     try:
-        with pytest.raises(ValueError, match=r"bbc/finetune/config.json: field 'base_model_hash' = '0{32}', but the "
-                                             r"base model 'all-MiniLM-L6-v2' now hashes to"):
+        with pytest.raises(
+            ValueError,
+            match=r"bbc/finetune/config.json: field 'base_model_hash' = '0{32}', but the "
+            r"base model 'all-MiniLM-L6-v2' now hashes to",
+        ):
             execute("merge", None, root)
     finally:
         config_path.write_text(original)

@@ -23,8 +23,12 @@ from tasks.stages import execute
 
 torch.set_num_threads(1)
 LABELS = {"rotten": ["fresh", "rotten"], "bbc": ["business", "sport"]}
-CUES = {"fresh": "good great win", "rotten": "bad awful loss", "business": "market price chip",
-        "sport": "goal team win"}
+CUES = {
+    "fresh": "good great win",
+    "rotten": "bad awful loss",
+    "business": "market price chip",
+    "sport": "goal team win",
+}
 FILLER = ["the", "a", "film", "plot", "actor", "phone", "vote", "is", "was"]
 
 
@@ -35,13 +39,26 @@ def tables(task: str, seed: int) -> dict[str, pd.DataFrame]:
         return f"{' '.join(rng.choice(FILLER, 3))} {CUES[label]} {' '.join(rng.choice(FILLER, 2))} {kind}{i}"
 
     classes = LABELS[task]
-    reference = pd.DataFrame([{"id": f"r{i}", "text": text(classes[i % 2], i, "r"), "label": classes[i % 2]}
-                              for i in range(24)])
+    reference = pd.DataFrame(
+        [{"id": f"r{i}", "text": text(classes[i % 2], i, "r"), "label": classes[i % 2]} for i in range(24)]
+    )
     labeled = reference.assign(source="reference", confidence=1.0, weight=1.0)
-    pseudo = pd.DataFrame([{"id": f"p{i}", "text": text(classes[i % 2], i, "p"), "label": classes[i % 2],
-                            "source": "pseudo", "confidence": 0.9, "weight": 0.5} for i in range(16)])
-    test = pd.DataFrame([{"id": f"t{i}", "text": text(classes[i % 2], i, "t"), "label": classes[i % 2]}
-                         for i in range(16)])
+    pseudo = pd.DataFrame(
+        [
+            {
+                "id": f"p{i}",
+                "text": text(classes[i % 2], i, "p"),
+                "label": classes[i % 2],
+                "source": "pseudo",
+                "confidence": 0.9,
+                "weight": 0.5,
+            }
+            for i in range(16)
+        ]
+    )
+    test = pd.DataFrame(
+        [{"id": f"t{i}", "text": text(classes[i % 2], i, "t"), "label": classes[i % 2]} for i in range(16)]
+    )
     return {"reference": reference, "labeled": pd.concat([labeled, pseudo], ignore_index=True), "test": test}
 
 
@@ -50,14 +67,19 @@ def test_stages_end_to_end_on_a_local_model_folder(family, tmp_path, project_roo
     from tasks.runtime.workspace import make_workspace
 
     folder = save_tiny(family, tmp_path / "base-model")
-    over = {"model": {"name": str(folder)},
-            "merge": {"methods": {"gs3r": None, "ties": None, "magmax": None, "opcm": None, "weight_average": None},
-                      "main": "task_arithmetic", "eval_limit": 16},
-            "quantize": {"calibration_per_task": 8, "eval_limit": 16},
-            "finetune": {"max_steps": 4, "max_length": 16},
-            # a random tiny model is at chance: a floor of 0 lets it through the gate, so the
-            # registry path (champion, served in a fresh process) is what this test checks
-            "register": {"floor": 0.0}}
+    over = {
+        "model": {"name": str(folder)},
+        "merge": {
+            "methods": {"gs3r": None, "ties": None, "magmax": None, "opcm": None, "weight_average": None},
+            "main": "task_arithmetic",
+            "eval_limit": 16,
+        },
+        "quantize": {"calibration_per_task": 8, "eval_limit": 16},
+        "finetune": {"max_steps": 4, "max_length": 16},
+        # a random tiny model is at chance: a floor of 0 lets it through the gate, so the
+        # registry path (champion, served in a fresh process) is what this test checks
+        "register": {"floor": 0.0},
+    }
     root = make_workspace(project_root, tmp_path / "ws", "tiny", overrides=over)
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["pipeline"]["tasks"] = {"rotten": {"corpus": "rotten_tomatoes"}, "bbc": {"corpus": "bbc_news"}}
@@ -82,14 +104,17 @@ def test_stages_end_to_end_on_a_local_model_folder(family, tmp_path, project_roo
 
     # the champion, from the registry alone, in a fresh process (the base model's folder gone)
     folder.rename(tmp_path / "moved")
-    code = ("import json, mlflow.pyfunc, pandas as pd\n"
-            "m = mlflow.pyfunc.load_model('models:/crucible-classifier@champion')\n"
-            "out = m.predict(pd.DataFrame({'text': ['the film was good great win', 'market price goal'], "
-            "'task': ['rotten', 'bbc']}))\n"
-            "print(json.dumps(out['label'].tolist()))\n")
+    code = (
+        "import json, mlflow.pyfunc, pandas as pd\n"
+        "m = mlflow.pyfunc.load_model('models:/crucible-classifier@champion')\n"
+        "out = m.predict(pd.DataFrame({'text': ['the film was good great win', 'market price goal'], "
+        "'task': ['rotten', 'bbc']}))\n"
+        "print(json.dumps(out['label'].tolist()))\n"
+    )
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}", "PYTHONPATH": ""}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
-                          cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     labels = json.loads(proc.stdout.strip().splitlines()[-1])
     assert labels[0] in LABELS["rotten"] and labels[1] in LABELS["bbc"]

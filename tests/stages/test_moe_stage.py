@@ -13,8 +13,20 @@ import yaml
 
 from tasks.stages import execute
 
-MOE = {"enabled": True, "n_experts": 4, "top_k": 2, "shared_share": 0.25, "recover_steps": 3, "seq_len": 16, "build_sequences": 6, "calib_sequences": 6,
-       "eval_sequences": 6, "batch_size": 3, "qat_steps": 6, "rank_budget": 24}
+MOE = {
+    "enabled": True,
+    "n_experts": 4,
+    "top_k": 2,
+    "shared_share": 0.25,
+    "recover_steps": 3,
+    "seq_len": 16,
+    "build_sequences": 6,
+    "calib_sequences": 6,
+    "eval_sequences": 6,
+    "batch_size": 3,
+    "qat_steps": 6,
+    "rank_budget": 24,
+}
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +41,16 @@ def tiny_lm(tmp_path_factory) -> Path:
     tok = AutoTokenizer.from_pretrained(resolve_model("all-MiniLM-L6-v2"))
     tok.eos_token = "[SEP]"
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         for layer in model.model.layers:
@@ -45,8 +64,9 @@ def tiny_lm(tmp_path_factory) -> Path:
 def _workspace(tmp_path: Path, project_root: Path, tiny_lm: Path, **moe) -> Path:
     from tasks.runtime.workspace import make_workspace
 
-    return make_workspace(project_root, tmp_path / "ws", "tiny",
-                          overrides={"moe": {**MOE, "model": str(tiny_lm), **moe}})
+    return make_workspace(
+        project_root, tmp_path / "ws", "tiny", overrides={"moe": {**MOE, "model": str(tiny_lm), **moe}}
+    )
 
 
 def _md5s(root: Path, folder: str) -> dict[str, str]:
@@ -150,7 +170,9 @@ def test_quantize_switched_off_and_a_missing_build(tmp_path, project_root, tiny_
     execute("moe_build", None, root)
     execute("moe_quantize", None, root)
     assert json.loads((root / "metrics/moe.json").read_text()) == {
-        "enabled": False, "note": "moe.enabled is false: the MoE branch did not run"}
+        "enabled": False,
+        "note": "moe.enabled is false: the MoE branch did not run",
+    }
     assert sorted(p.name for p in (root / "models/moe/quantize").iterdir()) == ["disabled.json"]
 
 
@@ -163,11 +185,16 @@ def test_sequences_draws_only_the_parts_asked_and_the_same_draw_each_time(tiny_l
     from tasks.runtime.params import load_params
 
     p = load_params(Path(__file__).resolve().parents[2] / "params.yaml").moe.model_copy(
-        update={"seq_len": 16, "build_sequences": 3, "recover_sequences": 4, "calib_sequences": 5, "eval_sequences": 2})
+        update={"seq_len": 16, "build_sequences": 3, "recover_sequences": 4, "calib_sequences": 5, "eval_sequences": 2}
+    )
     tok = AutoTokenizer.from_pretrained(tiny_lm)
     every = sequences(tok, p, seed=7)
     assert {k: tuple(v.shape) for k, v in every.items()} == {
-        "build": (3, 16), "recover": (4, 16), "calib": (5, 16), "eval": (2, 16)}
+        "build": (3, 16),
+        "recover": (4, 16),
+        "calib": (5, 16),
+        "eval": (2, 16),
+    }
     some = sequences(tok, p, seed=7, parts=("calib", "eval"))
     assert sorted(some) == ["calib", "eval"]
     assert all(torch.equal(some[k], every[k]) for k in some)

@@ -20,8 +20,13 @@ import yaml
 
 torch.set_num_threads(1)
 BASE = "all-MiniLM-L6-v2"
-TEXTS = ["a wonderful, moving film", "the plot is dull and tedious", "Shares fell 3% on Monday",
-         "the striker scored twice", "a new phone chip"]
+TEXTS = [
+    "a wonderful, moving film",
+    "the plot is dull and tedious",
+    "Shares fell 3% on Monday",
+    "the striker scored twice",
+    "a new phone chip",
+]
 PICKLE_SUFFIXES = (".pkl", ".pickle", ".cloudpickle")
 PICKLE_MAGIC = (b"\x80\x04", b"\x80\x05")  # pickle protocols 4 and 5 (cloudpickle's defaults)
 
@@ -58,10 +63,16 @@ def finetune_dir(tmp_path_factory, encoder) -> Path:
     d = tmp_path_factory.mktemp("finetune") / "finetune"
     d.mkdir()
     save_file(_state(encoder), str(d / "model.safetensors"), {"format": "pt", "base_model": BASE})
-    save_file(_head(encoder.config.hidden_size, 2, 0), str(d / "head.safetensors"),
-              {"classes": json.dumps(["fresh", "rotten"])})
-    (d / "config.json").write_text(json.dumps({"task": "rotten", "base_model": BASE, "classes": ["fresh", "rotten"],
-                                               "max_length": 32, "pooling": "mean"}))
+    save_file(
+        _head(encoder.config.hidden_size, 2, 0),
+        str(d / "head.safetensors"),
+        {"classes": json.dumps(["fresh", "rotten"])},
+    )
+    (d / "config.json").write_text(
+        json.dumps(
+            {"task": "rotten", "base_model": BASE, "classes": ["fresh", "rotten"], "max_length": 32, "pooling": "mean"}
+        )
+    )
     return d
 
 
@@ -86,13 +97,18 @@ def _multitask_source(dest: Path, encoder, kind: str, pattern: str) -> Path:
     for i, (t, names) in enumerate(classes.items()):
         heads.update({f"{t}.{k}": v for k, v in _head(encoder.config.hidden_size, len(names), i + 1).items()})
     save_file(heads, str(dest / "heads.safetensors"))
-    (dest / "config.json").write_text(json.dumps({"base_model": BASE, "classes": classes, "order": list(classes),
-                                                  "max_length": {"rotten": 32, "bbc": 32}}))
+    (dest / "config.json").write_text(
+        json.dumps(
+            {"base_model": BASE, "classes": classes, "order": list(classes), "max_length": {"rotten": 32, "bbc": 32}}
+        )
+    )
     return dest
 
 
 @pytest.fixture(scope="module")
-def saved_models(tmp_path_factory, base_dir, encoder, finetune_dir, project_root) -> dict[str, tuple[Path, pd.DataFrame]]:
+def saved_models(
+    tmp_path_factory, base_dir, encoder, finetune_dir, project_root
+) -> dict[str, tuple[Path, pd.DataFrame]]:
     """name -> (saved model folder, its input) for every kind of model crucible logs."""
     from tasks.registry.pyfunc import save_multitask_model, save_text_classifier
 
@@ -100,13 +116,17 @@ def saved_models(tmp_path_factory, base_dir, encoder, finetune_dir, project_root
     tmp = tmp_path_factory.mktemp("models")
     out = {}
     text_input = pd.DataFrame({"text": TEXTS})
-    out["text_classifier"] = (save_text_classifier(tmp / "text_classifier", finetune_dir, base_dir, text_input),
-                              text_input)
+    out["text_classifier"] = (
+        save_text_classifier(tmp / "text_classifier", finetune_dir, base_dir, text_input),
+        text_input,
+    )
     multi_input = pd.DataFrame({"text": TEXTS, "task": ["rotten", "rotten", "bbc", "bbc", "bbc"]})
     for kind in ("float", "quantized"):
         source = _multitask_source(tmp / f"source_{kind}", encoder, kind, pattern)
-        out[f"multitask_{kind}"] = (save_multitask_model(tmp / f"multitask_{kind}", source, kind, base_dir,
-                                                         multi_input.head(2)), multi_input)
+        out[f"multitask_{kind}"] = (
+            save_multitask_model(tmp / f"multitask_{kind}", source, kind, base_dir, multi_input.head(2)),
+            multi_input,
+        )
     return out
 
 
@@ -216,8 +236,14 @@ def test_pyfunc_loads_in_a_fresh_process_without_unpickling(saved_models, kind, 
     folder, frame = saved_models[kind]
     frame.to_json(tmp_path / "in.json", orient="records")
     env = {**os.environ, "PYTHONPATH": "", "MLFLOW_ALLOW_PICKLE_DESERIALIZATION": "false"}
-    proc = subprocess.run([sys.executable, "-c", FRESH, str(folder), str(tmp_path / "in.json"), str(tmp_path / "out.json")],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", FRESH, str(folder), str(tmp_path / "in.json"), str(tmp_path / "out.json")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     expected = "TextClassifier" if kind == "text_classifier" else "MultiTaskClassifier"
     assert f"CLASS {expected}" in proc.stdout

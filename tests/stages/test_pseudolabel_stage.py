@@ -13,8 +13,12 @@ from tasks.stages import execute
 
 # the stage's outputs, relative to the workspace: the table under data/, the metrics and the plot data
 # under metrics/, the figure under reports/
-OUTPUTS = ("data/bbc/labeled.parquet", "metrics/bbc/pseudolabel.json", "reports/bbc/pseudolabel_confusion.png",
-           "metrics/bbc/pseudolabel_confusion.csv")
+OUTPUTS = (
+    "data/bbc/labeled.parquet",
+    "metrics/bbc/pseudolabel.json",
+    "reports/bbc/pseudolabel_confusion.png",
+    "metrics/bbc/pseudolabel_confusion.csv",
+)
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +106,11 @@ def test_empty_selection_fails_and_writes_nothing(labeled_project):
     before = {f: md5_file(labeled_project / f) for f in OUTPUTS}
     set_pseudolabel(labeled_project, threshold=1.0)
     try:
-        with pytest.raises(ValueError, match=r"task 'bbc': the pseudo-label selection is empty: .* "
-                                             r"pseudolabel.threshold = 1"):
+        with pytest.raises(
+            ValueError,
+            match=r"task 'bbc': the pseudo-label selection is empty: .* "
+            r"pseudolabel.threshold = 1",
+        ):
             execute("pseudolabel", "bbc", labeled_project)
     finally:
         set_pseudolabel(labeled_project, threshold=0.5)
@@ -121,8 +128,11 @@ def test_audit_label_outside_the_classes_fails(labeled_project):
     audit.loc[row, "label"] = "weather"
     audit.to_parquet(path)
     try:
-        with pytest.raises(ValueError, match=r"audit.parquet, column 'label' .* label 'weather', which is not one "
-                                             r"of the task's classes"):
+        with pytest.raises(
+            ValueError,
+            match=r"audit.parquet, column 'label' .* label 'weather', which is not one "
+            r"of the task's classes",
+        ):
             execute("pseudolabel", "bbc", labeled_project)
     finally:
         path.write_bytes(saved)
@@ -138,9 +148,12 @@ def test_single_class_reference_fails(labeled_project):
     ref["label"] = "business"
     ref.to_parquet(path)  # same ids in the same order: the embeddings still match
     try:
-        with pytest.raises(DataValidationError, match=rf"{base}/reference.parquet, column 'label': all {len(ref)} rows "
-                                                      r"have the single class 'business'; expected labeled rows of at "
-                                                      r"least two classes"):
+        with pytest.raises(
+            DataValidationError,
+            match=rf"{base}/reference.parquet, column 'label': all {len(ref)} rows "
+            r"have the single class 'business'; expected labeled rows of at "
+            r"least two classes",
+        ):
             execute("pseudolabel", "bbc", labeled_project)
     finally:
         path.write_bytes(saved)
@@ -159,9 +172,12 @@ def test_pool_id_shared_with_the_reference_fails_and_writes_nothing(labeled_proj
     pool.loc[row, "id"] = shared
     pool.to_parquet(path)
     try:
-        with pytest.raises(DataValidationError, match=rf"{base}/pool.parquet, column 'id': 1 id\(s\) also in "
-                                                      rf"{base}/reference.parquet: '{shared}' \(pool row {row}, "
-                                                      r"reference row 3\); expected ids disjoint"):
+        with pytest.raises(
+            DataValidationError,
+            match=rf"{base}/pool.parquet, column 'id': 1 id\(s\) also in "
+            rf"{base}/reference.parquet: '{shared}' \(pool row {row}, "
+            r"reference row 3\); expected ids disjoint",
+        ):
             execute("pseudolabel", "bbc", labeled_project)
     finally:
         path.write_bytes(saved)

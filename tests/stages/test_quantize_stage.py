@@ -70,8 +70,10 @@ def test_outputs_and_metrics(quantized_project):
     assert len(ranks) == 36 and ranks["rank_uniform"].sum() == ranks["rank_load_aware"].sum() == 72
     assert ranks["rank_uniform"].max() - ranks["rank_uniform"].min() <= 1
     assert (ranks["energy_kept_load_aware"] <= 1.0).all()
-    assert load_file(str(out / "heads.safetensors")).keys() == load_file(
-        str(root / "models" / "merge" / "heads.safetensors")).keys()
+    assert (
+        load_file(str(out / "heads.safetensors")).keys()
+        == load_file(str(root / "models" / "merge" / "heads.safetensors")).keys()
+    )
     assert result.metrics["bits_per_weight"] == pytest.approx(4.25)
 
 
@@ -85,8 +87,15 @@ def test_written_model_reloads_to_the_scored_accuracy(quantized_project):
     root, _ = quantized_project
     m = json.loads((root / "metrics" / "quantize.json").read_text())
     heads = load_file(str(root / "models" / "quantize" / "heads.safetensors"))
-    specs = [{"task": t, "head": {"weight": heads[f"{t}.weight"], "bias": heads[f"{t}.bias"]}, "classes": c,
-              "max_length": 32} for t, c in TASKS.items()]
+    specs = [
+        {
+            "task": t,
+            "head": {"weight": heads[f"{t}.weight"], "bias": heads[f"{t}.bias"]},
+            "classes": c,
+            "max_length": 32,
+        }
+        for t, c in TASKS.items()
+    ]
     tests = {t: pd.read_parquet(root / "data" / t / "test.parquet") for t in TASKS}
     scorer = Scorer(resolve_model("all-MiniLM-L6-v2"), specs, tests, 64)
     scorer.load(load_file(str(root / "models" / "merge" / "model.safetensors")))
@@ -106,13 +115,22 @@ def test_same_inputs_give_the_same_model(quantized_project, tmp_path_factory, pr
         assert md5_file(again / name) == md5_file(root / name), name
 
 
-@pytest.mark.parametrize("setting, message", [
-    ({"rank_per_matrix": 1000}, r"quantize.rank_per_matrix = 1000 gives a budget of 36000, over the total rank 13824 "
-                                r"of the 36 matrices"),
-    ({"modules": r"decoder\."}, r"quantize.modules: module regex 'decoder\\.' matches no nn.Linear"),
-    ({"embeddings": "token_embed"}, r"quantize.embeddings: embedding regex 'token_embed' matches no nn.Embedding.*"
-                                    r"word_embeddings"),
-])
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        (
+            {"rank_per_matrix": 1000},
+            r"quantize.rank_per_matrix = 1000 gives a budget of 36000, over the total rank 13824 "
+            r"of the 36 matrices",
+        ),
+        ({"modules": r"decoder\."}, r"quantize.modules: module regex 'decoder\\.' matches no nn.Linear"),
+        (
+            {"embeddings": "token_embed"},
+            r"quantize.embeddings: embedding regex 'token_embed' matches no nn.Embedding.*"
+            r"word_embeddings",
+        ),
+    ],
+)
 def test_bad_params_stop_and_leave_earlier_outputs(quantized_project, setting, message):
     root, _ = quantized_project
     before = output_hashes(root)
@@ -151,14 +169,20 @@ def test_bad_merged_model_is_refused_naming_the_file(tmp_path_factory, project_r
     bad["encoder.layer.2.output.dense.weight"] = bad["encoder.layer.2.output.dense.weight"].clone()
     bad["encoder.layer.2.output.dense.weight"][3, 4] = float("nan")
     save_file(bad, str(model))
-    with pytest.raises(ValueError, match=r"model.safetensors: tensor 'encoder.layer.2.output.dense.weight' of the merged "
-                                         r"encoder has 1 NaN or inf values of 589824 \(first: nan at \[3, 4\]\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.safetensors: tensor 'encoder.layer.2.output.dense.weight' of the merged "
+        r"encoder has 1 NaN or inf values of 589824 \(first: nan at \[3, 4\]\)",
+    ):
         execute("quantize", None, root)
     # truncated
     data = model.read_bytes()
     model.write_bytes(data[: len(data) // 3])
-    with pytest.raises(ValueError, match=r"model.safetensors: merged encoder is not a readable safetensors file, "
-                                         r"truncated: tensor .*crucible stage merge"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.safetensors: merged encoder is not a readable safetensors file, "
+        r"truncated: tensor .*crucible stage merge",
+    ):
         execute("quantize", None, root)
     # missing
     shutil.rmtree(root / "models" / "merge")

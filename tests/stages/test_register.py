@@ -21,8 +21,15 @@ import yaml
 
 from tasks.stages import execute
 
-from support.workspaces import (QUANT_VARIANT, _dvc, base_workspace, copy_workspace,
-                                registered_workspace, test_texts, write_evaluate)
+from support.workspaces import (
+    QUANT_VARIANT,
+    _dvc,
+    base_workspace,
+    copy_workspace,
+    registered_workspace,
+    test_texts,
+    write_evaluate,
+)
 
 
 def client_of(root: Path):
@@ -60,8 +67,9 @@ def _bump_heads(root: Path, delta: float) -> None:
     with safe_open(str(path), "pt") as fh:
         meta = fh.metadata()
     heads = load_file(str(path))
-    save_file({k: (v + delta if k.endswith(".bias") else v).contiguous() for k, v in heads.items()}, str(path),
-              metadata=meta)
+    save_file(
+        {k: (v + delta if k.endswith(".bias") else v).contiguous() for k, v in heads.items()}, str(path), metadata=meta
+    )
 
 
 def test_gate_never_moves_champion_to_a_worse_model(tmp_path_factory):
@@ -94,7 +102,9 @@ def test_gate_never_moves_champion_to_a_worse_model(tmp_path_factory):
     assert int(client.get_model_version_by_alias(name, "champion").version) == 2
     v3 = client.get_model_version(name, "3")
     assert v3.tags["crucible.gate.decision"] == "challenger"
-    assert "mean test accuracy 0.5600 < champion version 2's 0.6250 - tolerance 0.0050" in v3.tags["crucible.gate.reason"]
+    assert (
+        "mean test accuracy 0.5600 < champion version 2's 0.6250 - tolerance 0.0050" in v3.tags["crucible.gate.reason"]
+    )
     assert client.get_model_version(name, "2").aliases == ["champion"]
     assert client.get_model_version(name, "1").tags["crucible.gate.superseded_by"] == "2"
 
@@ -128,7 +138,11 @@ def test_an_experiment_or_promote_false_never_moves_the_champion(tmp_path_factor
     assert exp["gate"]["reason"].startswith("not promoted: DVC experiment 'lr-sweep-3'")
     assert "the gate would pass" in exp["gate"]["reason"]
     v2 = client.get_model_version(name, "2")
-    assert v2.tags["crucible.experiment"] == "lr-sweep-3" and v2.tags["crucible.git_dirty"] in ("true", "false", "unknown")
+    assert v2.tags["crucible.experiment"] == "lr-sweep-3" and v2.tags["crucible.git_dirty"] in (
+        "true",
+        "false",
+        "unknown",
+    )
     assert int(client.get_model_version_by_alias(name, "champion").version) == 1
 
     monkeypatch.delenv("DVC_EXP_NAME")
@@ -188,8 +202,10 @@ def test_default_floors_come_from_chance_and_the_base_model(ws):
     baselines = {"chance": {"rotten": 0.55, "bbc": 0.4}, "base": {"rotten": 0.6}}
     floors, basis = floor_basis(params, ["rotten", "bbc"], classes, baselines)
     assert floors == {"rotten": pytest.approx(0.62), "bbc": pytest.approx(0.42)}
-    assert basis["rotten"] == ("the better of chance 0.5500 (the majority class's share of its test rows) and the "
-                               "base model 0.6000, + register.floor_margin 0.02")
+    assert basis["rotten"] == (
+        "the better of chance 0.5500 (the majority class's share of its test rows) and the "
+        "base model 0.6000, + register.floor_margin 0.02"
+    )
     assert basis["bbc"] == "chance 0.4000 (the majority class's share of its test rows), + register.floor_margin 0.02"
     # evaluate recorded no baselines (an older metrics file): chance is 1/n_classes
     floors, basis = floor_basis(params, ["rotten", "bbc"], classes, None)
@@ -206,14 +222,19 @@ def test_a_model_no_better_than_chance_is_a_challenger_with_the_reason(tmp_path_
     where its floor came from; a floor set explicitly lets it through (the gate re-applied to the
     same version)."""
     root = copy_workspace(base_workspace(tmp_path_factory), tmp_path_factory, "chance")
-    write_evaluate(root, {"rotten": 0.5, "bbc": 0.9},
-                   baselines={"chance": {"rotten": 0.5, "bbc": 0.34}, "base": {"rotten": 0.45, "bbc": 0.5}})
+    write_evaluate(
+        root,
+        {"rotten": 0.5, "bbc": 0.9},
+        baselines={"chance": {"rotten": 0.5, "bbc": 0.34}, "base": {"rotten": 0.45, "bbc": 0.5}},
+    )
     execute("register", None, root)
     got = registered(root)
     assert got["version"] == 1 and got["aliases"] == ["challenger"] and got["gate"]["decision"] == "challenger"
     reason = got["gate"]["reason"]
-    assert reason == ("task rotten: accuracy 0.5000 below its floor 0.5200 (the better of chance 0.5000 (the majority "
-                      "class's share of its test rows) and the base model 0.4500, + register.floor_margin 0.02)")
+    assert reason == (
+        "task rotten: accuracy 0.5000 below its floor 0.5200 (the better of chance 0.5000 (the majority "
+        "class's share of its test rows) and the base model 0.4500, + register.floor_margin 0.02)"
+    )
     assert got["gate"]["floor_basis"]["bbc"].startswith("the better of chance 0.3400")
     mv = client_of(root).get_model_version("crucible-classifier", "1")
     assert mv.tags["crucible.gate.reason"] == reason and json.loads(mv.tags["crucible.gate.floors"])["rotten"] == 0.52
@@ -258,20 +279,30 @@ def test_pyfunc_round_trips_through_the_registry_into_a_fresh_process(ws, champi
     texts = test_texts(ws)
     inputs = tmp_path / "in.parquet"
     texts[["text", "task"]].to_parquet(inputs)
-    script = ("import sys, mlflow.pyfunc, pandas as pd\n"
-              "m = mlflow.pyfunc.load_model('models:/crucible-classifier@champion')\n"
-              "assert type(m.unwrap_python_model()).__module__.startswith('code_model_'), 'not the logged code'\n"
-              "m.predict(pd.read_parquet(sys.argv[1])).to_json(sys.argv[2], orient='records')\n")
+    script = (
+        "import sys, mlflow.pyfunc, pandas as pd\n"
+        "m = mlflow.pyfunc.load_model('models:/crucible-classifier@champion')\n"
+        "assert type(m.unwrap_python_model()).__module__.startswith('code_model_'), 'not the logged code'\n"
+        "m.predict(pd.read_parquet(sys.argv[1])).to_json(sys.argv[2], orient='records')\n"
+    )
     uri = f"sqlite:///{ws / 'mlflow.db'}"
     out = tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, "-c", script, str(inputs), str(out)], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "MLFLOW_TRACKING_URI": uri,
-                                                       "PYTHONPATH": ""})
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(inputs), str(out)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": ""},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     fresh = pd.DataFrame(json.loads(out.read_text()))
     local = model.predict(texts[["text", "task"]])
-    assert list(fresh.columns) == list(local.columns) == ["task", "label", "proba_fresh", "proba_rotten",
-                                                          "proba_business", "proba_sport", "proba_tech"]
+    assert (
+        list(fresh.columns)
+        == list(local.columns)
+        == ["task", "label", "proba_fresh", "proba_rotten", "proba_business", "proba_sport", "proba_tech"]
+    )
     assert fresh["label"].tolist() == local["label"].tolist() and fresh["task"].tolist() == texts["task"].tolist()
     for c in [c for c in local.columns if c.startswith("proba_")]:
         a, b = local[c].astype(float).to_numpy(), fresh[c].astype(float).to_numpy()
@@ -308,7 +339,8 @@ def test_quantized_pyfunc_scores_the_quantize_stage_figure(ws, champion):
         test = test.head(limit) if limit else test
         out = model.predict(pd.DataFrame({"text": test["text"], "task": t}))
         assert (out["label"].to_numpy() == test["label"].to_numpy()).mean() == pytest.approx(
-            stage["accuracy"][QUANT_VARIANT][t], abs=1e-6)
+            stage["accuracy"][QUANT_VARIANT][t], abs=1e-6
+        )
     served, flt = int(mv.tags["crucible.size.served_bytes"]), int(mv.tags["crucible.size.float_bytes"])
     assert served < 0.2 * flt
     assert registered(ws)["size_bytes"]["served"] == served
@@ -323,8 +355,9 @@ def test_float_pyfunc_scores_the_float_figure(ws, tmp_path):
     from tasks.registry.pyfunc import save_multitask_model
 
     example = pd.DataFrame({"text": ["a film", "a market"], "task": ["rotten", "bbc"]})
-    save_multitask_model(tmp_path / "float", ws / "models" / "merge", "float", resolve_model("all-MiniLM-L6-v2"),
-                         example)
+    save_multitask_model(
+        tmp_path / "float", ws / "models" / "merge", "float", resolve_model("all-MiniLM-L6-v2"), example
+    )
     model = mlflow.pyfunc.load_model(str(tmp_path / "float"))
     stage = json.loads((ws / "metrics" / "quantize.json").read_text())
     for t in ("rotten", "bbc"):
@@ -333,13 +366,25 @@ def test_float_pyfunc_scores_the_float_figure(ws, tmp_path):
         assert (out["label"] == test["label"]).mean() == pytest.approx(stage["accuracy"]["float"][t], abs=1e-6)
 
 
-@pytest.mark.parametrize("frame, message", [
-    (pd.DataFrame({"text": ["a film"]}), r"input is missing column 'task'.*one of: rotten, bbc"),
-    (pd.DataFrame({"text": ["a film"], "task": ["tweets"]}), r"row 0: unknown task 'tweets'; valid tasks: rotten, bbc"),
-    (pd.DataFrame({"text": ["a film", "  "], "task": ["rotten", "rotten"]}), r"row 1: column 'text' is empty"),
-    (pd.DataFrame({"text": ["a film", 7], "task": ["rotten", "bbc"]}), r"row 1: column 'text' must be a string, got int"),
-    (pd.DataFrame({"text": ["a film", None], "task": ["rotten", "bbc"]}), r"row 1: column 'text' is missing \(null\)"),
-])
+@pytest.mark.parametrize(
+    "frame, message",
+    [
+        (pd.DataFrame({"text": ["a film"]}), r"input is missing column 'task'.*one of: rotten, bbc"),
+        (
+            pd.DataFrame({"text": ["a film"], "task": ["tweets"]}),
+            r"row 0: unknown task 'tweets'; valid tasks: rotten, bbc",
+        ),
+        (pd.DataFrame({"text": ["a film", "  "], "task": ["rotten", "rotten"]}), r"row 1: column 'text' is empty"),
+        (
+            pd.DataFrame({"text": ["a film", 7], "task": ["rotten", "bbc"]}),
+            r"row 1: column 'text' must be a string, got int",
+        ),
+        (
+            pd.DataFrame({"text": ["a film", None], "task": ["rotten", "bbc"]}),
+            r"row 1: column 'text' is missing \(null\)",
+        ),
+    ],
+)
 def test_bad_input_is_a_clear_invalid_parameter_error(champion, frame, message):
     from mlflow.exceptions import MlflowException
 
@@ -359,7 +404,7 @@ def test_lineage_tags_equal_dvc_lock(ws, capsys):
 
     lock = yaml.safe_load((ws / "dvc.lock").read_text())["stages"]
     mv = client_of(ws).get_model_version("crucible-classifier", "1")
-    recorded = {k[len(lineage.MD5):]: v for k, v in mv.tags.items() if k.startswith(lineage.MD5)}
+    recorded = {k[len(lineage.MD5) :]: v for k, v in mv.tags.items() if k.startswith(lineage.MD5)}
     assert recorded == {o["path"]: o["md5"] for s in lock.values() for o in s.get("outs", [])}
     assert "models/quantize/model.safetensors" in recorded and any(v.endswith(".dir") for v in recorded.values())
     for sid in ("merge", "quantize", "evaluate"):
@@ -387,7 +432,8 @@ def test_lineage_tags_equal_dvc_lock(ws, capsys):
         code, out = lineage_cli("1")
         assert code == 1 and "workspace differs" in out
         assert [line for line in out.splitlines() if line.startswith("metrics/quantize.json")][0].endswith(
-            "match     differs")
+            "match     differs"
+        )
     finally:
         target.write_bytes(saved)
     code, out = lineage_cli("7")
@@ -434,16 +480,22 @@ def test_a_copied_workspace_serves_its_own_files_after_the_original_is_deleted(t
 
     (copy / "mlflow.db").unlink()
     # a fresh process, as in use (this one keeps MLflow's handle on the deleted database)
-    out = subprocess.run([str(Path(sys.executable).with_name("crucible")), "stage", "register", "--root", str(copy)],
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [str(Path(sys.executable).with_name("crucible")), "stage", "register", "--root", str(copy)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "registered version 1 of 'crucible-classifier' (aliases: champion) before" in out.stderr  # opening the store
     assert "register: warning: the registry holds no version of 'crucible-classifier'" in out.stderr
     got = registered(copy)
     assert got["version"] == 1 and got["new_version"]
-    assert got["lost_registry"].startswith(f"the registry holds no version of 'crucible-classifier', but "
-                                           f"{copy / 'metrics' / 'registered.json'} records version 1 "
-                                           f"(champion)")
+    assert got["lost_registry"].startswith(
+        f"the registry holds no version of 'crucible-classifier', but "
+        f"{copy / 'metrics' / 'registered.json'} records version 1 "
+        f"(champion)"
+    )
     assert "warning: the registry holds no version" in got["note"]
 
 
@@ -455,8 +507,12 @@ def test_a_register_killed_while_it_logs_the_model_leaves_nothing_half_made(tmp_
     import time
 
     root = copy_workspace(base_workspace(tmp_path_factory), tmp_path_factory, "killed")
-    proc = subprocess.Popen([str(Path(sys.executable).with_name("crucible")), "stage", "register", "--root", str(root)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).with_name("crucible")), "stage", "register", "--root", str(root)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     model_id, deadline = None, time.time() + 240
     try:
         while model_id is None and time.time() < deadline and proc.poll() is None:

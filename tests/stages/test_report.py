@@ -32,8 +32,17 @@ def make_results(seed: int = 0, main: str = "gs3r", order=ORDER, interfaces=INTE
     def add(variant, family, method, arrival, on, score):
         for t in on:
             for m in metrics:
-                cells.append({"variant": variant, "family": family, "method": method, "arrival": arrival,
-                              "task": t, "metric": m, "value": float(score(t, m))})
+                cells.append(
+                    {
+                        "variant": variant,
+                        "family": family,
+                        "method": method,
+                        "arrival": arrival,
+                        "task": t,
+                        "metric": m,
+                        "value": float(score(t, m)),
+                    }
+                )
 
     def interface(metric):
         return metric.rsplit("_", 1)[0] if metric.endswith(("_nmi", "_ari")) else metric
@@ -50,54 +59,123 @@ def make_results(seed: int = 0, main: str = "gs3r", order=ORDER, interfaces=INTE
                 for itf in itfs:
                     R[itf][j][i] = 0.85 - forget[itf] * (j - i) - 0.01 * k
             if method != "latest_finetune":
-                add(f"{method}@{j}", "merge", method, j, tasks[:j + 1],
-                    lambda t, m, j=j, R=R: 0.5 if m.endswith("_ari") else R[interface(m)][j][tasks.index(t)])
+                add(
+                    f"{method}@{j}",
+                    "merge",
+                    method,
+                    j,
+                    tasks[: j + 1],
+                    lambda t, m, j=j, R=R: 0.5 if m.endswith("_ari") else R[interface(m)][j][tasks.index(t)],
+                )
         matrices[method] = R
         family = "finetune" if method == "latest_finetune" else "merge"
         for itf in itfs:
             M = np.array(R[itf])
             bwt = float(np.mean([M[-1, i] - M[i, i] for i in range(len(tasks) - 1)]))
-            summary.append({"method": method, "family": family, "interface": itf, "acc": float(M[-1].mean()), "bwt": bwt})
-            curves += [{"method": method, "interface": itf, "arrival": j, "acc": float(np.nanmean(M[j, :j + 1]))}
-                       for j in range(len(tasks))]
+            summary.append(
+                {"method": method, "family": family, "interface": itf, "acc": float(M[-1].mean()), "bwt": bwt}
+            )
+            curves += [
+                {"method": method, "interface": itf, "arrival": j, "acc": float(np.nanmean(M[j, : j + 1]))}
+                for j in range(len(tasks))
+            ]
     for q in QUANT:
         add(f"quantize:{q}", "quantize", q, -1, tasks, lambda t, m: 0.6)
     for itf in itfs:
         summary.append({"method": "base", "family": "base", "interface": itf, "acc": 0.35, "bwt": 0.0})
-        summary.append({"method": f"{main}+mxfp4_load_aware", "family": "quantize", "interface": itf, "acc": 0.6, "bwt": NAN})
+        summary.append(
+            {"method": f"{main}+mxfp4_load_aware", "family": "quantize", "interface": itf, "acc": 0.6, "bwt": NAN}
+        )
     n = len(tasks)
     eps = 0.2 + 0.2 * rng.random(n)
     mmd = 0.01 + 0.02 * rng.random(n)
-    curation = pd.DataFrame({"task": tasks, "eps_true": eps, "eps_hat": eps + rng.normal(0, 0.03, n), "ccmmd": mmd,
-                             "ccmmd_ci_low": mmd - 0.01, "ccmmd_ci_high": mmd + 0.01, "naive": mmd + 0.06,
-                             "audit_only": [0.0001, *(mmd[1:] + 0.02)], "oracle": mmd + 0.002,
-                             "keep_precision": np.full(n, 0.9), "keep_recall": np.full(n, 0.8),
-                             "n_keep": np.full(n, 700), "n_pool": np.full(n, 1000)})
+    curation = pd.DataFrame(
+        {
+            "task": tasks,
+            "eps_true": eps,
+            "eps_hat": eps + rng.normal(0, 0.03, n),
+            "ccmmd": mmd,
+            "ccmmd_ci_low": mmd - 0.01,
+            "ccmmd_ci_high": mmd + 0.01,
+            "naive": mmd + 0.06,
+            "audit_only": [0.0001, *(mmd[1:] + 0.02)],
+            "oracle": mmd + 0.002,
+            "keep_precision": np.full(n, 0.9),
+            "keep_recall": np.full(n, 0.8),
+            "n_keep": np.full(n, 700),
+            "n_pool": np.full(n, 1000),
+        }
+    )
     acc = 0.7 + 0.1 * rng.random(n)
-    pseudolabel = pd.DataFrame({"task": tasks, "accuracy": acc, "accuracy_ci_low": acc - 0.05,
-                                "accuracy_ci_high": acc + 0.05, "accuracy_true": acc + rng.normal(0, 0.02, n),
-                                "naive_accuracy": acc + 0.1, "n_selected": np.full(n, 700)})
-    finetune = pd.DataFrame({"task": tasks, "test_accuracy": acc + 0.1, "dev_accuracy": [*(acc[:-1] + 0.1), NAN],
-                             "steps": np.arange(n) * 10 + 100, "n_train": 100 + np.arange(n)})
+    pseudolabel = pd.DataFrame(
+        {
+            "task": tasks,
+            "accuracy": acc,
+            "accuracy_ci_low": acc - 0.05,
+            "accuracy_ci_high": acc + 0.05,
+            "accuracy_true": acc + rng.normal(0, 0.02, n),
+            "naive_accuracy": acc + 0.1,
+            "n_selected": np.full(n, 700),
+        }
+    )
+    finetune = pd.DataFrame(
+        {
+            "task": tasks,
+            "test_accuracy": acc + 0.1,
+            "dev_accuracy": [*(acc[:-1] + 0.1), NAN],
+            "steps": np.arange(n) * 10 + 100,
+            "n_train": 100 + np.arange(n),
+        }
+    )
     variants = ["float", *QUANT]
-    quantize = {"accuracy": {v: {t: 0.8 - 0.05 * k for t in tasks} for k, v in enumerate(variants)},
-                "mean_accuracy": {v: 0.8 - 0.05 * k for k, v in enumerate(variants)},
-                "model_mb": {"float": 86.6, "quantized": 14.2}, "bits_per_weight": 4.25,
-                "bits_per_weight_all_in": 4.6, "recovered_share": {"uniform": 0.3, "load_aware": None},
-                "accuracy_lost_by_mxfp4": 0.05}
-    return {"order": tasks, "interfaces": itfs, "main": main, "cells": pd.DataFrame(cells),
-            "summary": pd.DataFrame(summary), "curves": pd.DataFrame(curves), "matrices": matrices,
-            "curation": curation, "pseudolabel": pseudolabel, "finetune": finetune, "quantize": quantize,
-            "moe": {"enabled": True, "source": "tiny.gguf", "n_experts": 8, "top_k": 2,
-                    "perplexity": {"dense": 20.5, "float": 22.0},
-                    "variants": {v: {"perplexity": 22.0 + k, "consistency_mean": {"set": 1 - 0.1 * k, "top1": 1 - 0.05 * k},
-                                     "drift_last": 0.01 * k, "bits_per_weight": 32 if k == 0 else 4.6,
-                                     "bytes": {"total": 5e8 / (1 + k)}}
-                                 for k, v in enumerate(("float", "mxfp4", "uniform", "load_aware", "qat"))},
-                    "ranks": {"budget": 64}, "qat": {"steps": 10, "loss": "kl"}},
-            "figures": {"quantize": PNG_SIGNATURE + b"fake-quantize-figure"},
-            "meta": {"git_commit": "abc123", "params": {"evaluate": {"probe": {"C": 1.0}, "clustering": itfs[2:]}},
-                     "n_test": {t: 200 for t in tasks}, "n_probe": {t: 150 for t in tasks}}}
+    quantize = {
+        "accuracy": {v: {t: 0.8 - 0.05 * k for t in tasks} for k, v in enumerate(variants)},
+        "mean_accuracy": {v: 0.8 - 0.05 * k for k, v in enumerate(variants)},
+        "model_mb": {"float": 86.6, "quantized": 14.2},
+        "bits_per_weight": 4.25,
+        "bits_per_weight_all_in": 4.6,
+        "recovered_share": {"uniform": 0.3, "load_aware": None},
+        "accuracy_lost_by_mxfp4": 0.05,
+    }
+    return {
+        "order": tasks,
+        "interfaces": itfs,
+        "main": main,
+        "cells": pd.DataFrame(cells),
+        "summary": pd.DataFrame(summary),
+        "curves": pd.DataFrame(curves),
+        "matrices": matrices,
+        "curation": curation,
+        "pseudolabel": pseudolabel,
+        "finetune": finetune,
+        "quantize": quantize,
+        "moe": {
+            "enabled": True,
+            "source": "tiny.gguf",
+            "n_experts": 8,
+            "top_k": 2,
+            "perplexity": {"dense": 20.5, "float": 22.0},
+            "variants": {
+                v: {
+                    "perplexity": 22.0 + k,
+                    "consistency_mean": {"set": 1 - 0.1 * k, "top1": 1 - 0.05 * k},
+                    "drift_last": 0.01 * k,
+                    "bits_per_weight": 32 if k == 0 else 4.6,
+                    "bytes": {"total": 5e8 / (1 + k)},
+                }
+                for k, v in enumerate(("float", "mxfp4", "uniform", "load_aware", "qat"))
+            },
+            "ranks": {"budget": 64},
+            "qat": {"steps": 10, "loss": "kl"},
+        },
+        "figures": {"quantize": PNG_SIGNATURE + b"fake-quantize-figure"},
+        "meta": {
+            "git_commit": "abc123",
+            "params": {"evaluate": {"probe": {"C": 1.0}, "clustering": itfs[2:]}},
+            "n_test": {t: 200 for t in tasks},
+            "n_probe": {t: 150 for t in tasks},
+        },
+    }
 
 
 @pytest.fixture(scope="module")
@@ -162,8 +240,15 @@ def test_optional_sections_omitted():
     results["cells"] = results["cells"].iloc[:0]
     files = build_report(results)
     page = _page(files)
-    for gone in ("Mixture of experts", "Curation", "Pseudo-labels", "Fine-tunes", "Quantization", "Accuracy matrices",
-                 "Every variant"):
+    for gone in (
+        "Mixture of experts",
+        "Curation",
+        "Pseudo-labels",
+        "Fine-tunes",
+        "Quantization",
+        "Accuracy matrices",
+        "Every variant",
+    ):
         assert gone not in page, gone
     assert set(files) == {"index.html", "figures/interfaces.png"}
     assert "Headline" in page
@@ -182,7 +267,7 @@ def test_script_in_a_task_name_or_a_finding_is_escaped():
     """The templates escape every string from the results: a task named `<script>...` (in the order,
     every table and the cards) and a main method named so (in the findings' sentences, the headline
     table, the title)."""
-    task, method = "<script>alert('task')</script>", "<script>alert(\"m\")</script>"
+    task, method = "<script>alert('task')</script>", '<script>alert("m")</script>'
     results = make_results(main=method, order=["bbc", task, "tweets"])
     lines = findings(results["summary"], INTERFACES, method)
     assert any(method in line for line in lines)  # the finding names the method: plain text, unescaped

@@ -11,61 +11,126 @@ import torch
 VOCAB = 128
 
 
-def tiny_mixtral(seed: int = 0, layers: int = 2, experts: int = 4, top_k: int = 2, hidden: int = 64,
-                 intermediate: int = 64, init: float = 0.02, router_init: float | None = None, tie: bool = False):
+def tiny_mixtral(
+    seed: int = 0,
+    layers: int = 2,
+    experts: int = 4,
+    top_k: int = 2,
+    hidden: int = 64,
+    intermediate: int = 64,
+    init: float = 0.02,
+    router_init: float | None = None,
+    tie: bool = False,
+):
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate,
-                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                        num_local_experts=experts, num_experts_per_tok=top_k, max_position_embeddings=64,
-                        initializer_range=init, tie_word_embeddings=tie)
+    cfg = MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=experts,
+        num_experts_per_tok=top_k,
+        max_position_embeddings=64,
+        initializer_range=init,
+        tie_word_embeddings=tie,
+    )
     torch.manual_seed(seed)
     model = MixtralForCausalLM(cfg).eval()
     _scale_routers(model, router_init, seed)
     return model
 
 
-def tiny_qwen3(seed: int = 0, layers: int = 3, experts: int = 4, top_k: int = 2, hidden: int = 64,
-               intermediate: int = 64, norm_topk_prob: bool = False, mlp_only_layers=(1,), init: float = 0.02,
-               router_init: float | None = None):
+def tiny_qwen3(
+    seed: int = 0,
+    layers: int = 3,
+    experts: int = 4,
+    top_k: int = 2,
+    hidden: int = 64,
+    intermediate: int = 64,
+    norm_topk_prob: bool = False,
+    mlp_only_layers=(1,),
+    init: float = 0.02,
+    router_init: float | None = None,
+):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate,
-                         moe_intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, num_experts=experts, num_experts_per_tok=top_k,
-                         norm_topk_prob=norm_topk_prob, mlp_only_layers=list(mlp_only_layers),
-                         max_position_embeddings=64, initializer_range=init)
+    cfg = Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        moe_intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=norm_topk_prob,
+        mlp_only_layers=list(mlp_only_layers),
+        max_position_embeddings=64,
+        initializer_range=init,
+    )
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(cfg).eval()
     _scale_routers(model, router_init, seed)
     return model
 
 
-def tiny_qwen2moe(seed: int = 0, layers: int = 2, experts: int = 4, top_k: int = 2, hidden: int = 64,
-                  intermediate: int = 64, shared: int = 32, init: float = 0.02, router_init: float | None = None,
-                  norm_topk_prob: bool = True):
+def tiny_qwen2moe(
+    seed: int = 0,
+    layers: int = 2,
+    experts: int = 4,
+    top_k: int = 2,
+    hidden: int = 64,
+    intermediate: int = 64,
+    shared: int = 32,
+    init: float = 0.02,
+    router_init: float | None = None,
+    norm_topk_prob: bool = True,
+):
     """The architecture crucible.moe.build.moefy writes: routed experts plus a sigmoid-gated shared expert."""
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-    cfg = Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate,
-                         moe_intermediate_size=intermediate, shared_expert_intermediate_size=shared,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=norm_topk_prob,
-                         qkv_bias=False, max_position_embeddings=64, initializer_range=init)
+    cfg = Qwen2MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        moe_intermediate_size=intermediate,
+        shared_expert_intermediate_size=shared,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=norm_topk_prob,
+        qkv_bias=False,
+        max_position_embeddings=64,
+        initializer_range=init,
+    )
     torch.manual_seed(seed)
     model = Qwen2MoeForCausalLM(cfg).eval()
     _scale_routers(model, router_init, seed)
     return model
 
 
-def tiny_llama(seed: int = 0, hidden: int = 64, intermediate: int = 128, layers: int = 2, vocab: int = 256,
-               **extra):
+def tiny_llama(seed: int = 0, hidden: int = 64, intermediate: int = 128, layers: int = 2, vocab: int = 256, **extra):
     """A dense Llama whose FFN carries weight (the default std 0.02 leaves it nearly silent)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **extra)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        **extra,
+    )
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         for layer in model.model.layers:

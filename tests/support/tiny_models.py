@@ -7,29 +7,96 @@ from pathlib import Path
 
 import torch
 
-WORDS = ["market", "goal", "chip", "vote", "film", "great", "awful", "team", "price", "phone", "plot", "actor",
-         "the", "a", "is", "was", "good", "bad", "win", "loss"]
+WORDS = [
+    "market",
+    "goal",
+    "chip",
+    "vote",
+    "film",
+    "great",
+    "awful",
+    "team",
+    "price",
+    "phone",
+    "plot",
+    "actor",
+    "the",
+    "a",
+    "is",
+    "was",
+    "good",
+    "bad",
+    "win",
+    "loss",
+]
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "</s>"]
-COMMON = dict(vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-              max_position_embeddings=64)
+COMMON = dict(
+    vocab_size=32,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+    max_position_embeddings=64,
+)
 DROPOUT = 0.1
 FAMILIES = {
     "bert": dict(model_type="bert", hidden_dropout_prob=DROPOUT, attention_probs_dropout_prob=DROPOUT),
-    "roberta": dict(model_type="roberta", pad_token_id=0, hidden_dropout_prob=DROPOUT,
-                    attention_probs_dropout_prob=DROPOUT),
-    "distilbert": dict(model_type="distilbert", vocab_size=32, dim=32, hidden_dim=64, n_layers=2, n_heads=4,
-                       max_position_embeddings=64, pad_token_id=0, dropout=DROPOUT, attention_dropout=DROPOUT),
-    "deberta-v2": dict(model_type="deberta-v2", pad_token_id=0, hidden_dropout_prob=DROPOUT,
-                       attention_probs_dropout_prob=DROPOUT, relative_attention=True, position_buckets=8,
-                       pos_att_type=["p2c", "c2p"]),
-    "mpnet": dict(model_type="mpnet", pad_token_id=0, hidden_dropout_prob=DROPOUT, attention_probs_dropout_prob=DROPOUT),
-    "modernbert": dict(model_type="modernbert", pad_token_id=0, eos_token_id=5, bos_token_id=2, cls_token_id=2,
-                       sep_token_id=3, global_attn_every_n_layers=1, local_attention=8, attention_dropout=DROPOUT,
-                       mlp_dropout=DROPOUT, embedding_dropout=DROPOUT),
-    "llama": dict(model_type="llama", num_key_value_heads=2, eos_token_id=5, bos_token_id=2, pad_token_id=None,
-                  attention_dropout=DROPOUT),
-    "qwen2": dict(model_type="qwen2", num_key_value_heads=2, eos_token_id=5, bos_token_id=2, pad_token_id=None,
-                  attention_dropout=DROPOUT),
+    "roberta": dict(
+        model_type="roberta", pad_token_id=0, hidden_dropout_prob=DROPOUT, attention_probs_dropout_prob=DROPOUT
+    ),
+    "distilbert": dict(
+        model_type="distilbert",
+        vocab_size=32,
+        dim=32,
+        hidden_dim=64,
+        n_layers=2,
+        n_heads=4,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        dropout=DROPOUT,
+        attention_dropout=DROPOUT,
+    ),
+    "deberta-v2": dict(
+        model_type="deberta-v2",
+        pad_token_id=0,
+        hidden_dropout_prob=DROPOUT,
+        attention_probs_dropout_prob=DROPOUT,
+        relative_attention=True,
+        position_buckets=8,
+        pos_att_type=["p2c", "c2p"],
+    ),
+    "mpnet": dict(
+        model_type="mpnet", pad_token_id=0, hidden_dropout_prob=DROPOUT, attention_probs_dropout_prob=DROPOUT
+    ),
+    "modernbert": dict(
+        model_type="modernbert",
+        pad_token_id=0,
+        eos_token_id=5,
+        bos_token_id=2,
+        cls_token_id=2,
+        sep_token_id=3,
+        global_attn_every_n_layers=1,
+        local_attention=8,
+        attention_dropout=DROPOUT,
+        mlp_dropout=DROPOUT,
+        embedding_dropout=DROPOUT,
+    ),
+    "llama": dict(
+        model_type="llama",
+        num_key_value_heads=2,
+        eos_token_id=5,
+        bos_token_id=2,
+        pad_token_id=None,
+        attention_dropout=DROPOUT,
+    ),
+    "qwen2": dict(
+        model_type="qwen2",
+        num_key_value_heads=2,
+        eos_token_id=5,
+        bos_token_id=2,
+        pad_token_id=None,
+        attention_dropout=DROPOUT,
+    ),
 }
 DECODERS = {"llama", "qwen2"}
 
@@ -44,11 +111,22 @@ def tokenizer(decoder: bool):
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     if decoder:
-        return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="</s>", bos_token="[CLS]",
-                                       model_max_length=64)
-    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
-                                   sep_token="[SEP]", mask_token="[MASK]", eos_token="</s>", model_max_length=64)
+        return PreTrainedTokenizerFast(
+            tokenizer_object=tok, unk_token="[UNK]", eos_token="</s>", bos_token="[CLS]", model_max_length=64
+        )
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        eos_token="</s>",
+        model_max_length=64,
+    )
 
 
 def save_tiny(family: str, dest: Path, seed: int = 0) -> Path:

@@ -40,8 +40,10 @@ _HASHES: dict[str, str] = {}
 
 def fake_merge(root, theta_0: dict, seed: int = 0) -> None:
     g = torch.Generator().manual_seed(seed)
-    merged = {k: (v + 0.01 * torch.randn(v.shape, generator=g) * v.std() if v.ndim == 2 else v.clone()).contiguous()
-              for k, v in theta_0.items()}
+    merged = {
+        k: (v + 0.01 * torch.randn(v.shape, generator=g) * v.std() if v.ndim == 2 else v.clone()).contiguous()
+        for k, v in theta_0.items()
+    }
     folder = root / "models" / "merge"
     folder.mkdir(parents=True, exist_ok=True)
     save_file(merged, str(folder / "model.safetensors"))
@@ -50,26 +52,42 @@ def fake_merge(root, theta_0: dict, seed: int = 0) -> None:
         heads[f"{t}.weight"] = torch.randn(len(classes), 384, generator=g)
         heads[f"{t}.bias"] = torch.zeros(len(classes))
     save_file(heads, str(folder / "heads.safetensors"), metadata={"classes": json.dumps(TASKS)})
-    (folder / "config.json").write_text(json.dumps({"base_model": "all-MiniLM-L6-v2", "base_model_hash": minilm_hash(),
-                                                    "classes": TASKS, "main": "gs3r",
-                                                    "order": list(TASKS), "max_length": {t: 32 for t in TASKS}}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "base_model": "all-MiniLM-L6-v2",
+                "base_model_hash": minilm_hash(),
+                "classes": TASKS,
+                "main": "gs3r",
+                "order": list(TASKS),
+                "max_length": {t: 32 for t in TASKS},
+            }
+        )
+    )
     for k, (t, classes) in enumerate(TASKS.items()):
         rng = np.random.default_rng(k)
         for kind, n in (("reference", 20), ("test", 24)):
-            df = pd.DataFrame({"id": [f"{kind[0]}{i}" for i in range(n)],
-                               "text": [" ".join(rng.choice(WORDS, 7)) for _ in range(n)],
-                               "label": [classes[i % len(classes)] for i in range(n)]})
+            df = pd.DataFrame(
+                {
+                    "id": [f"{kind[0]}{i}" for i in range(n)],
+                    "text": [" ".join(rng.choice(WORDS, 7)) for _ in range(n)],
+                    "label": [classes[i % len(classes)] for i in range(n)],
+                }
+            )
             (root / "data" / t).mkdir(parents=True, exist_ok=True)
             df.to_parquet(root / "data" / t / f"{kind}.parquet", index=False)
 
 
-
-
-
 def _dvc(root: Path, *args: str) -> subprocess.CompletedProcess:
     exe = Path(sys.executable).with_name("dvc")
-    proc = subprocess.run([str(exe), *args], cwd=root, capture_output=True, text=True,
-                          env={**os.environ, "DVC_NO_ANALYTICS": "1"}, timeout=300)
+    proc = subprocess.run(
+        [str(exe), *args],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DVC_NO_ANALYTICS": "1"},
+        timeout=300,
+    )
     assert proc.returncode == 0, f"dvc {' '.join(args)}: {proc.stderr}"
     return proc
 
@@ -96,16 +114,29 @@ def fill_stage_files(root: Path, stage: str) -> None:
             (p / "contents.txt").write_text(f"stand-in output in {path}\n")
 
 
-def write_evaluate(root: Path, accuracy: dict[str, float], float_accuracy: dict[str, float] | None = None,
-                   baselines: dict | None = None) -> None:
+def write_evaluate(
+    root: Path,
+    accuracy: dict[str, float],
+    float_accuracy: dict[str, float] | None = None,
+    baselines: dict | None = None,
+) -> None:
     """metrics/evaluate.json with a `deployable` entry of the given test accuracies (and, if given,
     the `baselines` the register gate derives its floors from: {chance: {task: share}, base: {...}})."""
-    def entry(variant, acc):
-        return {"variant": variant, "accuracy": acc, "mean_accuracy": float(np.mean(list(acc.values()))),
-                "n_test": {t: 24 for t in acc}}
 
-    data = {"deployable": {"quantized": entry(f"quantize:{QUANT_VARIANT}", accuracy),
-                           "float": entry("gs3r", float_accuracy or accuracy)}}
+    def entry(variant, acc):
+        return {
+            "variant": variant,
+            "accuracy": acc,
+            "mean_accuracy": float(np.mean(list(acc.values()))),
+            "n_test": {t: 24 for t in acc},
+        }
+
+    data = {
+        "deployable": {
+            "quantized": entry(f"quantize:{QUANT_VARIANT}", accuracy),
+            "float": entry("gs3r", float_accuracy or accuracy),
+        }
+    }
     if baselines is not None:
         data["baselines"] = baselines
     (root / "metrics").mkdir(exist_ok=True)
@@ -125,8 +156,12 @@ def base_workspace(tmp_path_factory) -> Path:
     from tasks.stages import write_dvc_yaml
 
     torch.set_num_threads(1)
-    root = make_workspace(ROOT, tmp_path_factory.mktemp("register"), "tiny",
-                          overrides={"quantize": {"calibration_per_task": 8, "rank_per_matrix": 2}})  # 36 x 2 = 72
+    root = make_workspace(
+        ROOT,
+        tmp_path_factory.mktemp("register"),
+        "tiny",
+        overrides={"quantize": {"calibration_per_task": 8, "rank_per_matrix": 2}},
+    )  # 36 x 2 = 72
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["pipeline"]["tasks"] = {"rotten": {"corpus": "rotten_tomatoes"}, "bbc": {"corpus": "bbc_news"}}
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
@@ -148,8 +183,9 @@ def copy_workspace(base: Path, tmp_path_factory, name: str) -> Path:
     in the copy, its artifact locations move to the copy's own mlartifacts/), without any registered
     model and without base's artifact files (no test reads the earlier runs' artifacts)."""
     dest = tmp_path_factory.mktemp(name) / "ws"
-    shutil.copytree(base, dest, symlinks=True, ignore=shutil.ignore_patterns("mlartifacts", "register",
-                                                                           "registered.json"))
+    shutil.copytree(
+        base, dest, symlinks=True, ignore=shutil.ignore_patterns("mlartifacts", "register", "registered.json")
+    )
     return dest
 
 
