@@ -25,7 +25,7 @@ export MLFLOW_HTTP_REQUEST_TIMEOUT ?= 8
 # stage commands in dvc.yaml (`crucible stage ...`) come from the project virtualenv
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: install run test test-fast test-determinism test-long dvc-repro ui serve clean-env gpu-check
+.PHONY: install run lint test test-fast test-determinism test-long dvc-repro ui serve clean-env gpu-check
 
 # torch: the CUDA build (with its triton) where `nvidia-smi -L` lists a GPU, from PyTorch's index for
 # CUDA $(TORCH_CUDA) (`make install TORCH_CUDA=cu128` for an older driver); the CPU build elsewhere, as
@@ -63,7 +63,12 @@ run: install
 dvc-repro: install
 	$(BIN)/dvc repro
 
-test: install $(TEST_STAMP)
+# ruff (pyproject.toml [tool.ruff]): lint and format check; `make test` runs it first.
+lint: install $(TEST_STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: install $(TEST_STAMP) lint
 	$(BIN)/python -m pytest -q --durations=15 -m "not determinism and not operations"
 
 test-fast: install $(TEST_STAMP)

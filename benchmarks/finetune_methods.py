@@ -42,9 +42,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from crucible.embed import load_encoder  # noqa: E402
 from crucible.gmixout import GMixout, GMixoutConfig  # noqa: E402
 from crucible.train import EncoderClassifier, Examples, TrainConfig, evaluate, tokenize, train, wise_ft  # noqa: E402
-from tasks.stages.finetune import read_labeled, split_dev, task_seed  # noqa: E402
 from tasks.data.models import resolve_model  # noqa: E402
 from tasks.runtime.params_schema import FinetuneParams, GMixoutOptions  # noqa: E402
+from tasks.stages.finetune import read_labeled, split_dev, task_seed  # noqa: E402
 
 SHIFT = {"rotten": ("tweets", {"fresh": "positive", "rotten": "negative"})}
 
@@ -338,7 +338,8 @@ def main(argv=None) -> None:
             rows += run_one(task, data[task], method, variant, seed, args, encoder_path, tokenizer, base_state)
             r = rows[-1] if not rows[-1]["method"].startswith("wise") else rows[-1 - len(args.alphas)]
             print(
-                f"  seed {seed} {task:8s} {method:8s} {variant:10s} id={r['id']:.3f} shift={r.get('shift', float('nan')):.3f} "
+                f"  seed {seed} {task:8s} {method:8s} {variant:10s} id={r['id']:.3f} "
+                f"shift={r.get('shift', float('nan')):.3f} "
                 f"steps/s={r['steps_per_s']:.2f} [{time.perf_counter() - start:.0f}s]",
                 file=sys.stderr,
                 flush=True,
@@ -351,14 +352,16 @@ def main(argv=None) -> None:
 
     print("\n## methods (reference + weighted pseudo-labels), mean±sd over seeds")
     print(
-        f"{'task':8s} {'method':16s} {'id acc':>12s} {'shift acc':>12s} {'steps/s':>12s} {'x plain':>8s} {'peak MB':>8s}"
+        f"{'task':8s} {'method':16s} {'id acc':>12s} {'shift acc':>12s} {'steps/s':>12s} "
+        f"{'x plain':>8s} {'peak MB':>8s}"
     )
     for (task, method), g in df[df["variant"] == "weighted"].groupby(["task", "method"], sort=False):
         wise = method.startswith("wise")
         print(
             f"{task:8s} {method:16s} {fmt(g['id']):>12s} {fmt(g['shift']):>12s} "
             f"{'(= plain)' if wise else fmt(g['steps_per_s']):>12s} "
-            f"{'' if wise else format(g['speed_vs_plain'].mean(), '.2f'):>8s} {'' if wise else format(g['peak_mb'].mean(), '.0f'):>8s}"
+            f"{'' if wise else format(g['speed_vs_plain'].mean(), '.2f'):>8s} "
+            f"{'' if wise else format(g['peak_mb'].mean(), '.0f'):>8s}"
         )
     if args.curation_task:
         print(f"\n## curation ({args.curation_task}, GMixout), mean±sd over seeds")

@@ -258,7 +258,8 @@ def library_rows(device) -> None:
     rel = abs(vals["cpu"][0] - vals["cuda"][0]) / max(abs(vals["cpu"][0]), 1e-12)
     row(
         "library: CC-MMD estimate (curate), CPU torch sums vs CUDA Triton kernel",
-        f"{vals['cpu'][0]:.6g} vs {vals['cuda'][0]:.6g} (rel {rel:.1e}); {vals['cpu'][1]:.2f} s vs {vals['cuda'][1]:.2f} s",
+        f"{vals['cpu'][0]:.6g} vs {vals['cuda'][0]:.6g} (rel {rel:.1e}); "
+        f"{vals['cpu'][1]:.2f} s vs {vals['cuda'][1]:.2f} s",
         "rel <= 1e-4",
         rel <= 1e-4,
     )
@@ -279,7 +280,7 @@ def kernel_rows(device) -> None:
         else [(384, 384), (1536, 384), (384, 1536), (576, 576), (1536, 576), (4096, 4096)]
     )
     g = torch.Generator().manual_seed(0)
-    worst_q, worst_lin, equal = 0, 0.0, True
+    worst_lin, equal = 0.0, True
     for n, k in shapes:
         w = (torch.randn(n, k, generator=g) * 0.05).to(device)
         q = mxfp4.quantize(w, mode="floor")
@@ -403,7 +404,7 @@ def main() -> int:
 
             traceback.print_exc()
             row(part.__name__, f"raised {type(exc).__name__}: {str(exc)[:200]}", "runs", False)
-    print(f"\n| check | figure | bar | result |\n|---|---|---|---|")
+    print("\n| check | figure | bar | result |\n|---|---|---|---|")
     for what, figure, bar, ok in ROWS:
         print(f"| {what} | {figure} | {bar} | {({True: 'ok', False: 'FAIL', None: 'not run'})[ok]} |")
     print(f"\n{time.perf_counter() - start:.0f} s")

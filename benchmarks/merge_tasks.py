@@ -5,7 +5,8 @@ memory as the number of tasks grows to 8.
     python benchmarks/merge_tasks.py --eval-limit 100 --scale 0    # quicker, no scaling part
 
 Reads the project's data/<task>/finetune/ and test.parquet (made by the pipeline: `make run`);
-writes nothing there. Uses the merge stage's own code (tasks.stages.merge, tasks.data.merge_worker: one worker process per method
+writes nothing there. Uses the merge stage's own code (tasks.stages.merge, tasks.data.merge_worker: one worker
+process per method
 and order, the accuracy matrix with each task's head) and the methods of params.yaml `merge`.
 
 Accuracy, per order and method: the final average accuracy, the same normalised by each task's own
@@ -39,11 +40,11 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from tasks.stages.merge import merge_method, reference_accuracy  # noqa: E402
-from tasks.data.merge_worker import run_method  # noqa: E402
 from tasks.data.heldout_scoring import FeatureStore, Scorer, read_task_model  # noqa: E402
+from tasks.data.merge_worker import run_method  # noqa: E402
 from tasks.data.models import resolve_model  # noqa: E402
 from tasks.runtime.params import load_params  # noqa: E402
+from tasks.stages.merge import merge_method, reference_accuracy  # noqa: E402
 
 
 def default_orders(tasks: list[str]) -> list[list[str]]:

@@ -101,7 +101,8 @@ def main() -> None:
         f"# moe_build_check: SmolLM2-135M-Instruct, corpora={args.corpora}, calib={args.calib}x{args.seq_len}, "
         f"held-out={args.eval}x{args.seq_len}, seed={args.seed}, ridge={args.ridge}, recovery "
         f"{args.recover_steps} steps ({args.recover_train}, lr {args.recover_lr:g}, {args.recover_batch} sequences "
-        f"a step, from {args.recover_seqs} sequences), threads={torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}",
+        f"a step, from {args.recover_seqs} sequences), threads={torch.get_num_threads()}, "
+        f"load average {os.getloadavg()[0]:.1f}",
         flush=True,
     )
     t0 = time.perf_counter()

@@ -85,10 +85,10 @@ def spread(values: list[float]) -> tuple[float, float]:
 
 def table(header: list[str], rows: list[list]) -> str:
     widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(header)]
-    fmt = lambda cells: "  ".join(
-        str(c).rjust(w) if i else str(c).ljust(w)  # noqa: E731
-        for i, (c, w) in enumerate(zip(cells, widths))
-    )
+
+    def fmt(cells) -> str:
+        return "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
     return "\n".join([fmt(header), *(fmt(r) for r in rows)])
 
 
@@ -236,7 +236,8 @@ def main() -> None:
     ap.add_argument(
         "--load-moe",
         default=None,
-        help="the moe_build stage's output folder (models/moe/build) instead of building; it must be built with params.yaml's moe values",
+        help="the moe_build stage's output folder (models/moe/build) instead of building; it must be built with "
+        "params.yaml's moe values",
     )
     ap.add_argument("--save-moe", default=None, help="save the built MoE to this folder")
     ap.add_argument("--progress", action="store_true")

@@ -86,7 +86,8 @@ def main() -> None:
         n = w.numel() / 1e6
         print(
             f"{'x'.join(map(str, shape)):>12} {str(exact):>9} {n / t['ours_q']:14.1f} {n / t['ao_q']:8.1f} "
-            f"{t['ao_q'] / t['ours_q']:6.2f} {n / t['ours_d']:16.1f} {n / t['ao_d']:8.1f} {t['ao_d'] / t['ours_d']:6.2f}"
+            f"{t['ao_q'] / t['ours_q']:6.2f} {n / t['ours_d']:16.1f} {n / t['ao_d']:8.1f} "
+            f"{t['ao_d'] / t['ours_d']:6.2f}"
         )
         if not exact:
             raise SystemExit(f"not bit-exact with torchao at shape {shape}")

@@ -32,10 +32,10 @@ sys.path.insert(0, str(ROOT))
 from crucible import pseudolabel as pl  # noqa: E402
 from crucible.contamination import draw_poisson_sample, poisson_inclusion_probabilities  # noqa: E402
 from tasks.data.embeddings import load_embeddings  # noqa: E402
-from tasks.runtime.params import load_params  # noqa: E402
 from tasks.runtime.declaration import expand  # noqa: E402
-from tasks.stages import execute, spec  # noqa: E402
+from tasks.runtime.params import load_params  # noqa: E402
 from tasks.runtime.workspace import make_workspace  # noqa: E402
+from tasks.stages import execute, spec  # noqa: E402
 
 STAGES = ("ingest", "embed", "curate", "pseudolabel")
 

@@ -70,11 +70,11 @@ def main() -> None:
     import torch
 
     from crucible.quant import CompensationPlan, quantize_model, save_quantized, select_linears
-    from tasks.runtime.io import read_table
+    from tasks.data.heldout_scoring import Scorer
     from tasks.data.models import resolve_model
+    from tasks.runtime.io import read_table
     from tasks.runtime.params import load_params
     from tasks.stages.quantize import calibrate, calibration_batches, read_merged
-    from tasks.data.heldout_scoring import Scorer
 
     if args.threads:
         torch.set_num_threads(args.threads)

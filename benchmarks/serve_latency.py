@@ -79,7 +79,6 @@ def main() -> None:
 
     root = Path(args.root).resolve()
     apply_defaults(root)
-    from tasks.runtime.params import load_params
     from tasks.registry.registry import resolve_version
     from tasks.registry.serving import (
         download_version,
@@ -92,6 +91,7 @@ def main() -> None:
         stop_server,
         wait_until_serving,
     )
+    from tasks.runtime.params import load_params
 
     params = load_params(root / "params.yaml")
     name = params.tracking.registered_model

@@ -27,7 +27,6 @@ import http.client
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import tempfile

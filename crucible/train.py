@@ -42,13 +42,13 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 from torch.nn import functional as F
-from crucible.progress import Progress
 
 from crucible.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from crucible.device import autocast, model_device
 from crucible.dropout import RunDropout, use_run_dropout
 from crucible.gmixout import GMixout
 from crucible.models import encode
+from crucible.progress import Progress
 from crucible.seeding import epoch_seed, stream_seed, torch_generator
 
 # ---------------------------------------------------------------------------------------------------

@@ -40,17 +40,18 @@ def preflight(params, root: Path) -> None:
         print(f"warning: {setting} is a demo-only param; ingest.source is 'files', so it is ignored", file=sys.stderr)
     if params.ingest.source == "files":
         for task, n in check_user_files(params, root).items():
+            counts = ", ".join(f"{k} {v}" for k, v in n.items() if k != "short_texts")
             print(
-                f"  {params.ingest.files_dir}/{task}: OK ({', '.join(f'{k} {v}' for k, v in n.items() if k != 'short_texts')} rows"
+                f"  {params.ingest.files_dir}/{task}: OK ({counts} rows"
                 + (f"; {n['short_texts']} texts under ingest.min_chars" if n["short_texts"] else "")
                 + ")"
             )
 
 
 def _cmd_params(args) -> int:
-    from tasks.runtime.params import ParamsError, load_params, render_params
-
     import yaml
+
+    from tasks.runtime.params import ParamsError, load_params, render_params
 
     try:
         if args.action == "check":
@@ -319,7 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "serve",
-        help="serve the registered model over HTTP (MLflow's scoring app, request limits from params' serve section) on 127.0.0.1",
+        help="serve the registered model over HTTP (MLflow's scoring app, request limits from params' serve "
+        "section) on 127.0.0.1",
     )
     p.add_argument("--alias", default="champion", help="alias or version number (default: champion)")
     p.add_argument("--port", type=int, default=5001)

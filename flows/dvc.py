@@ -38,7 +38,8 @@ def _dvc(root: Path, *args: str, wait: float = 60.0) -> subprocess.CompletedProc
         time.sleep(1.0)
     if proc.returncode != 0:
         raise RuntimeError(
-            f"`{' '.join(cmd[1:])}` failed in {root} (exit {proc.returncode}):\n{(proc.stderr + proc.stdout).strip()[-2000:]}"
+            f"`{' '.join(cmd[1:])}` failed in {root} (exit {proc.returncode}):\n"
+            f"{(proc.stderr + proc.stdout).strip()[-2000:]}"
         )
     return proc
 

@@ -24,10 +24,10 @@ from prefect import flow, get_run_logger, task
 from flows import dvc
 from flows.resources import GpuSlots, local_cluster_gpus, local_gpus, requesting, spreads_locally
 from tasks.runtime import quiet, tracking
+from tasks.runtime.declaration import instances, overlaps, upstream
 from tasks.runtime.lock import WorkspaceLock
 from tasks.runtime.params import load_params
 from tasks.runtime.params_schema import Params
-from tasks.runtime.declaration import instances, overlaps, upstream
 from tasks.stages import NAMES, execute, module, spec
 
 

@@ -18,9 +18,9 @@ def message(exc: Exception) -> str:
 
 def registered(root: Path, ref: str):
     """(name, client, model version) of params' registered model at version or alias `ref`."""
-    from tasks.runtime.params import load_params
     from tasks.registry.registry import resolve_version
     from tasks.registry.serving import registry_client
+    from tasks.runtime.params import load_params
 
     name = load_params(root / "params.yaml").tracking.registered_model
     client = registry_client(root)
@@ -28,13 +28,12 @@ def registered(root: Path, ref: str):
 
 
 def cmd_predict(args) -> int:
+    import pandas as pd
     from mlflow.exceptions import MlflowException
 
-    import pandas as pd
-
+    from tasks.registry.serving import load_registered
     from tasks.runtime.params import ParamsError
     from tasks.runtime.tracking import TrackingStoreError
-    from tasks.registry.serving import load_registered
 
     root = Path(args.root).resolve()
     try:
@@ -67,9 +66,9 @@ def cmd_predict(args) -> int:
 
 
 def cmd_lineage(args) -> int:
+    from tasks.registry.serving import version_summary
     from tasks.runtime import lineage
     from tasks.runtime.params import ParamsError
-    from tasks.registry.serving import version_summary
     from tasks.runtime.tracking import git_commit
 
     root = Path(args.root).resolve()

@@ -187,10 +187,10 @@ def cmd_serve(args) -> int:
 
     from mlflow.exceptions import MlflowException
 
+    from tasks.registry.serving import curl_example, download_version, serve_command, serve_limits
     from tasks.runtime.params import ParamsError, load_params
     from tasks.runtime.scratch import SCRATCH, owner_tag, sweep
     from tasks.runtime.tracking import TrackingStoreError
-    from tasks.registry.serving import curl_example, download_version, serve_command, serve_limits
 
     root = Path(args.root).resolve()
     try:

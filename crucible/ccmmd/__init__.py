@@ -6,7 +6,7 @@ sums it runs on (torch, or Triton on CUDA); ``rff_matvec`` their random-feature 
 """
 
 from .estimator import CCMMDResult, cc_mmd, mmd_terms
-from .fit import FitResult, fit_min_ccmmd, contaminated_regression, linear_gaussian_sampler
+from .fit import FitResult, contaminated_regression, fit_min_ccmmd, linear_gaussian_sampler
 from .kernels import (
     GaussianKernel,
     gaussian_kernel_matrix,

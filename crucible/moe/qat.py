@@ -38,8 +38,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from crucible.moe.mx_experts import MXExperts, round_adapters
 from crucible.device import model_device
+from crucible.moe.mx_experts import MXExperts, round_adapters
 from crucible.moe.routing import Routes, check_routes, forward_batch, moe_layers, replay
 from crucible.progress import Progress
 from crucible.quant.linear import MXLinear

@@ -399,8 +399,9 @@ def save_quantized(model: nn.Module, path: Path | str | None = None, metadata: d
 def load_quantized(path: Path | str, skeleton: nn.Module) -> nn.Module:
     """Rebuild a quantized model from `path` into `skeleton` (the same architecture, any weights):
     its listed linear layers become MXLinear from the packed tensors, every other tensor is loaded
-    strictly; returned in eval mode. Raises ValueError naming the file for a truncated or foreign file, a missing or extra
-    tensor, a shape that does not fit the architecture, or NaN / inf in a float tensor (naming it)."""
+    strictly; returned in eval mode. Raises ValueError naming the file for a truncated or foreign file, a
+    missing or extra tensor, a shape that does not fit the architecture, or NaN / inf in a float tensor
+    (naming it)."""
     from crucible.serialize import read_safetensors
 
     path = Path(path)

@@ -1,6 +1,7 @@
 """Using a registered version: load it in this process (`crucible predict`, tests, benchmarks),
 serve it over HTTP (`crucible serve`: MLflow's scoring app behind request limits, under uvicorn on
-127.0.0.1; tasks/registry/serving_app.py), describe it, and the JSON that /invocations takes. The registry itself is written by the register stage (tasks/stages/register.py).
+127.0.0.1; tasks/registry/serving_app.py), describe it, and the JSON that /invocations takes. The
+registry itself is written by the register stage (tasks/stages/register.py).
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ def registry_client(root: Path):
 def load_registered(root: Path, ref: str = CHAMPION, name: str | None = None, dst: Path | None = None):
     """(pyfunc model, model version) of `name` (default: params' tracking.registered_model) at
     version or alias `ref`, loaded in this process without touching the global tracking URI."""
+    import os
+
     import mlflow.artifacts
     import mlflow.pyfunc
 
     from tasks.runtime.params import load_params
     from tasks.runtime.tracking import tracking_uri
-
-    import os
 
     root = Path(root).resolve()
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a local copy: no progress bar

@@ -100,7 +100,10 @@ def findings(summary: pd.DataFrame, interfaces: list[str], main: str) -> list[st
             continue
         acc, bwt = look[(main, i)]
         verdicts[i] = verdict(bwt)
-        text = f"Through the {interface_phrase(i)}, {main} ends at ACC {fmt(acc)} with BWT {signed(bwt)}: {VERDICT[verdicts[i]]}"
+        text = (
+            f"Through the {interface_phrase(i)}, {main} ends at ACC {fmt(acc)} with BWT {signed(bwt)}: "
+            f"{VERDICT[verdicts[i]]}"
+        )
         if _finite(bwt):
             bwts[i] = float(bwt)
             others = [look[(m, i)][1] for m in continual if m != main and (m, i) in look and _finite(look[(m, i)][1])]

@@ -64,7 +64,8 @@ def format_validation_error(err: ValidationError, source: str) -> str:
             if hint:
                 msg += f" (did you mean '{'.'.join(map(str, parent + (hint[0],)))}'?)"
             if allowed:
-                msg += f"; allowed keys{' under ' + repr('.'.join(map(str, parent))) if parent else ''}: {', '.join(allowed)}"
+                under = f" under {'.'.join(map(str, parent))!r}" if parent else ""
+                msg += f"; allowed keys{under}: {', '.join(allowed)}"
             lines.append(msg)
         elif e["type"] == "missing":
             lines.append(f"{source}: missing key '{key}': {e['msg']}")

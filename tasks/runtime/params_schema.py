@@ -411,8 +411,8 @@ class QuantizeParams(_Section):
         8,
         ge=0,
         description=(
-            "mean adapter rank per quantized matrix: the total budget is round(this x the number of matrices), the same "
-            "meaning on any model (0 = no compensation)"
+            "mean adapter rank per quantized matrix: the total budget is round(this x the number of matrices), "
+            "the same meaning on any model (0 = no compensation)"
         ),
     )
     allocation: Literal["uniform", "load_aware"] = Field(

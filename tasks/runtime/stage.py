@@ -18,14 +18,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tasks.runtime import device as runtime_device
-from tasks.runtime import quiet
-from tasks.runtime import tracking
+from tasks.runtime import quiet, tracking
 from tasks.runtime.declaration import inputs, output_dirs, outputs, params_keys
 from tasks.runtime.io import md5_file
 from tasks.runtime.lock import WorkspaceLock
 from tasks.runtime.params import load_params
-from tasks.runtime.params_schema import Params
 from tasks.runtime.params_access import declared_values, declared_view
+from tasks.runtime.params_schema import Params
 
 
 @dataclass
@@ -93,9 +92,9 @@ _say = tracking.say  # `crucible: <message>` on stderr
 class PeakRSS:
     """The process's resident memory over a block, sampled every 20 ms by a thread:
     `stage_peak_rss_mb` (the highest), `stage_rss_start_mb` and `stage_peak_rss_above_start_mb`.
-    Under `crucible stage` / `dvc repro` the process runs one stage; under the flow's threads it is shared with the stages beside it,
-    so the numbers bound this stage's from above. Children (the merge workers) are not included:
-    they log their own peaks."""
+    Under `crucible stage` / `dvc repro` the process runs one stage; under the flow's threads it is
+    shared with the stages beside it, so the numbers bound this stage's from above. Children (the
+    merge workers) are not included: they log their own peaks."""
 
     def __init__(self, every: float = 0.02):
         import threading

@@ -425,8 +425,8 @@ def remove_orphaned_models(root: Path, experiment_id: str) -> list[str]:
                 m.model_id,
                 {
                     FAILURE_TAG: (
-                        f"orphaned: its run {run.info.run_name or ''} ({run.info.run_id}) ended {run.info.status} before "
-                        f"the model was registered; deleted at the next start"
+                        f"orphaned: its run {run.info.run_name or ''} ({run.info.run_id}) ended "
+                        f"{run.info.status} before the model was registered; deleted at the next start"
                     )
                 },
             )

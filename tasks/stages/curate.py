@@ -24,10 +24,10 @@ import pandas as pd
 import torch
 
 from crucible.ccmmd import GaussianKernel, cc_mmd
-from tasks.runtime.device import current
 from crucible.membership_scores import domain_classifier_scores, knn_density_ratio_scores
-from tasks.runtime.declaration import Plot, StageSpec
 from tasks.data.audited import read_audited_task
+from tasks.runtime.declaration import Plot, StageSpec
+from tasks.runtime.device import current
 from tasks.runtime.io import AtomicOutputs, read_table
 from tasks.runtime.params_schema import Params
 

@@ -17,11 +17,11 @@ import torch
 from crucible.embed import embed_texts
 from crucible.progress import Progress
 from crucible.schema import validate_disjoint
-from tasks.runtime.declaration import StageSpec
 from tasks.data.embeddings import ids_digest
-from tasks.runtime.io import AtomicOutputs, read_table
 from tasks.data.models import MANIFEST, base_model
+from tasks.runtime.declaration import StageSpec
 from tasks.runtime.device import current
+from tasks.runtime.io import AtomicOutputs, read_table
 from tasks.runtime.params_schema import Params
 
 TABLES = ("reference", "pool", "test")

@@ -129,8 +129,8 @@ def _rerun(stage: str) -> str:
 
 def read_inputs(root: Path, params: Params) -> dict:
     """Both stages' features, checked against each other and params; heads and configs."""
-    from tasks.runtime.io import read_safetensors
     from tasks.data.heldout_scoring import read_features
+    from tasks.runtime.io import read_safetensors
 
     order = params.merge_order()
     merged, merge_meta = read_features(root / MERGE / "features.safetensors", "merge")
@@ -521,8 +521,8 @@ def finetune_warnings(cells: pd.DataFrame, chance: dict[str, float]) -> list[str
 
 def run(params: Params, task: str | None, root: Path, log) -> dict:
     from crucible.progress import Progress
-    from tasks.runtime.tracking import say
     from tasks.report.page import build_report
+    from tasks.runtime.tracking import say
 
     root = Path(root)
     data = read_inputs(root, params)

@@ -54,10 +54,10 @@ from crucible.gmixout import GMixout, GMixoutConfig
 from crucible.schema import validate_disjoint, validate_table
 from crucible.seeding import derive_seed, numpy_rng, stream_seed
 from crucible.train import EncoderClassifier, Examples, TrainConfig, evaluate, tokenize, train
-from tasks.runtime.device import current, runtime_config
-from tasks.runtime.declaration import StageSpec
-from tasks.runtime.io import AtomicOutputs, read_stage_output, read_table
 from tasks.data.models import MANIFEST, BaseModel, base_model
+from tasks.runtime.declaration import StageSpec
+from tasks.runtime.device import current, runtime_config
+from tasks.runtime.io import AtomicOutputs, read_stage_output, read_table
 from tasks.runtime.params_schema import FinetuneParams, Params
 
 LABELED_COLUMNS = ("id", "text", "label", "source", "confidence", "weight")

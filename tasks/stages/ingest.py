@@ -39,8 +39,8 @@ from crucible.schema import (
     validate_table,
 )
 from crucible.seeding import numpy_rng
-from tasks.runtime.declaration import StageSpec
 from tasks.data.corpora import load_corpus
+from tasks.runtime.declaration import StageSpec
 from tasks.runtime.io import AtomicOutputs, read_table
 from tasks.runtime.params_schema import Params
 from tasks.runtime.tracking import say
@@ -265,8 +265,9 @@ def run(params: Params, task: str, root: Path, log) -> dict:
         metrics["short_texts"] = short_texts(tables, params.ingest.min_chars)
         if metrics["short_texts"]:
             say(
-                f"warning: ingest@{task}: {metrics['short_texts']} texts in {params.ingest.files_dir}/{task} are shorter than "
-                f"ingest.min_chars = {params.ingest.min_chars} characters (kept: your files are used as they are)"
+                f"warning: ingest@{task}: {metrics['short_texts']} texts in {params.ingest.files_dir}/{task} are "
+                f"shorter than ingest.min_chars = {params.ingest.min_chars} characters (kept: your files are used "
+                f"as they are)"
             )
     with AtomicOutputs() as out:
         for kind, df in tables.items():

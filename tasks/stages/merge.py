@@ -47,15 +47,15 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from tasks.runtime.device import current, runtime_config
-from tasks.runtime.tracking import say
-from tasks.runtime.declaration import Plot, StageSpec
-from tasks.runtime.io import AtomicOutputs, figure_png
-from tasks.data.models import MANIFEST, base_model
-from tasks.runtime.params_schema import Params
-from tasks.runtime.scratch import scratch
 from tasks.data.heldout_scoring import FeatureStore, Scorer, read_probe_rows, read_task_model, read_tests
 from tasks.data.merge_worker import SCRATCH_HINT, start_method
+from tasks.data.models import MANIFEST, base_model
+from tasks.runtime.declaration import Plot, StageSpec
+from tasks.runtime.device import current, runtime_config
+from tasks.runtime.io import AtomicOutputs, figure_png
+from tasks.runtime.params_schema import Params
+from tasks.runtime.scratch import scratch
+from tasks.runtime.tracking import say
 
 OUT = Path("models") / "merge"
 METRICS = Path("metrics")  # small files git can commit: `dvc metrics diff` / `dvc plots diff` against HEAD
@@ -122,8 +122,8 @@ def merge_method(
     the features of every arrival's merged model on the arrived tasks go into the store (variant
     `<method>@<j>`; an arrival whose weights the store has scored already is not encoded again).
     The worker runs in its own process (tasks.data.merge_worker); interrupted while waiting for it,
-    it is killed, so none outlives the stage. Returns (summary entry, accuracy rows, rank rows); the merged weights stay in
-    `out_dir`."""
+    it is killed, so none outlives the stage. Returns (summary entry, accuracy rows, rank rows); the
+    merged weights stay in `out_dir`."""
     from crucible.continual import accuracy_curve, average_accuracy, backward_transfer, normalised_accuracy
 
     order = [s["task"] for s in specs]

@@ -94,9 +94,9 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     import copy
 
     from crucible.moe.build import active_share, all_experts_unit_weight, moefy, set_top_k
+    from crucible.moe.lm import perplexity
     from crucible.moe.recover import recover
     from crucible.moe.refit import refit_down
-    from crucible.moe.lm import perplexity
     from tasks.data.moe_text import sequences, source_model
 
     seconds = {}

@@ -16,8 +16,8 @@ Outputs:
 - metrics/<task>/pseudolabel.json: the estimates (accuracy on the clean pool, on the selection, the
   clean pool's class prior) with their intervals and, where the demo's truth covers the pool, the
   true values beside them (`*_true`).
-- reports/<task>/pseudolabel_confusion.png and metrics/<task>/pseudolabel_confusion.csv (actual, predicted): pseudo-labels against the
-  audit's true labels of audited members (`dvc plots`).
+- reports/<task>/pseudolabel_confusion.png and metrics/<task>/pseudolabel_confusion.csv (actual,
+  predicted): pseudo-labels against the audit's true labels of audited members (`dvc plots`).
 Bad input (a single-class reference, audit labels outside the reference's classes, an empty
 selection) stops the stage with a ValueError; nothing is written.
 """
@@ -31,8 +31,8 @@ import numpy as np
 import pandas as pd
 
 from crucible import pseudolabel as pl
-from tasks.runtime.declaration import Plot, StageSpec
 from tasks.data.audited import read_audited_task
+from tasks.runtime.declaration import Plot, StageSpec
 from tasks.runtime.io import AtomicOutputs, read_stage_output, read_table
 from tasks.runtime.params_schema import Params
 

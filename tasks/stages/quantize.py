@@ -47,10 +47,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from tasks.data.models import MANIFEST, base_model, resolve_model
 from tasks.runtime.declaration import Plot, StageSpec
 from tasks.runtime.device import runtime_config
 from tasks.runtime.io import AtomicOutputs, figure_png, read_table
-from tasks.data.models import MANIFEST, base_model, resolve_model
 from tasks.runtime.params_schema import Params
 
 OUT = Path("models") / "quantize"
@@ -386,15 +386,15 @@ def _run(params: Params, root: Path, log) -> dict:
         {
             "matrix": n,
             "layer": _layer_index(n),
-            "out": l.shape[0],
-            "in": l.shape[1],
-            "load": l.load,
+            "out": layer.shape[0],
+            "in": layer.shape[1],
+            "load": layer.load,
             "rank_uniform": ranks["uniform"][n],
             "rank_load_aware": ranks["load_aware"][n],
-            "energy_kept_uniform": _energy_kept(l.spectrum, ranks["uniform"][n]),
-            "energy_kept_load_aware": _energy_kept(l.spectrum, ranks["load_aware"][n]),
+            "energy_kept_uniform": _energy_kept(layer.spectrum, ranks["uniform"][n]),
+            "energy_kept_load_aware": _energy_kept(layer.spectrum, ranks["load_aware"][n]),
         }
-        for n, l in plan.layers.items()
+        for n, layer in plan.layers.items()
     ]
     rank_rows = _rounded(rank_rows)
     acc_rows = [{"variant": v, "task": t, "accuracy": a} for v, accs in accuracy.items() for t, a in accs.items()]

@@ -38,13 +38,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tasks.data.models import MANIFEST
-from tasks.runtime.declaration import StageSpec
-from tasks.runtime import lineage
-from tasks.runtime.io import AtomicOutputs, md5_file
-from tasks.registry.registry import HASH_TAG, PYFUNC_CODE, apply_gate, ensure_registered_model, log_pyfunc, versions
-from tasks.runtime.params_schema import Params
+import pandas as pd
 
+from tasks.data.models import MANIFEST
+from tasks.registry.registry import HASH_TAG, PYFUNC_CODE, apply_gate, ensure_registered_model, log_pyfunc, versions
+from tasks.runtime import lineage
+from tasks.runtime.declaration import StageSpec
+from tasks.runtime.io import AtomicOutputs, md5_file
+from tasks.runtime.params_schema import Params
 from tasks.runtime.tracking import REGISTERED  # metrics/registered.json
 
 SOURCES = {"quantized": Path("models") / "quantize", "float": Path("models") / "merge"}
@@ -182,11 +183,9 @@ def lost_registry(root: Path, name: str, known: list) -> str | None:
     )
 
 
-def example_rows(root: Path, tasks: list[str]) -> "pd.DataFrame":
+def example_rows(root: Path, tasks: list[str]) -> pd.DataFrame:
     """The model's input example: the first test text of each task (read_table validates the split
     and names the file if it is missing or broken)."""
-    import pandas as pd
-
     from tasks.runtime.io import read_table
 
     rows = [

@@ -64,7 +64,8 @@ def test_threads_dask_and_dvc_repro_give_byte_identical_artifacts(tmp_path, proj
     print(f"\n{'output':58s} {'flow threads':>12s} {'flow dask':>12s} {'dvc repro':>12s}")
     for path, h in sorted(hashes["flow1"].items()):
         print(
-            f"{path:58s} {h[:12]:>12s} {hashes['flow2'].get(path, '-')[:12]:>12s} {hashes['dvc'].get(path, '-')[:12]:>12s}"
+            f"{path:58s} {h[:12]:>12s} {hashes['flow2'].get(path, '-')[:12]:>12s} "
+            f"{hashes['dvc'].get(path, '-')[:12]:>12s}"
         )
     for name in ("flow2", "dvc"):
         differ = {p: (h, hashes[name].get(p)) for p, h in hashes["flow1"].items() if hashes[name].get(p) != h}

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.runtime.lock import holder
 from tasks.registry.serving import free_port
+from tasks.runtime.lock import holder
 
 BIN = Path(sys.executable).parent
 pytestmark = [pytest.mark.slow, pytest.mark.operations]

@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from support.workspaces import registered_workspace, test_texts
 
 from tasks.registry.serving import free_port, stop_server, wait_until_serving
-from support.workspaces import registered_workspace, test_texts
 
 BIN = Path(sys.executable).parent
 WAIT_S = 180  # loading torch, mlflow and the model on a busy 2-core machine

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.tiny_models import COMMON, FAMILIES, tokenizer
 from torch import nn
 
 from crucible import device as devices
-from support.tiny_models import COMMON, FAMILIES, tokenizer
 
 # ---------------------------------------------------------------------------------------------------
 # resolving devices and precisions

@@ -19,7 +19,6 @@ from crucible.quant.lowrank import (
 from crucible.quant.mxfp4 import dequantize, quantize
 from crucible.quant.rank_allocation import allocate_ranks, uniform_ranks, weighted_error
 
-
 # --------------------------------------------------------------------------- helpers
 
 

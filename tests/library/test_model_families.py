@@ -16,9 +16,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from torch import nn
-
 from support.tiny_models import DECODERS, FAMILIES, save_tiny, texts
+from torch import nn
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,7 +56,7 @@ def test_family_through_every_step(family, tmp_path):
     from crucible.quant import load_quantized_encoder, quantize_model, save_quantized
     from crucible.quant.linear import quantize_embeddings
     from crucible.serialize import safetensors_bytes
-    from crucible.train import EncoderClassifier, evaluate, Examples, tokenize
+    from crucible.train import EncoderClassifier, Examples, evaluate, tokenize
     from tasks.registry.pyfunc import save_multitask_model
 
     folder = save_tiny(family, tmp_path / "base")

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from crucible.moe.build import active_share, all_experts_unit_weight, moefy, save_moe, set_top_k
-from crucible.moe.moefy_fit import balanced_groups, fit_router, group_mass, router_quality, shared_neurons
 from crucible.moe.lm import perplexity, token_sequences
+from crucible.moe.moefy_fit import balanced_groups, fit_router, group_mass, router_quality, shared_neurons
 
 VOCAB = 256
 CONFIGS = {  # untied, kv 2 < 4 heads, default rope | tied, kv 1 < 4 heads, head_dim != hidden / heads, llama3 rope

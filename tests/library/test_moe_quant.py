@@ -4,8 +4,10 @@ accounting, the file format, and limited routing replay QAT (frozen router and p
 consistency up, error down, exact resume)."""
 
 import copy
+
 import pytest
 import torch
+from support.moe_models import tiny_mixtral, tiny_qwen2moe, tiny_qwen3, token_batches
 from torch.nn import functional as F
 
 from crucible.moe.compensate import compensate_moe, expert_stats, moe_plan, plan_ranks
@@ -15,7 +17,6 @@ from crucible.moe.qat import adapter_parameters, replay_qat
 from crucible.moe.routing import Routes, consistency, moe_layers, record_routes
 from crucible.quant import mxfp4
 from crucible.quant.linear import MXLinear
-from support.moe_models import tiny_mixtral, tiny_qwen2moe, tiny_qwen3, token_batches
 
 torch.set_num_threads(1)
 

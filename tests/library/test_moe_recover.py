@@ -7,11 +7,10 @@ import copy
 
 import pytest
 import torch
+from support.moe_models import tiny_llama
 
 from crucible.moe.build import moefy
 from crucible.moe.recover import recover, trainable_parameters
-
-from support.moe_models import tiny_llama
 
 
 def ids(seed: int, n: int = 8, t: int = 24) -> torch.Tensor:

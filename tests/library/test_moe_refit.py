@@ -7,12 +7,12 @@ import copy
 
 import pytest
 import torch
+from support.moe_models import tiny_llama
 from torch import nn
 
 from crucible.hooks import forward_hooks
 from crucible.moe.build import moefy
 from crucible.moe.refit import _features, refit_down
-from support.moe_models import tiny_llama
 
 
 def ids(seed: int, n: int = 8, t: int = 24) -> torch.Tensor:

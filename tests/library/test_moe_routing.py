@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+from support.moe_models import tiny_mixtral, tiny_qwen2moe, tiny_qwen3, token_batches
 
 from crucible.moe.mx_experts import quantize_moe
 from crucible.moe.routing import (
@@ -17,7 +18,6 @@ from crucible.moe.routing import (
     replay,
     router_renormalises,
 )
-from support.moe_models import tiny_mixtral, tiny_qwen2moe, tiny_qwen3, token_batches
 
 torch.set_num_threads(1)
 

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from support.moe_models import clone, tiny_mixtral, tiny_qwen2moe, tiny_qwen3, token_batches
 from torch.nn import functional as F
 
 from crucible.moe.compensate import expert_stats, moe_plan, plan_ranks
@@ -15,7 +16,6 @@ from crucible.moe.mx_experts import quantize_moe
 from crucible.moe.routing import Routes, moe_layers, record_routes
 from crucible.moe.sensitivity import output_sensitivity
 from crucible.quant.compensate import collect_output_sensitivity
-from support.moe_models import clone, tiny_mixtral, tiny_qwen2moe, tiny_qwen3, token_batches
 
 torch.set_num_threads(1)
 

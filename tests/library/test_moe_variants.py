@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from support.moe_models import VOCAB, tiny_mixtral, tiny_qwen2moe
 
 from crucible.moe.lm import perplexity
 from crucible.moe.mx_experts import MXExperts
@@ -15,7 +16,6 @@ from crucible.moe.mx_storage import moe_nbytes
 from crucible.moe.variant_eval import calibration_fit, evaluate_variant, float_reference
 from crucible.moe.variants import compensated_matrices, default_rank_budget, max_rank_budget, quantize_variants
 from crucible.quant.linear import MXLinear
-from support.moe_models import VOCAB, tiny_mixtral, tiny_qwen2moe
 
 torch.set_num_threads(1)
 

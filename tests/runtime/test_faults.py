@@ -39,7 +39,7 @@ def test_atomic_outputs_sweep_only_dead_owners_files(tmp_path, sleeper):
     dest.parent.mkdir()
     live = dest.parent / f".model.safetensors.{sleeper}@{host()}.abc123.tmp"
     dead = dest.parent / f".model.safetensors.{dead_pid()}@{host()}.def456.tmp"
-    other_host = dest.parent / f".model.safetensors.123@elsewhere.ghi789.tmp"
+    other_host = dest.parent / ".model.safetensors.123@elsewhere.ghi789.tmp"
     legacy_old, legacy_new = dest.parent / ".model.safetensors.k3j4h5g6.tmp", dest.parent / ".pool.parquet.zz11yy22.tmp"
     for f in (live, dead, other_host, legacy_old, legacy_new):
         f.write_bytes(b"partial")

@@ -70,7 +70,7 @@ def test_dask_annotates_the_submitted_runs_and_a_local_cluster_offers_the_resour
 def test_a_dask_run_with_a_gpu_request_is_placed_on_a_worker_that_offers_it(tiny_params):
     """The resource plumbing end to end on a real local Dask cluster: a task annotated GPU=1 runs
     on a worker started with resources GPU=1 (a CPU stands in for the GPU here)."""
-    dask = pytest.importorskip("dask")
+    pytest.importorskip("dask")
     distributed = pytest.importorskip("distributed")
     with (
         distributed.LocalCluster(

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import yaml
 
-from tasks.stages import dvc_yaml, specs
 from tasks.runtime.declaration import expand
+from tasks.stages import dvc_yaml, specs
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

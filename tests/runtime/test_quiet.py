@@ -55,7 +55,7 @@ except ImportError:
 logging.getLogger("mlflow.pyfunc").info("Validating input example against model signature")
 logging.getLogger("mlflow.store.db.utils").info("Creating initial MLflow database tables...")
 logging.getLogger("mlflow.store.db.utils").info("Updating database tables")
-logging.getLogger("torchao").warning("KEPT torchao: Skipping import of cpp extensions due to incompatible torch version")
+logging.getLogger("torchao").warning("KEPT torchao: Skipping import of cpp extensions (incompatible torch version)")
 logging.getLogger("torch.utils._pytree").warning("KEPT pytree: a warning of another kind")
 logging.getLogger("mlflow.pyfunc").warning("KEPT mlflow: The version of torch differs from the logged one")
 logging.getLogger("mlflow.store.db.utils").warning("KEPT mlflow: the database is read-only")

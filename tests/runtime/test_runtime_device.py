@@ -46,9 +46,8 @@ def runs(root: Path, stage: str) -> list:
 
 @pytest.fixture(scope="module")
 def embedded(tmp_path_factory, project_root):
-    from tasks.runtime.workspace import make_workspace
-
     import crucible.device
+    from tasks.runtime.workspace import make_workspace
 
     root = make_workspace(project_root, tmp_path_factory.mktemp("runtime"), "tiny")
     with pytest.MonkeyPatch.context() as mp:  # auto resolves to the CPU, as on a machine without CUDA
@@ -141,7 +140,6 @@ def test_the_runtime_is_no_stage_dependency(project_root):
 
 def test_bad_values_are_refused_with_the_setting_named(monkeypatch):
     from tasks.runtime.device import resolve
-    from tasks.runtime.params import ParamsError, load_params
 
     with pytest.raises(ValueError, match=r"CRUCIBLE_DEVICE = 'tpu'"):
         resolve(None, {"CRUCIBLE_DEVICE": "tpu"})

@@ -8,9 +8,9 @@ import pytest
 import yaml
 
 from crucible.schema import DataValidationError
-from tasks.stages.curate import DataQualityGateError
 from tasks.runtime.io import md5_file
 from tasks.stages import execute
+from tasks.stages.curate import DataQualityGateError
 
 # the stage's outputs, relative to the workspace: the table under data/, the metrics under metrics/,
 # the figure under reports/

@@ -304,13 +304,15 @@ def _edit_features(root, folder, change):
         (
             "quantize",
             lambda t, m: t.__setitem__("quantize:mxfp4/bbc/test", torch.zeros(24, 5)),
-            r"tensor 'quantize:mxfp4/bbc/test' has shape \[24, 5\], but the head of task 'bbc' \(.*merge/heads\.safetensors, "
+            r"tensor 'quantize:mxfp4/bbc/test' has shape \[24, 5\], but the head of task 'bbc' "
+            r"\(.*merge/heads\.safetensors, "
             r"tensor 'bbc\.weight'\) takes features of width 8",
         ),
         (
             "quantize",
             lambda t, m: t.__setitem__("quantize:mxfp4/bbc/test", torch.zeros(20, D)),
-            r"tensor 'quantize:mxfp4/bbc/test' has shape \[20, 8\], expected \[24, hidden\] \(the rows of 'labels/bbc/test'\)",
+            r"tensor 'quantize:mxfp4/bbc/test' has shape \[20, 8\], expected \[24, hidden\] "
+            r"\(the rows of 'labels/bbc/test'\)",
         ),
         (
             "merge",

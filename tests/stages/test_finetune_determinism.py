@@ -9,11 +9,11 @@ import threading
 
 import pytest
 import torch
+from test_finetune_stage import synthetic_tables
 
 import tasks.stages.finetune as finetune
 from tasks.runtime.io import md5_file
 from tasks.stages import execute
-from test_finetune_stage import synthetic_tables
 
 # the fine-tune's files under data/<task>/ (its metrics are metrics/<task>/finetune.json)
 OUTPUTS = ("finetune/model.safetensors", "finetune/head.safetensors", "finetune/config.json")

@@ -34,7 +34,8 @@ def synthetic_tables(seed: int = 0) -> tuple[pd.DataFrame, pd.DataFrame]:
     filler = ["the film", "this movie", "the plot", "its cast", "the ending", "every scene"]
 
     def text(label, end="too"):
-        return f"{rng.choice(filler)} is {rng.choice(words[label])} and {rng.choice(words[label])}, {rng.choice(filler)} {end}"
+        a, b = rng.choice(words[label]), rng.choice(words[label])
+        return f"{rng.choice(filler)} is {a} and {b}, {rng.choice(filler)} {end}"
 
     rows = []
     for source, n, weight in (("reference", 40, 1.0), ("audit", 10, 0.8), ("pseudo", 30, 0.5)):
@@ -115,15 +116,14 @@ def test_outputs_config_and_metrics(finetuned_project):
     }
     assert config["train"]["autocast"] == precision
     # the dev split is reference rows only, stratified
-    labeled = pd.read_parquet(base / "labeled.parquet")
     assert metrics["n_dev"] == 8 and metrics["n_train"] == 80 - 8 - 2  # two rows of weight 0 dropped
 
 
 def test_saved_model_loads_into_the_base_architecture_and_reproduces_the_dev_accuracy(finetuned_project):
     from crucible.embed import load_encoder
     from crucible.train import EncoderClassifier, evaluate
-    from tasks.stages.finetune import examples, split_dev, task_seed
     from tasks.data.models import resolve_model
+    from tasks.stages.finetune import examples, split_dev, task_seed
 
     base = finetuned_project / "data" / "rotten"
     encoder, tokenizer = load_encoder(resolve_model("all-MiniLM-L6-v2"))

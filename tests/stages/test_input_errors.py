@@ -5,12 +5,12 @@ values, says what is valid, and the stage writes nothing (the earlier outputs ke
 import numpy as np
 import pandas as pd
 import pytest
+from test_ingest import set_params
 
 from crucible.schema import DataValidationError
 from tasks.runtime.io import md5_file
 from tasks.runtime.params import load_params
 from tasks.stages import execute
-from test_ingest import set_params
 
 TASK = "bbc"
 

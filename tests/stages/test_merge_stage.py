@@ -10,11 +10,10 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file, save_file
+from support.workspaces import minilm_hash
 
 from tasks.runtime.io import md5_file
 from tasks.stages import execute
-
-from support.workspaces import minilm_hash
 
 torch.set_num_threads(1)
 TASKS = ("bbc", "rotten", "tweets")
@@ -166,8 +165,8 @@ def test_features_are_those_of_the_scored_models(merged_project):
     """features.safetensors holds, per variant, the pooled features the heads see on the test and probe
     rows of the arrived tasks: the head on them gives the stage's accuracy, and recomputing them from
     the final merged model gives the same numbers."""
-    from tasks.data.models import resolve_model
     from tasks.data.heldout_scoring import Scorer, read_features, read_task_model
+    from tasks.data.models import resolve_model
 
     root, _ = merged_project
     order = ["rotten", "bbc", "tweets"]

@@ -17,8 +17,8 @@ import pandas as pd
 import pytest
 import torch
 import yaml
-
 from support.tiny_models import DECODERS, save_tiny
+
 from tasks.stages import execute
 
 torch.set_num_threads(1)

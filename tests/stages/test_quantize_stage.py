@@ -10,11 +10,10 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file, save_file
+from support.workspaces import TASKS, fake_merge
 
 from tasks.runtime.io import md5_file
 from tasks.stages import execute
-
-from support.workspaces import TASKS, fake_merge
 
 torch.set_num_threads(1)
 # the stage's outputs: the model and its figure under models/quantize/, the metrics and the plot data
@@ -80,9 +79,9 @@ def test_outputs_and_metrics(quantized_project):
 def test_written_model_reloads_to_the_scored_accuracy(quantized_project):
     """The packed model on disk, rebuilt without the float weights, scores exactly what the stage
     reported for its allocation; the float figure equals scoring the merged weights directly."""
+    from tasks.data.heldout_scoring import Scorer
     from tasks.data.models import resolve_model
     from tasks.stages.quantize import load_quantized_encoder
-    from tasks.data.heldout_scoring import Scorer
 
     root, _ = quantized_project
     m = json.loads((root / "metrics" / "quantize.json").read_text())

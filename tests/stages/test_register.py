@@ -18,9 +18,6 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
-
-from tasks.stages import execute
-
 from support.workspaces import (
     QUANT_VARIANT,
     _dvc,
@@ -30,6 +27,8 @@ from support.workspaces import (
     test_texts,
     write_evaluate,
 )
+
+from tasks.stages import execute
 
 
 def client_of(root: Path):
@@ -399,8 +398,8 @@ def test_bad_input_is_a_clear_invalid_parameter_error(champion, frame, message):
 
 
 def test_lineage_tags_equal_dvc_lock(ws, capsys):
-    from tasks.runtime import lineage
     from flows.cli import build_parser
+    from tasks.runtime import lineage
 
     lock = yaml.safe_load((ws / "dvc.lock").read_text())["stages"]
     mv = client_of(ws).get_model_version("crucible-classifier", "1")
