@@ -35,8 +35,10 @@ def read_audited_task(root: Path, task: str) -> AuditedTask:
     pool = read_table(base / "pool.parquet", "pool")
     audit = read_table(base / "audit.parquet", "audit")
     validate_reference_classes(reference, str(base / "reference.parquet"))
-    validate_disjoint({"reference": reference, "pool": pool},
-                      {"reference": str(base / "reference.parquet"), "pool": str(base / "pool.parquet")})
+    validate_disjoint(
+        {"reference": reference, "pool": pool},
+        {"reference": str(base / "reference.parquet"), "pool": str(base / "pool.parquet")},
+    )
     validate_audit_against_pool(audit, pool, str(base / "audit.parquet"))
     emb = load_embeddings(root, task, {"reference": reference, "pool": pool})
     rows = audit.set_index("id")
@@ -47,5 +49,14 @@ def read_audited_task(root: Path, task: str) -> AuditedTask:
     member[audited] = rows["member"].to_numpy(dtype=np.float64)
     pi[audited] = rows["pi"].to_numpy(dtype=np.float64)
     audit_label[audited] = rows["label"].to_numpy(dtype=object)
-    return AuditedTask(reference, pool, audit, emb["reference"].double().numpy(), emb["pool"].double().numpy(),
-                       audited, member, pi, audit_label)
+    return AuditedTask(
+        reference,
+        pool,
+        audit,
+        emb["reference"].double().numpy(),
+        emb["pool"].double().numpy(),
+        audited,
+        member,
+        pi,
+        audit_label,
+    )

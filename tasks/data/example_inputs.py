@@ -28,32 +28,54 @@ def _labels(task: str, labels: pd.Series) -> pd.Series:
     return labels.where(labels == "sports", "other").replace("sports", "sport") if task == "sport" else labels
 
 
-def example_tables(task: str, seed: int = 0, n_reference: int = 120, n_pool: int = 300, n_test: int = 120,
-                   n_audit: int = 40, eps: float = 0.3) -> dict[str, pd.DataFrame]:
+def example_tables(
+    task: str,
+    seed: int = 0,
+    n_reference: int = 120,
+    n_pool: int = 300,
+    n_test: int = 120,
+    n_audit: int = 40,
+    eps: float = 0.3,
+) -> dict[str, pd.DataFrame]:
     """The four tables of one example task (reference, pool, audit, test)."""
     rng = np.random.default_rng([seed, sorted(TASKS).index(task)])
     own = load_corpus(TASKS[task])
     own = own.assign(label=_labels(task, own["label"])).iloc[rng.permutation(len(own))].reset_index(drop=True)
     n_members = int(round(n_pool * (1 - eps)))
     reference = own.iloc[:n_reference]
-    test = own.iloc[n_reference:n_reference + n_test]
-    members = own.iloc[n_reference + n_test:n_reference + n_test + n_members]
+    test = own.iloc[n_reference : n_reference + n_test]
+    members = own.iloc[n_reference + n_test : n_reference + n_test + n_members]
     others = pd.concat([load_corpus(c)[["text"]] for c in CONTAMINANTS], ignore_index=True)
     outsiders = others.iloc[rng.choice(len(others), n_pool - n_members, replace=False)]
     pool = pd.concat([members.assign(member=1), outsiders.assign(member=0, label=None)], ignore_index=True)
     pool = pool.iloc[rng.permutation(len(pool))].reset_index(drop=True)
     pool["id"] = [f"{task}-p{i:04d}" for i in range(len(pool))]
     audited = np.sort(rng.choice(len(pool), n_audit, replace=False))
-    audit = pd.DataFrame({"id": pool["id"].iloc[audited].to_numpy(), "pi": n_audit / n_pool,
-                          "member": pool["member"].iloc[audited].to_numpy().astype(np.int64),
-                          "label": pool["label"].iloc[audited].to_numpy()})
+    audit = pd.DataFrame(
+        {
+            "id": pool["id"].iloc[audited].to_numpy(),
+            "pi": n_audit / n_pool,
+            "member": pool["member"].iloc[audited].to_numpy().astype(np.int64),
+            "label": pool["label"].iloc[audited].to_numpy(),
+        }
+    )
     return {
-        "reference": pd.DataFrame({"id": [f"{task}-r{i:04d}" for i in range(len(reference))],
-                                   "text": reference["text"].to_numpy(), "label": reference["label"].to_numpy()}),
+        "reference": pd.DataFrame(
+            {
+                "id": [f"{task}-r{i:04d}" for i in range(len(reference))],
+                "text": reference["text"].to_numpy(),
+                "label": reference["label"].to_numpy(),
+            }
+        ),
         "pool": pool[["id", "text"]],
         "audit": audit,
-        "test": pd.DataFrame({"id": [f"{task}-t{i:04d}" for i in range(len(test))],
-                              "text": test["text"].to_numpy(), "label": test["label"].to_numpy()}),
+        "test": pd.DataFrame(
+            {
+                "id": [f"{task}-t{i:04d}" for i in range(len(test))],
+                "text": test["text"].to_numpy(),
+                "label": test["label"].to_numpy(),
+            }
+        ),
     }
 
 

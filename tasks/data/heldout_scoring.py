@@ -29,19 +29,31 @@ def read_task_model(root: Path, task: str, base_model: str, base_hash: str | Non
     except json.JSONDecodeError as exc:
         raise ValueError(f"{paths['config.json']}: not valid JSON ({exc}); {rebuild}") from None
     if config.get("base_model") != base_model:
-        raise ValueError(f"{paths['config.json']}: field 'base_model' = {config.get('base_model')!r}, but "
-                         f"model.name is {base_model!r}; every task model must be fine-tuned from the same base "
-                         f"(rerun finetune@{task})")
+        raise ValueError(
+            f"{paths['config.json']}: field 'base_model' = {config.get('base_model')!r}, but "
+            f"model.name is {base_model!r}; every task model must be fine-tuned from the same base "
+            f"(rerun finetune@{task})"
+        )
     if base_hash is not None and config.get("base_model_hash") != base_hash:
-        raise ValueError(f"{paths['config.json']}: field 'base_model_hash' = {config.get('base_model_hash')!r}, but the "
-                         f"base model {base_model!r} now hashes to {base_hash!r} (models/base/manifest.json): the "
-                         f"fine-tune was made from other weights, and task vectors against another base cannot be "
-                         f"merged; {rebuild}")
+        raise ValueError(
+            f"{paths['config.json']}: field 'base_model_hash' = {config.get('base_model_hash')!r}, but the "
+            f"base model {base_model!r} now hashes to {base_hash!r} (models/base/manifest.json): the "
+            f"fine-tune was made from other weights, and task vectors against another base cannot be "
+            f"merged; {rebuild}"
+        )
     read_safetensors(paths["model.safetensors"], f"fine-tuned encoder of task {task!r}", rebuild)
     what = f"head of task {task!r}"
-    head, meta = read_safetensors(paths["head.safetensors"], what, rebuild, shapes=lambda t, m: _head_problem(t, m, what))
-    return {"task": task, "model": paths["model.safetensors"], "head": head, "classes": json.loads(meta["classes"]),
-            "max_length": int(config.get("max_length", 64)), "pooling": config.get("pooling", "mean")}
+    head, meta = read_safetensors(
+        paths["head.safetensors"], what, rebuild, shapes=lambda t, m: _head_problem(t, m, what)
+    )
+    return {
+        "task": task,
+        "model": paths["model.safetensors"],
+        "head": head,
+        "classes": json.loads(meta["classes"]),
+        "max_length": int(config.get("max_length", 64)),
+        "pooling": config.get("pooling", "mean"),
+    }
 
 
 def _head_problem(tensors: dict, meta: dict, what: str) -> str | None:
@@ -68,8 +80,15 @@ class Scorer:
     keep_theta_0: keep a copy of the base weights (`theta_0`; merge needs them, quantize does not:
     it holds one copy of the weights less)."""
 
-    def __init__(self, model, tasks: list[dict], tests: dict[str, pd.DataFrame], batch_size: int,
-                 probes: dict[str, pd.DataFrame] | None = None, keep_theta_0: bool = True):
+    def __init__(
+        self,
+        model,
+        tasks: list[dict],
+        tests: dict[str, pd.DataFrame],
+        batch_size: int,
+        probes: dict[str, pd.DataFrame] | None = None,
+        keep_theta_0: bool = True,
+    ):
         import torch
 
         from crucible.embed import load_encoder
@@ -98,8 +117,10 @@ class Scorer:
                 unknown = sorted(set(df["label"]) - set(index))
                 if unknown:
                     source = "test.parquet" if split == "test" else "probe rows"
-                    raise ValueError(f"data/{t}/{source}: column 'label' has {unknown[:3]}, not among the head's "
-                                     f"classes {spec['classes']}")
+                    raise ValueError(
+                        f"data/{t}/{source}: column 'label' has {unknown[:3]}, not among the head's "
+                        f"classes {spec['classes']}"
+                    )
                 ids = tokenize(tokenizer, df["text"].tolist(), spec["max_length"])
                 self.data[t, split] = (ids, torch.tensor(df["label"].map(index).to_numpy(), dtype=torch.long))
 
@@ -133,7 +154,7 @@ class Scorer:
         out = torch.empty(len(ids), self.encoder.config.hidden_size)
         with torch.inference_mode():
             for start in range(0, len(ids), self.batch_size):
-                idx = order[start:start + self.batch_size]
+                idx = order[start : start + self.batch_size]
                 input_ids, mask = collate([ids[i] for i in idx], self.pad_id)
                 with current().autocast():  # encode moves the batch to the encoder's device
                     out[torch.tensor(idx)] = encode(self.encoder, input_ids, mask, self.pooling).float().cpu()
@@ -178,8 +199,9 @@ class FeatureStore:
         for (t, split), (_, labels) in scorer.data.items():
             self.tensors[f"labels/{t}/{split}"] = labels
 
-    def add(self, name: str, family: str, method: str, arrival: int, tasks: list[str],
-            state: dict | None = None) -> dict[str, float]:
+    def add(
+        self, name: str, family: str, method: str, arrival: int, tasks: list[str], state: dict | None = None
+    ) -> dict[str, float]:
         """Features on `tasks` (test and, if any, probe rows) under variant `name`; returns the head's
         test accuracy per task. With `state`, of those weights: loaded into the scorer's encoder only
         when some of the features are not known yet. Without it, of the scorer's current encoder (e.g.
@@ -208,15 +230,22 @@ class FeatureStore:
                 self.tensors[f"{name}/{t}/{split}"] = features
             logits = self.scorer.head_logits(t, self.tensors[f"{name}/{t}/test"])
             acc[t] = self.scorer.accuracy(t, logits)
-        self.variants.append({"name": name, "family": family, "method": method, "arrival": arrival, "tasks": list(tasks)})
+        self.variants.append(
+            {"name": name, "family": family, "method": method, "arrival": arrival, "tasks": list(tasks)}
+        )
         return acc
 
     def to_bytes(self) -> bytes:
         from crucible.serialize import safetensors_bytes
 
-        return safetensors_bytes({k: v.contiguous() for k, v in self.tensors.items()},
-                                 {"variants": json.dumps(self.variants), "classes": json.dumps(self.scorer.classes),
-                                  "tasks": json.dumps(self.scorer.tasks)})
+        return safetensors_bytes(
+            {k: v.contiguous() for k, v in self.tensors.items()},
+            {
+                "variants": json.dumps(self.variants),
+                "classes": json.dumps(self.scorer.classes),
+                "tasks": json.dumps(self.scorer.tasks),
+            },
+        )
 
 
 def read_features(path: Path, stage: str) -> tuple[dict, dict]:
@@ -224,8 +253,12 @@ def read_features(path: Path, stage: str) -> tuple[dict, dict]:
     error names the file and the stage that makes it."""
     from tasks.runtime.io import read_safetensors
 
-    tensors, meta = read_safetensors(path, "features", f"run the {stage} stage first (`crucible stage {stage}` or "
-                                                       f"`dvc repro {stage}`)", shapes=_features_problem)
+    tensors, meta = read_safetensors(
+        path,
+        "features",
+        f"run the {stage} stage first (`crucible stage {stage}` or `dvc repro {stage}`)",
+        shapes=_features_problem,
+    )
     return tensors, {k: json.loads(meta[k]) for k in ("variants", "classes", "tasks")}
 
 
@@ -246,8 +279,10 @@ def _features_problem(tensors: dict, meta: dict) -> str | None:
                     continue
                 rows = tensors[name].shape[0] if tensors[name].dim() == 2 else None
                 if rows != labels.shape[0]:
-                    return (f"tensor {name!r} has shape {list(tensors[name].shape)}, expected "
-                            f"[{labels.shape[0]}, hidden] (the rows of 'labels/{t}/{split}')")
+                    return (
+                        f"tensor {name!r} has shape {list(tensors[name].shape)}, expected "
+                        f"[{labels.shape[0]}, hidden] (the rows of 'labels/{t}/{split}')"
+                    )
     return None
 
 
@@ -274,8 +309,9 @@ def read_probe_rows(root: Path, params) -> dict[str, pd.DataFrame]:
         if cfg.probe_rows == "reference":
             df = read_table(Path(root) / "data" / t / "reference.parquet", "reference")
         else:
-            df = read_stage_output(Path(root) / "data" / t / "labeled.parquet", "labeled", ("text", "label"),
-                                   "pseudolabel")
+            df = read_stage_output(
+                Path(root) / "data" / t / "labeled.parquet", "labeled", ("text", "label"), "pseudolabel"
+            )
         df = df[["text", "label"]]
         out[t] = df.head(cfg.probe_limit) if cfg.probe_limit else df
     return out

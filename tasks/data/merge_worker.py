@@ -90,7 +90,9 @@ def merge_worker(spec: dict) -> dict:
             t0 = time.perf_counter()
             # finite=False: the parent checked each task model (read_task_model); task_vector checks
             # names, shapes and dtypes against theta_0
-            theta_t = {k: v.to(device) for k, v in read_safetensors(path, "task model", _FINETUNE, finite=False)[0].items()}
+            theta_t = {
+                k: v.to(device) for k, v in read_safetensors(path, "task model", _FINETUNE, finite=False)[0].items()
+            }
             tau = task_vector(theta_t, theta_0, inplace=True, source=str(path), base_source=spec["theta0"])
             del theta_t
             t1 = time.perf_counter()
@@ -99,13 +101,25 @@ def merge_worker(spec: dict) -> dict:
             t2 = time.perf_counter()
             merged = merger.merged(theta_0, source=spec["theta0"])
             t3 = time.perf_counter()
-        records.append({"arrival": j, "load_seconds": t1 - t0, "add_seconds": t2 - t1, "merged_seconds": t3 - t2,
-                        "peak_rss_mb": (sampler.peak - base) / 2**20, "state_mb": merger.state_bytes() / 2**20})
+        records.append(
+            {
+                "arrival": j,
+                "load_seconds": t1 - t0,
+                "add_seconds": t2 - t1,
+                "merged_seconds": t3 - t2,
+                "peak_rss_mb": (sampler.peak - base) / 2**20,
+                "state_mb": merger.state_bytes() / 2**20,
+            }
+        )
         if hasattr(merger, "ranks_used"):
-            ranks += [{"arrival": j, "param": k, "rank": r, "budget": merger.budget(k)}
-                      for k, r in merger.ranks_used().items()]
+            ranks += [
+                {"arrival": j, "param": k, "rank": r, "budget": merger.budget(k)}
+                for k, r in merger.ranks_used().items()
+            ]
         if spec["save"] == "each" or j == last:
-            save_file({k: v.cpu().contiguous() for k, v in merged.items()}, str(Path(spec["out_dir"]) / f"{j}.safetensors"))
+            save_file(
+                {k: v.cpu().contiguous() for k, v in merged.items()}, str(Path(spec["out_dir"]) / f"{j}.safetensors")
+            )
         del merged
     sampler.close()
     return {"records": records, "ranks": ranks}
@@ -145,30 +159,66 @@ class MethodRun:
         self._stderr.close()
 
 
-def start_method(method: str, kwargs: dict, theta0: Path, models: list[Path], out_dir: Path, save: str,
-                 threads: int, device: str = "cpu") -> MethodRun:
+def start_method(
+    method: str,
+    kwargs: dict,
+    theta0: Path,
+    models: list[Path],
+    out_dir: Path,
+    save: str,
+    threads: int,
+    device: str = "cpu",
+) -> MethodRun:
     """merge_worker in a fresh Python process (its own peak memory), on `device`, started in the
     background with `threads` torch/BLAS threads."""
     import tempfile
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    spec = {"method": method, "kwargs": kwargs, "theta0": str(theta0), "models": [str(m) for m in models],
-            "out_dir": str(out_dir), "save": save, "device": device}
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-           # a fixed mmap threshold: freed model-sized tensors go back to the OS, so RSS tracks live memory
-           "MALLOC_MMAP_THRESHOLD_": "65536",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
+    spec = {
+        "method": method,
+        "kwargs": kwargs,
+        "theta0": str(theta0),
+        "models": [str(m) for m in models],
+        "out_dir": str(out_dir),
+        "save": save,
+        "device": device,
+    }
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        # a fixed mmap threshold: freed model-sized tensors go back to the OS, so RSS tracks live memory
+        "MALLOC_MMAP_THRESHOLD_": "65536",
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]),
+    }
     # quiet first (tasks/runtime/quiet.py): its stderr is the error message when it fails
-    code = "from tasks.runtime import quiet; quiet.install(); from tasks.data.merge_worker import _worker_main; _worker_main()"
+    code = (
+        "from tasks.runtime import quiet; quiet.install(); "
+        "from tasks.data.merge_worker import _worker_main; _worker_main()"
+    )
     stderr = tempfile.TemporaryFile("w+")  # a file, not a pipe: nobody reads it until the worker exits
-    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            stderr=stderr, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=stderr,
+        text=True,
+        env=env,
+    )
     proc.stdin.write(json.dumps(spec))
     proc.stdin.close()
     return MethodRun(method, proc, out_dir, stderr)
 
 
-def run_method(method: str, kwargs: dict, theta0: Path, models: list[Path], out_dir: Path, save: str,
-               threads: int, device: str = "cpu") -> dict:
+def run_method(
+    method: str,
+    kwargs: dict,
+    theta0: Path,
+    models: list[Path],
+    out_dir: Path,
+    save: str,
+    threads: int,
+    device: str = "cpu",
+) -> dict:
     """merge_worker in a fresh Python process, waited for; raises RuntimeError with its stderr."""
     return start_method(method, kwargs, theta0, models, out_dir, save, threads, device).result()

@@ -32,8 +32,11 @@ REBUILD = "run `crucible stage model` (or `dvc repro -f model`)"
 
 
 def converted_folder(root: Path | str | None, name: str) -> Path:
-    base = Path(root) / ".crucible" / "base" if root is not None else \
-        Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "crucible" / "base"
+    base = (
+        Path(root) / ".crucible" / "base"
+        if root is not None
+        else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "crucible" / "base"
+    )
     return base / PACKAGED_GGUF[name]
 
 
@@ -92,8 +95,10 @@ def manifest(name: str, root: Path | str | None = None) -> dict:
     path = resolve_model(name, root)
     folder = local_folder(path)
     if folder is None:
-        raise FileNotFoundError(f"model.name = {name!r}: not a folder, a packaged model, or a model in the local "
-                                f"Hugging Face cache (nothing is downloaded)")
+        raise FileNotFoundError(
+            f"model.name = {name!r}: not a folder, a packaged model, or a model in the local "
+            f"Hugging Face cache (nothing is downloaded)"
+        )
     return {"name": name, **folder_manifest(folder)}
 
 
@@ -122,8 +127,9 @@ class BaseModel:
     def pooling(self, config) -> str:
         from crucible.models import resolve_pooling
 
-        return resolve_pooling(self.path if Path(self.path).is_dir() else local_folder(self.path), config,
-                               self.pooling_param)
+        return resolve_pooling(
+            self.path if Path(self.path).is_dir() else local_folder(self.path), config, self.pooling_param
+        )
 
     def max_length(self, tokenizer, config, stage_max: int) -> int:
         """The stage's max_length capped by model.max_length and the model's own limit."""
@@ -145,12 +151,19 @@ def base_model(params, root: Path | str, check: bool = True) -> BaseModel:
         return BaseModel(cfg.name, resolve_model(cfg.name, root), found["hash"], cfg.dtype, cfg.pooling, cfg.max_length)
     recorded = json.loads(path.read_text())
     if recorded.get("name") != cfg.name:
-        raise ValueError(f"{path}: written for model {recorded.get('name')!r}, but model.name is {cfg.name!r}; {REBUILD}")
+        raise ValueError(
+            f"{path}: written for model {recorded.get('name')!r}, but model.name is {cfg.name!r}; {REBUILD}"
+        )
     if check:
         now = manifest(cfg.name, root)
         if now["hash"] != recorded.get("hash"):
-            changed = sorted(k for k in set(now["files"]) | set(recorded.get("files", {}))
-                             if now["files"].get(k) != recorded.get("files", {}).get(k))
-            raise ValueError(f"{path}: the files of base model {cfg.name!r} changed since the manifest was written "
-                             f"({', '.join(changed[:3])}); {REBUILD}, then rerun the stages that depend on it")
+            changed = sorted(
+                k
+                for k in set(now["files"]) | set(recorded.get("files", {}))
+                if now["files"].get(k) != recorded.get("files", {}).get(k)
+            )
+            raise ValueError(
+                f"{path}: the files of base model {cfg.name!r} changed since the manifest was written "
+                f"({', '.join(changed[:3])}); {REBUILD}, then rerun the stages that depend on it"
+            )
     return BaseModel(cfg.name, resolve_model(cfg.name, root), recorded["hash"], cfg.dtype, cfg.pooling, cfg.max_length)

@@ -30,8 +30,10 @@ def lm_texts(corpora: list[str], eval_share: float) -> tuple[list[str], list[str
     calib = [t for h, t in sorted(seen.items()) if int(h[:8], 16) >= cut]
     held = [t for h, t in sorted(seen.items()) if int(h[:8], 16) < cut]
     if not calib or not held:
-        raise ValueError(f"moe.corpora {corpora}: {len(seen)} texts split {len(calib)} / {len(held)} by "
-                         f"moe.eval_share = {eval_share}; both parts must be non-empty")
+        raise ValueError(
+            f"moe.corpora {corpora}: {len(seen)} texts split {len(calib)} / {len(held)} by "
+            f"moe.eval_share = {eval_share}; both parts must be non-empty"
+        )
     return calib, held
 
 
@@ -50,10 +52,14 @@ def sequences(tokenizer, p: MoeParams, seed: int, parts: tuple[str, ...] = PARTS
         raise ValueError(f"sequences: parts {unknown} must be among {list(PARTS)}")
     calib, held = lm_texts(p.corpora, p.eval_share)
     # only the asked parts' counts are read: a stage declares the params it reads (tasks/runtime/params_access.py)
-    return {part: token_sequences(tokenizer, held, p.seq_len, p.eval_sequences, seed=0) if part == "eval" else
-            token_sequences(tokenizer, calib, p.seq_len, getattr(p, f"{part}_sequences"),
-                            seed=derive_seed(seed, "moe", part))
-            for part in parts}
+    return {
+        part: token_sequences(tokenizer, held, p.seq_len, p.eval_sequences, seed=0)
+        if part == "eval"
+        else token_sequences(
+            tokenizer, calib, p.seq_len, getattr(p, f"{part}_sequences"), seed=derive_seed(seed, "moe", part)
+        )
+        for part in parts
+    }
 
 
 def source_model(p: MoeParams):
