@@ -25,7 +25,7 @@ export MLFLOW_HTTP_REQUEST_TIMEOUT ?= 8
 # stage commands in dvc.yaml (`crucible stage ...`) come from the project virtualenv
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: install run lint test test-fast test-determinism test-long dvc-repro ui serve clean-env gpu-check
+.PHONY: install run lint test test-fast test-determinism test-long dvc-repro ui deploy serve clean-env gpu-check
 
 # torch: the CUDA build (with its triton) where `nvidia-smi -L` lists a GPU, from PyTorch's index for
 # CUDA $(TORCH_CUDA) (`make install TORCH_CUDA=cu128` for an older driver); the CPU build elsewhere, as
@@ -77,8 +77,9 @@ test-fast: install $(TEST_STAMP)
 test-determinism: install $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -m determinism
 
-# The long end-to-end checks kept out of `make test`'s 15 minutes: determinism (threads, Dask,
-# dvc repro; dvc repro and the flow agree, a report-only change reruns only its stages) and operations (a Prefect server with the deployments; concurrent runs).
+# The long end-to-end checks kept out of `make test`: determinism (threads, Dask, dvc repro; dvc repro
+# and the flow agree, a report-only change reruns only its stages) and operations (a Prefect server
+# with the deployments; concurrent runs).
 test-long: install $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -m "determinism or operations"
 
@@ -86,8 +87,14 @@ ui: install
 	$(BIN)/crucible ui
 
 # The scheduled deployments (prefect.yaml) on a local Prefect server at 127.0.0.1:4200; Ctrl-C stops.
-serve: install
+# (`crucible serve` serves the registered model over HTTP; see docs/operations.md.)
+deploy: install
 	$(BIN)/crucible deploy
+
+# Deprecated alias of `make deploy`, kept for one release.
+serve:
+	@echo "make serve is deprecated: it runs the scheduled deployments, now \`make deploy\`" >&2
+	@$(MAKE) --no-print-directory deploy
 
 clean-env:
 	rm -rf $(VENV)

@@ -44,7 +44,7 @@ from crucible.gmixout import GMixout, GMixoutConfig  # noqa: E402
 from crucible.train import EncoderClassifier, Examples, TrainConfig, evaluate, tokenize, train, wise_ft  # noqa: E402
 from tasks.data.models import resolve_model  # noqa: E402
 from tasks.runtime.params_schema import FinetuneParams, GMixoutOptions  # noqa: E402
-from tasks.stages.finetune import read_labeled, split_dev, task_seed  # noqa: E402
+from tasks.stages.finetune import read_labeled, task_seed  # noqa: E402
 
 SHIFT = {"rotten": ("tweets", {"fresh": "positive", "rotten": "negative"})}
 
@@ -152,7 +152,7 @@ def run_one(task, data, method, variant, seed, args, encoder_path, tokenizer, ba
     cfg = args.cfg
     s = task_seed(seed, task)
     labeled = data["labeled"]
-    dev_mask = split_dev(labeled, cfg.dev_fraction, s)
+    dev_mask = labeled["split"].to_numpy() == "dev"  # pseudolabel's dev rows
     rows = training_rows(labeled, dev_mask, variant)
     train_set = to_examples(tokenizer, rows["text"], rows["label"], data["classes"], rows["weight"], args.max_length)
     dev_df = labeled[dev_mask]
@@ -221,7 +221,7 @@ def speed(task, data, args, encoder_path, tokenizer) -> None:
     cfg = args.cfg
     s = task_seed(0, task)
     labeled = data["labeled"]
-    dev_mask = split_dev(labeled, cfg.dev_fraction, s)
+    dev_mask = labeled["split"].to_numpy() == "dev"  # pseudolabel's dev rows
     rows = training_rows(labeled, dev_mask, "weighted")
     train_set = to_examples(tokenizer, rows["text"], rows["label"], data["classes"], rows["weight"], args.max_length)
     dev_df = labeled[dev_mask].head(40)

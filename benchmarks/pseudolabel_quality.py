@@ -74,12 +74,16 @@ def evaluate_task(root: Path, params, task: str, draws: int, seed: int) -> dict:
         k: v.double().numpy()
         for k, v in load_embeddings(root, task, {"reference": ref, "pool": pool, "test": test}).items()
     }
-    # the stage's teacher, refitted identically (deterministic), so the pool's predictions are fixed
+    # the stage's probe teacher, refitted identically (deterministic) on the same training rows, so the
+    # pool's predictions are fixed
+    from tasks.data.teachers import dev_mask, teacher_seed
+
+    dev = dev_mask(ref, cfg.dev_fraction, params.pipeline.seed, task)
     teacher = pl.fit_teacher(
-        emb["reference"], ref["label"].to_numpy(object), holdout=cfg.holdout, C=cfg.C, seed=params.pipeline.seed
+        emb["reference"], ref["label"].to_numpy(object), dev=dev, C=cfg.C, seed=teacher_seed(params.pipeline.seed, task)
     )
     pred = pl.predict(teacher, emb["pool"])
-    selected = pl.select(pred, mode=cfg.selection, threshold=cfg.threshold, quota=cfg.quota)
+    selected = pl.select(pred, mode=cfg.selection, threshold=cfg.threshold, quota=cfg.quota, target=cfg.target_accuracy)
     member = truth["member"].to_numpy(np.float64)
     y_true = pl.label_indices(np.where(member == 1, truth["label"].to_numpy(object), None), teacher.classes)
     true = pl.true_quality(pred, teacher.classes, member, y_true, selected)

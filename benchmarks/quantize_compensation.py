@@ -6,7 +6,7 @@ load-aware at the same adapter bytes as uniform; sizes and bits per weight.
     .venv/bin/python benchmarks/quantize_compensation.py --root . --budget 288 --seeds 0 1 2
 
 --root is a project whose merge stage has run (models/merge/, data/<task>/reference and test).
-Params (modules, mode, calibration_per_task, eval_limit, adapter_dtype) come from its
+Params (modules, mode, calibration_per_task, merge.eval_limit, adapter_dtype) come from its
 params.yaml; --budget overrides quantize.rank_per_matrix x matrices. Each seed is one calibration draw (seed 0:
 the first rows, as the stage takes them; others: a random draw of the same size); the table shows
 the mean over seeds and, where there are several, the spread (max - min) of the mean accuracy.
@@ -64,7 +64,7 @@ def main() -> None:
         "--eval-limit",
         type=int,
         default=None,
-        help="test items per task (default: quantize.eval_limit; 0 = the whole test split)",
+        help="test items per task (default: merge.eval_limit; 0 = the whole test split)",
     )
     args = ap.parse_args()
     import torch
@@ -99,7 +99,7 @@ def main() -> None:
     tests = {}
     for t in order:
         test = read_table(root / "data" / t / "test.parquet", "test")
-        limit = cfg.eval_limit if args.eval_limit is None else args.eval_limit
+        limit = params.merge.eval_limit if args.eval_limit is None else args.eval_limit
         tests[t] = test.head(limit) if limit else test
     scorer = Scorer(resolve_model(params.model.name), specs, tests, cfg.eval_batch_size)
     scorer.load(merged["state"])

@@ -1,16 +1,20 @@
 """Pseudo-labels for the curated pool, with design-corrected quality estimates (docs/methods.md, pseudolabel).
 
-A teacher (a logistic-regression probe on frozen embeddings of the reference) labels every pooled
-item. Its probabilities are calibrated by temperature scaling (Guo et al. 2017, "On Calibration of
-Modern Neural Networks"): the probe is fitted on part of the reference and one scalar T > 0 is
-fitted on the held-out rest by minimising the negative log-likelihood of softmax(logits / T).
-A probe fitted on a few hundred items of a 384-d embedding separates them and is over-confident;
-T > 1 softens it, which matters because the confidence is used twice below: as a training weight,
-and as the proxy for "the pseudo-label is right" in the design-corrected estimates.
+A teacher labels every pooled item: a logistic-regression probe on frozen embeddings of the
+reference (`fit_teacher`), or any model whose raw logits the caller computes (a fine-tuned network,
+a larger model's probe: `predict_logits`). The teacher is fitted on the reference's training rows
+and never sees its dev rows (`dev_split`), on which its probabilities are calibrated by temperature
+scaling (Guo et al. 2017, "On Calibration of Modern Neural Networks"): one scalar T > 0 minimising
+the negative log-likelihood of softmax(logits / T) (`calibrate`). A probe fitted on a few hundred
+items of a 384-d embedding separates them and is over-confident; T > 1 softens it, which matters
+because the confidence is used three times below: to select, as a training weight, and as the proxy
+for "the pseudo-label is right" in the design-corrected estimates.
 
-Selection keeps an item by confidence alone (a threshold, or the `quota` most confident items per
-predicted class, so that a majority class does not swamp the rest). It never looks at the audit, so
-the selected set is fixed over audit draws and the estimates below stay design-unbiased.
+Selection keeps an item by confidence alone: the most confident items whose calibrated expected
+accuracy reaches a target (`select_by_target`), a threshold, or the `quota` most confident items per
+predicted class (so that a majority class does not swamp the rest). It never looks at the audit, so
+the selected set is fixed over audit draws and the estimates below stay design-unbiased, and the
+audit checks what the calibration promised.
 
 Estimates (Poisson audit, I_j ~ Bernoulli(pi_j); crucible.design.ratio_estimate with its
 delta-method interval). With s_j the proxy membership score (curate), M_j the membership and y_j the
@@ -41,15 +45,20 @@ from crucible.seeding import numpy_rng
 
 __all__ = [
     "Teacher",
+    "Calibration",
     "Predictions",
     "QualityEstimates",
+    "calibrate",
+    "dev_split",
     "fit_teacher",
     "fit_temperature",
     "nll",
     "predict",
+    "predict_logits",
     "label_indices",
     "select_by_threshold",
     "select_by_quota",
+    "select_by_target",
     "select",
     "training_weights",
     "final_labels",
@@ -64,17 +73,16 @@ class Teacher:
 
     classes: the K class labels (sorted), coef: (K, d), intercept: (K,). A binary probe is stored with
     K = 2 rows (the first all zero), so softmax reproduces the logistic sigmoid exactly.
+    calibration: the temperature's fit on the dev rows (`calibrate`).
     """
 
     classes: tuple[str, ...]
     coef: np.ndarray
     intercept: np.ndarray
     temperature: float
-    holdout_nll_uncalibrated: float = float("nan")
-    holdout_nll: float = float("nan")
-    holdout_accuracy: float = float("nan")
+    calibration: Calibration | None = None
+    C: float = float("nan")
     n_fit: int = 0
-    n_holdout: int = 0
 
     def logits(self, x) -> np.ndarray:
         """(n, K) raw logits (before the temperature) of features x: (n, d)."""
@@ -93,6 +101,27 @@ class Predictions:
     label: np.ndarray
     confidence: np.ndarray
     proba: np.ndarray
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Temperature scaling fitted on the dev rows: the temperature, the dev NLL before and after, the
+    dev accuracy (which the temperature does not change) and the number of dev rows."""
+
+    temperature: float
+    dev_nll_uncalibrated: float
+    dev_nll: float
+    dev_accuracy: float
+    n_dev: int
+
+    def to_dict(self) -> dict[str, float]:
+        return {
+            "temperature": self.temperature,
+            "dev_nll_uncalibrated": self.dev_nll_uncalibrated,
+            "dev_nll": self.dev_nll,
+            "dev_accuracy": self.dev_accuracy,
+            "n_dev": self.n_dev,
+        }
 
 
 def nll(logits, y, temperature: float = 1.0) -> float:
@@ -120,34 +149,42 @@ def fit_temperature(logits, y, *, bounds: tuple[float, float] = (0.05, 20.0)) ->
     return float(1.0 / res.x)
 
 
-def _calibration_split(y: np.ndarray, holdout: float, seed: int) -> np.ndarray:
-    """A boolean mask of held-out items, stratified: each class with >= 2 items gives about
-    `holdout` of them (at least one) and keeps at least one for fitting."""
+def calibrate(dev_logits, dev_y) -> Calibration:
+    """Temperature scaling of any teacher's raw logits (a probe's, a fine-tuned network's) on the dev
+    rows: dev_logits (n, K), dev_y (n,) class indices."""
+    z, y = np.asarray(dev_logits, dtype=np.float64), np.asarray(dev_y, dtype=np.int64)
+    temperature = fit_temperature(z, y)
+    return Calibration(
+        temperature=temperature,
+        dev_nll_uncalibrated=nll(z, y, 1.0),
+        dev_nll=nll(z, y, temperature),
+        dev_accuracy=float((z.argmax(1) == y).mean()),
+        n_dev=len(y),
+    )
+
+
+def dev_split(y, fraction: float, seed: int) -> np.ndarray:
+    """The dev rows of a labeled sample: a boolean mask, stratified and seeded. Each class with >= 2
+    rows gives round(fraction x its rows) of them (at least one) and keeps at least one for training.
+    Every stage that chooses something on dev data (the teacher's temperature, the fine-tune's
+    report, the head refit) uses these rows and never trains on them."""
+    if not 0 < fraction < 1:
+        raise ValueError(
+            f"dev fraction: {fraction!r}; valid values are in (0, 1) (the share of the labeled rows held out as dev)"
+        )
+    y = np.asarray(y)
     rng = numpy_rng(seed)
-    held = np.zeros(len(y), dtype=bool)
-    for k in np.unique(y):
+    dev = np.zeros(len(y), dtype=bool)
+    for k in sorted(set(y.tolist())):
         rows = np.flatnonzero(y == k)
         if len(rows) < 2:
             continue
-        n_held = min(max(int(round(holdout * len(rows))), 1), len(rows) - 1)
-        held[rng.permutation(rows)[:n_held]] = True
-    return held
+        n_dev = min(max(int(round(fraction * len(rows))), 1), len(rows) - 1)
+        dev[rng.permutation(rows)[:n_dev]] = True
+    return dev
 
 
-def fit_teacher(
-    x, labels, *, classes=None, holdout: float = 0.3, C: float = 1.0, seed: int = 0, source: str = "reference"
-) -> Teacher:
-    """Fit the probe on a stratified (1 - holdout) part of (x, labels) and its temperature on the rest.
-
-    x: (m, d) frozen embeddings of the reference; labels: (m,) class labels (strings).
-    classes: the task's classes (default: those in `labels`, sorted). Raises ValueError when the
-    reference holds fewer than two classes, when a label is outside `classes`, or when holdout is
-    not in (0, 1).
-    """
-    from sklearn.linear_model import LogisticRegression
-
-    x = np.asarray(x, dtype=np.float64)
-    labels = np.asarray(labels, dtype=object)
+def _task_classes(labels: np.ndarray, classes, source: str) -> tuple[tuple, np.ndarray]:
     present = sorted(set(labels.tolist()))
     if len(present) < 2:
         only = present[0] if present else None
@@ -156,50 +193,49 @@ def fit_teacher(
             "expected labeled rows of at least two classes (a teacher is a classifier)"
         )
     classes = tuple(present) if classes is None else tuple(classes)
-    y = label_indices(labels, classes, source=source)
-    if not 0 < holdout < 1:
+    return classes, label_indices(labels, classes, source=source)
+
+
+def fit_teacher(
+    x, labels, *, dev, classes=None, C: float | None = None, seed: int = 0, source: str = "reference"
+) -> Teacher:
+    """Fit the probe on the training rows of (x, labels) (those not in `dev`) and its temperature on
+    the dev rows.
+
+    x: (m, d) frozen embeddings of the reference; labels: (m,) class labels (strings); dev: (m,)
+    boolean mask (`dev_split`). C: the probe's inverse L2 strength, None = chosen by cross-validation
+    on the training rows (crucible.heads). classes: the task's classes (default: those in `labels`,
+    sorted). Raises ValueError when the reference holds fewer than two classes, when a label is
+    outside `classes`, or when there are no dev rows.
+    """
+    from crucible.heads import C_GRID, fit_linear_head
+
+    x = np.asarray(x, dtype=np.float64)
+    labels = np.asarray(labels, dtype=object)
+    classes, y = _task_classes(labels, classes, source)
+    dev = np.asarray(dev, dtype=bool)
+    if dev.shape != y.shape or not dev.any() or dev.all():
         raise ValueError(
-            f"holdout: {holdout!r}; valid values are in (0, 1) (the share of the reference "
-            "held out to fit the temperature)"
+            f"{source}: the dev mask must mark some but not all of the {len(y)} rows "
+            f"(got {int(dev.sum())}); no class has two rows to hold one out"
         )
-    held = _calibration_split(y, holdout, seed)
-    if not held.any():
-        raise ValueError(f"{source}: no class has two items, so none can be held out for calibration")
-    model = LogisticRegression(C=C, max_iter=5000)
-    model.fit(x[~held], y[~held])
-    coef = np.zeros((len(classes), x.shape[1]))
-    intercept = np.zeros(len(classes))
-    fitted = model.classes_
-    if len(fitted) == 2:  # sklearn stores one row for two classes: logit of the second
-        coef[fitted[1]], intercept[fitted[1]] = model.coef_[0], model.intercept_[0]
-        if len(classes) > 2:  # classes absent from the fit part get -inf-like logits
-            absent = np.setdiff1d(np.arange(len(classes)), fitted)
-            intercept[absent] = -1e3
-    else:
-        coef[fitted], intercept[fitted] = model.coef_, model.intercept_
-        absent = np.setdiff1d(np.arange(len(classes)), fitted)
-        intercept[absent] = -1e3
-    raw = Teacher(classes, coef, intercept, 1.0)
-    z_held = raw.logits(x[held])
-    temperature = fit_temperature(z_held, y[held])
-    return Teacher(
-        classes,
-        coef,
-        intercept,
-        temperature,
-        holdout_nll_uncalibrated=nll(z_held, y[held], 1.0),
-        holdout_nll=nll(z_held, y[held], temperature),
-        holdout_accuracy=float((z_held.argmax(1) == y[held]).mean()),
-        n_fit=int((~held).sum()),
-        n_holdout=int(held.sum()),
-    )
+    head = fit_linear_head(x[~dev], y[~dev], len(classes), Cs=(C,) if C else C_GRID, seed=seed)
+    coef, intercept = head.weight.astype(np.float64), head.bias.astype(np.float64)
+    cal = calibrate(x[dev] @ coef.T + intercept, y[dev])
+    return Teacher(classes, coef, intercept, cal.temperature, cal, head.C, int((~dev).sum()))
+
+
+def predict_logits(logits, temperature: float) -> Predictions:
+    """Pseudo-labels from any teacher's raw logits (n, K) and its temperature: the most probable
+    class, its calibrated probability, and all of them."""
+    proba = softmax(np.asarray(logits, dtype=np.float64) / temperature, axis=1)
+    label = proba.argmax(axis=1)
+    return Predictions(label=label, confidence=proba[np.arange(len(label)), label], proba=proba)
 
 
 def predict(teacher: Teacher, x) -> Predictions:
-    """Pseudo-labels of x: (n, d): the most probable class, its calibrated probability, and all of them."""
-    proba = teacher.proba(x)
-    label = proba.argmax(axis=1)
-    return Predictions(label=label, confidence=proba[np.arange(len(label)), label], proba=proba)
+    """Pseudo-labels of x: (n, d) by a probe teacher."""
+    return predict_logits(teacher.logits(x), teacher.temperature)
 
 
 def label_indices(labels, classes, *, source: str = "labels") -> np.ndarray:
@@ -239,14 +275,35 @@ def select_by_quota(label, confidence, quota: int, *, threshold: float = 0.0) ->
     return keep
 
 
-def select(pred: Predictions, *, mode: str, threshold: float, quota: int | None = None) -> np.ndarray:
-    """Dispatch: mode "threshold" (confidence >= threshold) or "quota" (per-class top `quota` among
-    those >= threshold). Raises ValueError for an unknown mode."""
+def select_by_target(confidence, target: float) -> np.ndarray:
+    """The most confident items whose mean calibrated confidence, their expected accuracy under a
+    calibrated teacher, is >= target: the longest prefix of the items sorted by confidence (descending)
+    whose running mean is >= target, and every item tied with its last. Nothing when even the most
+    confident item is below target. Returns a boolean mask (n,)."""
+    if not 0 < target <= 1:
+        raise ValueError(f"target_accuracy: {target!r}; valid values are in (0, 1]")
+    conf = np.asarray(confidence, dtype=np.float64)
+    order = np.argsort(-conf, kind="stable")
+    running = np.cumsum(conf[order]) / np.arange(1, len(conf) + 1)
+    ok = np.flatnonzero(running >= target - 1e-12)
+    if len(ok) == 0:
+        return np.zeros(len(conf), dtype=bool)
+    return conf >= conf[order[ok[-1]]]
+
+
+def select(
+    pred: Predictions, *, mode: str, threshold: float, quota: int | None = None, target: float = 0.9
+) -> np.ndarray:
+    """Dispatch: mode "target" (the most confident items of expected accuracy >= target), "threshold"
+    (confidence >= threshold) or "quota" (per-class top `quota` among those >= threshold). Raises
+    ValueError for an unknown mode."""
+    if mode == "target":
+        return select_by_target(pred.confidence, target)
     if mode == "threshold":
         return select_by_threshold(pred.confidence, threshold)
     if mode == "quota":
         return select_by_quota(pred.label, pred.confidence, quota if quota is not None else 0, threshold=threshold)
-    raise ValueError(f"selection mode {mode!r}; valid: 'threshold', 'quota'")
+    raise ValueError(f"selection mode {mode!r}; valid: 'target', 'threshold', 'quota'")
 
 
 def training_weights(m, confidence, audited, member, *, w_max: float) -> np.ndarray:
@@ -304,7 +361,7 @@ class QualityEstimates:
     clean pool's class prior (one ratio per class, in the teacher's class order)."""
 
     accuracy: RatioEstimate
-    selected_accuracy: RatioEstimate
+    selected_accuracy: RatioEstimate | None  # None: nothing was selected
     prior: dict[str, RatioEstimate]
 
     def to_dict(self) -> dict[str, float]:
@@ -314,6 +371,8 @@ class QualityEstimates:
             ("selected_accuracy", self.selected_accuracy),
             *((f"prior_{k}", v) for k, v in self.prior.items()),
         ):
+            if est is None:
+                continue
             for field in ("value", "se", "ci_low", "ci_high"):
                 out[f"{name}_{field}" if field != "value" else name] = getattr(est, field)
         return out
@@ -327,23 +386,25 @@ def estimate_quality(
     pred: the teacher's predictions on the n pooled items; scores: (n,) proxy membership s_j;
     audited: (n,) I_j; member: (n,) M_j where audited (ignored elsewhere); audit_label: (n,) class
     index of the true label where audited and a member (ignored elsewhere; -1 = unknown); pi: (n,);
-    selected: (n,) the selection mask (must not depend on the audit). Raises ValueError on an empty
-    selection, an audited member without a label, or a non-positive estimated denominator.
+    selected: (n,) the selection mask (must not depend on the audit; empty: no selected_accuracy).
+    Raises ValueError on an audited member without a label, or a non-positive estimated denominator.
     """
     s = np.asarray(scores, dtype=np.float64)
     aud = np.asarray(audited, dtype=bool)
     mem = np.where(aud, np.nan_to_num(np.asarray(member, dtype=np.float64)), 0.0)
     y = np.asarray(audit_label, dtype=np.int64)
     sel = np.asarray(selected, dtype=np.float64)
-    if sel.sum() == 0:
-        raise ValueError("the selection is empty: no pooled item was selected")
     missing = aud & (mem == 1) & (y < 0)
     if missing.any():
         raise ValueError(f"audit: the audited member at pool position {int(np.flatnonzero(missing)[0])} has no label")
     correct = (mem == 1) & (y == pred.label)
     conf = pred.confidence
     accuracy = ratio_estimate(s * conf, mem * correct, s, mem, aud, pi, level=level)
-    selected_accuracy = ratio_estimate(sel * s * conf, sel * mem * correct, sel * s, sel * mem, aud, pi, level=level)
+    selected_accuracy = (
+        ratio_estimate(sel * s * conf, sel * mem * correct, sel * s, sel * mem, aud, pi, level=level)
+        if sel.any()
+        else None
+    )
     prior = {
         c: ratio_estimate(s * pred.proba[:, k], mem * (y == k), s, mem, aud, pi, level=level)
         for k, c in enumerate(classes)

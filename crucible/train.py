@@ -156,6 +156,9 @@ class TrainConfig:
     seed: int = 0
     progress: bool = True
     autocast: str = "fp32"  # fp32 | bf16: the forward passes' autocast dtype (weights stay float32)
+    keep: str = (
+        "best"  # best: the weights of the best dev accuracy | last: those after the last step (a fixed schedule)
+    )
 
     def __post_init__(self):
         for name in ("max_steps", "batch_size", "eval_every", "eval_batch_size"):
@@ -165,6 +168,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.warmup = {self.warmup!r}: expected a share in [0, 1)")
         if self.autocast not in ("fp32", "bf16"):
             raise ValueError(f"TrainConfig.autocast = {self.autocast!r}: expected fp32 or bf16")
+        if self.keep not in ("last", "best"):
+            raise ValueError(f"TrainConfig.keep = {self.keep!r}: expected last or best")
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -241,6 +246,31 @@ def predict(
     return out
 
 
+@torch.no_grad()
+def pooled_features(
+    model: EncoderClassifier,
+    ids: Sequence[Sequence[int]],
+    batch_size: int = 64,
+    pad_id: int = 0,
+    autocast_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The encoder's pooled features (n, hidden), float32 on the CPU: what the head sees, before
+    dropout (eval mode; batches on the model's device; restores the training flag)."""
+    was_training = model.training
+    model.eval()
+    device = model_device(model)
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    out = torch.empty(len(ids), model.head.in_features)
+    for start in range(0, len(ids), batch_size):
+        idx = order[start : start + batch_size]
+        input_ids, mask = collate([ids[i] for i in idx], pad_id)
+        with autocast(device, autocast_dtype):
+            features = encode(model.encoder, input_ids.to(device), mask.to(device), model.pooling)
+        out[torch.tensor(idx)] = features.float().cpu()
+    model.train(was_training)
+    return out
+
+
 def evaluate(
     model: EncoderClassifier,
     data: Examples,
@@ -292,7 +322,8 @@ def train(
     stop_after: int | None = None,
     desc: str = "finetune",
 ) -> TrainResult:
-    """Train `model` in place; on return it holds the best dev-accuracy weights (in train mode).
+    """Train `model` in place; on return it holds the best dev-accuracy weights (cfg.keep = "best") or
+    those of the last step (cfg.keep = "last": a fixed schedule, dev only watched), in train mode.
 
     `mixout` must already wrap `model`. With `checkpoint_dir`, a checkpoint is written every
     `cfg.checkpoint_every` steps and, with `resume`, training continues from the latest one.
@@ -367,7 +398,8 @@ def train(
             if log is not None:
                 log({"dev_accuracy": dev["accuracy"], "dev_loss": dev["loss"]}, step)
             if dev["accuracy"] > best["accuracy"]:
-                best, best_state = {"accuracy": dev["accuracy"], "step": step, "bad_evals": 0}, _clone_state(model)
+                best = {"accuracy": dev["accuracy"], "step": step, "bad_evals": 0}
+                best_state = _clone_state(model) if cfg.keep == "best" else None
             else:
                 best = {**best, "bad_evals": best["bad_evals"] + 1}
                 if cfg.patience and best["bad_evals"] >= cfg.patience:

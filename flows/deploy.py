@@ -8,7 +8,7 @@ schedule, concurrency limit); this module reads it and serves them with `prefect
 polls the server for due runs and runs each in a subprocess. `serve` rather than a process work
 pool: on one machine it is one process with nothing to create first (no pool, no worker), and
 Ctrl-C stops it. The same prefect.yaml with `prefect deploy --all` and `prefect worker start` is
-the route to workers on other hosts (README, "Beyond one machine").
+the route to workers on other hosts (docs/operations.md, "Beyond one machine").
 
 Overlapping runs: each deployment carries `concurrency_limit: {limit: 1, collision_strategy:
 ENQUEUE}`, and `serve(limit=1)` runs one flow at a time. ENQUEUE, not CANCEL_NEW: a nightly run

@@ -105,7 +105,7 @@ class Scorer:
         self.theta_0 = {k: v.detach().clone() for k, v in self.encoder.state_dict().items()} if keep_theta_0 else None
         self.pad_id = tokenizer.pad_token_id or 0
         self.batch_size = batch_size
-        self.heads, self.classes, self.data = {}, {}, {}
+        self.heads, self.classes, self.data, self.ids = {}, {}, {}, {}
         splits = {"test": tests, **({"probe": probes} if probes is not None else {})}
         for spec in tasks:
             t = spec["task"]
@@ -122,6 +122,8 @@ class Scorer:
                         f"classes {spec['classes']}"
                     )
                 ids = tokenize(tokenizer, df["text"].tolist(), spec["max_length"])
+                if "id" in df:
+                    self.ids[t, split] = df["id"].tolist()
                 self.data[t, split] = (ids, torch.tensor(df["label"].map(index).to_numpy(), dtype=torch.long))
 
     @property
@@ -140,9 +142,10 @@ class Scorer:
         """(n,) int64 class indices of the task's rows in `split`."""
         return self.data[task, split][1]
 
-    def features(self, task: str, split: str = "test"):
-        """(n, hidden) float32 pooled features of the current encoder, in row order, on the CPU
-        (the encoder runs on its device, under the run's autocast)."""
+    def features(self, task: str, split: str = "test", limit: int | None = None):
+        """(n, hidden) float32 pooled features of the current encoder on the split's rows (the first
+        `limit` of them when given), in row order, on the CPU (the encoder runs on its device, under
+        the run's autocast)."""
         import torch
 
         from crucible.models import encode
@@ -150,6 +153,7 @@ class Scorer:
         from tasks.runtime.device import current
 
         ids, _ = self.data[task, split]
+        ids = ids[:limit] if limit else ids
         order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # little padding per batch
         out = torch.empty(len(ids), self.encoder.config.hidden_size)
         with torch.inference_mode():
@@ -172,9 +176,10 @@ class Scorer:
         return self.head_logits(task, self.features(task))
 
     def accuracy(self, task: str, logits=None) -> float:
-        """Test accuracy of the current encoder (or of precomputed `logits`) on the task."""
+        """Test accuracy of the current encoder (or of precomputed `logits`, on the first len(logits)
+        test rows) on the task."""
         logits = self.logits(task) if logits is None else logits
-        return float((logits.argmax(1) == self.labels(task)).float().mean())
+        return float((logits.argmax(1) == self.labels(task)[: len(logits)]).float().mean())
 
 
 class FeatureStore:
@@ -186,9 +191,13 @@ class FeatureStore:
     methods whose first arrival is the same model. A copy holds the bytes an encode would give: the
     same weights, rows, batches and threads give the same features (the CPU path is deterministic).
 
+    A variant is scored on every test row, or on the first `test_limit` (the continual matrices:
+    every merge method after every arrival); features known on more rows are sliced, not encoded.
+
     On disk (safetensors): `<variant>/<task>/<split>` (n, hidden) float32 and `labels/<task>/<split>`
-    (n,) int64; metadata `variants` (JSON list of {name, family, method, arrival}), `classes` and
-    `tasks`. Variant names: `base`, `finetune:<task>`, `<method>@<arrival>`, `quantize:<variant>`."""
+    (n,) int64 for all of the split's rows (a variant's test features may cover only the first rows);
+    metadata `variants` (JSON list of {name, family, method, arrival, tasks, test_rows}), `classes`
+    and `tasks`. Variant names: `base`, `finetune:<task>`, `<method>@<arrival>`, `quantize:<variant>`."""
 
     def __init__(self, scorer: Scorer):
         self.scorer = scorer
@@ -200,40 +209,66 @@ class FeatureStore:
             self.tensors[f"labels/{t}/{split}"] = labels
 
     def add(
-        self, name: str, family: str, method: str, arrival: int, tasks: list[str], state: dict | None = None
+        self,
+        name: str,
+        family: str,
+        method: str,
+        arrival: int,
+        tasks: list[str],
+        state: dict | None = None,
+        test_limit: int | None = None,
     ) -> dict[str, float]:
-        """Features on `tasks` (test and, if any, probe rows) under variant `name`; returns the head's
-        test accuracy per task. With `state`, of those weights: loaded into the scorer's encoder only
-        when some of the features are not known yet. Without it, of the scorer's current encoder (e.g.
-        a quantized copy), nothing shared."""
+        """Features on `tasks` (test rows, the first `test_limit` of them when given, and probe rows
+        if any) under variant `name`; returns the head's test accuracy per task on those rows. With
+        `state`, of those weights: loaded into the scorer's encoder only when some of the features
+        are not known yet. Without it, of the scorer's current encoder (e.g. a quantized copy),
+        nothing shared. A variant added again under its name is replaced in place."""
         from crucible.serialize import state_digest
 
         digest = state_digest(state) if state is not None else None
         loaded = state is None
-        acc = {}
+        acc, rows = {}, {}
         for t in tasks:
             for split in ("test", "probe"):
                 if (t, split) not in self.scorer.data:
                     continue
+                n_rows = len(self.scorer.data[t, split][0])
+                limit = min(test_limit, n_rows) if (split == "test" and test_limit) else n_rows
                 known = self.known.get((digest, t, split)) if digest else None
-                if known is not None:
-                    features = known.clone()  # a file cannot hold two names for one memory
+                if known is not None and len(known) >= limit:
+                    features = known[:limit].clone()  # a file cannot hold two names for one memory
                     self.copied += 1
                 else:
                     if not loaded:
                         self.scorer.load(state)
                         loaded = True
-                    features = self.scorer.features(t, split)
+                    features = self.scorer.features(t, split, limit)
                     self.encoded += 1
                     if digest:
                         self.known[digest, t, split] = features
                 self.tensors[f"{name}/{t}/{split}"] = features
             logits = self.scorer.head_logits(t, self.tensors[f"{name}/{t}/test"])
             acc[t] = self.scorer.accuracy(t, logits)
-        self.variants.append(
-            {"name": name, "family": family, "method": method, "arrival": arrival, "tasks": list(tasks)}
-        )
+            rows[t] = len(logits)
+        entry = {
+            "name": name,
+            "family": family,
+            "method": method,
+            "arrival": arrival,
+            "tasks": list(tasks),
+            "test_rows": rows,
+        }
+        known = [i for i, v in enumerate(self.variants) if v["name"] == name]
+        if known:  # added again (e.g. on more test rows): replaced where it was
+            self.variants[known[0]] = entry
+        else:
+            self.variants.append(entry)
         return acc
+
+    def accuracy(self, name: str, task: str, limit: int | None = None) -> float:
+        """Head accuracy of variant `name` on the task's first `limit` test rows (all it has when None)."""
+        features = self.tensors[f"{name}/{task}/test"]
+        return self.scorer.accuracy(task, self.scorer.head_logits(task, features[:limit] if limit else features))
 
     def to_bytes(self) -> bytes:
         from crucible.serialize import safetensors_bytes
@@ -246,6 +281,11 @@ class FeatureStore:
                 "tasks": json.dumps(self.scorer.tasks),
             },
         )
+
+
+def probe_ids(scorer: Scorer) -> dict[str, list]:
+    """Per task the ids of the scorer's probe rows, in row order."""
+    return {t: scorer.ids[t, "probe"] for t in scorer.tasks if (t, "probe") in scorer.ids}
 
 
 def read_features(path: Path, stage: str) -> tuple[dict, dict]:
@@ -278,23 +318,22 @@ def _features_problem(tensors: dict, meta: dict) -> str | None:
                         return f"tensor {name!r} (or 'labels/{t}/{split}') of variant {v['name']!r} is missing"
                     continue
                 rows = tensors[name].shape[0] if tensors[name].dim() == 2 else None
-                if rows != labels.shape[0]:
+                expected = labels.shape[0]
+                if split == "test":  # a variant scored on the first rows only (FeatureStore.add's test_limit)
+                    expected = min(int((v.get("test_rows") or {}).get(t, expected)), expected)
+                if rows != expected or rows == 0:
                     return (
                         f"tensor {name!r} has shape {list(tensors[name].shape)}, expected "
-                        f"[{labels.shape[0]}, hidden] (the rows of 'labels/{t}/{split}')"
+                        f"[{expected}, hidden] (the rows of 'labels/{t}/{split}')"
                     )
     return None
 
 
-def read_tests(root: Path, params, limit: int | None) -> dict[str, pd.DataFrame]:
-    """Each task's clean test split (first `limit` rows; all when None), in merge order."""
+def read_tests(root: Path, params) -> dict[str, pd.DataFrame]:
+    """Each task's clean test split, every row, in merge order."""
     from tasks.runtime.io import read_table
 
-    tests = {}
-    for t in params.merge_order():
-        test = read_table(Path(root) / "data" / t / "test.parquet", "test")
-        tests[t] = test.head(limit) if limit else test
-    return tests
+    return {t: read_table(Path(root) / "data" / t / "test.parquet", "test") for t in params.merge_order()}
 
 
 def read_probe_rows(root: Path, params) -> dict[str, pd.DataFrame]:
@@ -312,6 +351,6 @@ def read_probe_rows(root: Path, params) -> dict[str, pd.DataFrame]:
             df = read_stage_output(
                 Path(root) / "data" / t / "labeled.parquet", "labeled", ("text", "label"), "pseudolabel"
             )
-        df = df[["text", "label"]]
+        df = df[["id", "text", "label"]]
         out[t] = df.head(cfg.probe_limit) if cfg.probe_limit else df
     return out

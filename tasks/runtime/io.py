@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pandas as pd
 
 from crucible.schema import validate_table
@@ -119,6 +121,20 @@ class OutputWriteError(OSError):
         )
 
 
+def json_safe(obj):
+    """`obj` as strict JSON values, recursively: NaN and infinities -> None (e.g. the backward transfer
+    of a single task), numpy scalars -> Python numbers, mapping keys -> str, tuples -> lists."""
+    if isinstance(obj, dict):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if isinstance(obj, (float, np.floating)):
+        return float(obj) if math.isfinite(float(obj)) else None
+    if isinstance(obj, (np.integer, np.bool_)):
+        return obj.item()
+    return obj
+
+
 class AtomicOutputs:
     """Collect a stage's outputs in temporary files; publish them all at once on success.
 
@@ -161,7 +177,8 @@ class AtomicOutputs:
         return self.file(dest, lambda p: df.to_parquet(p, index=False, compression="zstd"))
 
     def json(self, obj, dest: Path | str) -> Path:
-        text = json.dumps(obj, indent=2, sort_keys=True, default=float) + "\n"
+        """Strict JSON (json_safe): what DVC and MLflow read."""
+        text = json.dumps(json_safe(obj), indent=2, sort_keys=True, allow_nan=False) + "\n"
         return self.file(dest, lambda p: p.write_text(text))
 
     def bytes(self, data: bytes, dest: Path | str) -> Path:

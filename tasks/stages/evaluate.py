@@ -38,14 +38,14 @@ Everything is logged to the stage's MLflow run and, under the flow, to the pipel
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from tasks.report.page import build_report
 from tasks.runtime.declaration import Plot, StageSpec
-from tasks.runtime.io import AtomicOutputs
+from tasks.runtime.io import AtomicOutputs, json_safe
 from tasks.runtime.params_schema import Params
 
 MERGE = Path("models") / "merge"
@@ -103,16 +103,29 @@ SPEC = StageSpec(
     "models) through three interfaces (head, fresh probe, clustering) from the features merge and "
     "quantize kept; one self-contained HTML report.",
     deps=(
-        *(str(MERGE / n) for n in ("features.safetensors", "heads.safetensors", "config.json")),
-        *(str(QUANTIZE / n) for n in ("features.safetensors", "config.json")),
+        *(
+            str(MERGE / n)
+            for n in ("features.safetensors", "heads.safetensors", "task_heads.safetensors", "config.json")
+        ),
+        *(str(QUANTIZE / n) for n in ("features.safetensors", "heads.safetensors", "config.json")),
         "metrics/quantize.json",
         "metrics/moe.json",
         str(MERGE / "accuracy.png"),
         str(QUANTIZE / "quantize.png"),
         "models/moe/build",
         *(f"metrics/{{task}}/{s}.json" for s in ("ingest", "curate", "pseudolabel", "finetune")),
+        # the frozen-base probe, the baseline of every comparison, and the test rows' ids
+        *(f"data/{{task}}/{f}" for f in ("reference.parquet", "test.parquet", "embeddings.safetensors")),
     ),
-    params=("pipeline.seed", "pipeline.tasks", "merge.order", "merge.methods", "merge.main", "evaluate"),
+    outs=(str(METRICS / "predictions.parquet"),),
+    params=(
+        "pipeline.seed",
+        "pipeline.tasks",
+        "merge.order",
+        "merge.methods",
+        "evaluate",
+        "register.model",
+    ),
     uncached=(str(REPORTS / "index.html"), str(REPORTS / "plots")),
     metrics=(str(METRICS / "evaluate.json"), str(METRICS / "variants.json")),
     plots=(Plot(str(REPORTS / "figures")),),
@@ -164,7 +177,14 @@ def read_inputs(root: Path, params: Params) -> dict:
         )
     n = {t: len(classes[t]) for t in order}  # each task's head: (n_classes, hidden) and (n_classes,)
     shapes = {f"{t}.{k}": s for t in order for k, s in (("weight", (n[t], None)), ("bias", (n[t],)))}
-    heads, _ = read_safetensors(root / MERGE / "heads.safetensors", "task heads", _rerun("merge"), shapes=shapes)
+    # the fine-tunes' own heads (every interface of every variant) and the deployed ones
+    heads, _ = read_safetensors(root / MERGE / "task_heads.safetensors", "task heads", _rerun("merge"), shapes=shapes)
+    deploy_heads = {
+        kind: read_safetensors(
+            root / folder / "heads.safetensors", f"deployed heads ({kind})", _rerun(stage), shapes=shapes
+        )[0]
+        for kind, folder, stage in (("float", MERGE, "merge"), ("quantized", QUANTIZE, "quantize"))
+    }
     for path, tensors, meta, stage in ((MERGE, merged, merge_meta, "merge"), (QUANTIZE, quant, quant_meta, "quantize")):
         check_features(
             root / path / "features.safetensors",
@@ -173,22 +193,33 @@ def read_inputs(root: Path, params: Params) -> dict:
             meta["variants"],
             n,
             heads,
-            root / MERGE / "heads.safetensors",
+            root / MERGE / "task_heads.safetensors",
         )
-    try:
-        quant_config = json.loads((root / QUANTIZE / "config.json").read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{root / QUANTIZE / 'config.json'}: missing; {_rerun('quantize')}") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{root / QUANTIZE / 'config.json'}: not valid JSON ({exc}); {_rerun('quantize')}") from None
+    quant_config, merge_config = read_config(root, QUANTIZE, "quantize"), read_config(root, MERGE, "merge")
+    if merge_config.get("main") not in params.merge.methods:
+        raise ValueError(
+            f"{root / MERGE / 'config.json'}: field 'main' = {merge_config.get('main')!r} is not one of "
+            f"merge.methods ({', '.join(params.merge.methods)}); {_rerun('merge')}"
+        )
     return {
         "order": order,
         "tensors": {**merged, **quant},
         "variants": merge_meta["variants"] + quant_meta["variants"],
         "classes": merge_meta["classes"],
         "heads": heads,
+        "deploy_heads": deploy_heads,
         "quantize_config": quant_config,
+        "main": merge_config["main"],
     }
+
+
+def read_config(root: Path, folder: Path, stage: str) -> dict:
+    try:
+        return json.loads((root / folder / "config.json").read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{root / folder / 'config.json'}: missing; {_rerun(stage)}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{root / folder / 'config.json'}: not valid JSON ({exc}); {_rerun(stage)}") from None
 
 
 def check_features(
@@ -245,18 +276,30 @@ def check_features(
 # the interfaces and the continual metrics
 
 
+def common_rows(variants: list[dict], tensors: dict) -> dict[str, int]:
+    """Per task the test rows every variant was scored on: the first N (merge.eval_limit), or all."""
+    rows = {}
+    for v in variants:
+        for t in v["tasks"]:
+            n = int(tensors[f"{v['name']}/{t}/test"].shape[0])
+            rows[t] = min(rows.get(t, n), n)
+    return rows
+
+
 def score_variants(data: dict, params: Params, progress=None) -> pd.DataFrame:
-    """Long table: variant, family, method, arrival, task, metric, value (every interface)."""
+    """Long table: variant, family, method, arrival, task, metric, value (every interface), each task
+    on the test rows every variant was scored on (common_rows)."""
     from crucible.evaluation import interface_scores
 
     cfg = params.evaluate
     T, heads = data["tensors"], data["heads"]
+    n = common_rows(data["variants"], T)
     rows = []
     for v in data["variants"]:
         for t in v["tasks"]:
             scores = interface_scores(
-                T[f"{v['name']}/{t}/test"].numpy(),
-                T[f"labels/{t}/test"].numpy(),
+                T[f"{v['name']}/{t}/test"][: n[t]].numpy(),
+                T[f"labels/{t}/test"][: n[t]].numpy(),
                 heads[f"{t}.weight"].numpy(),
                 heads[f"{t}.bias"].numpy(),
                 T[f"{v['name']}/{t}/probe"].numpy(),
@@ -353,26 +396,24 @@ def summarise(mats: dict, methods: list[str]) -> tuple[pd.DataFrame, pd.DataFram
     return pd.DataFrame(summary), pd.DataFrame(curves)
 
 
-def deployable(cells: pd.DataFrame, data: dict, main: str, n_test: dict) -> dict:
-    """Head accuracy per task (and mean) of the two models register can deploy."""
-    qc = data["quantize_config"]
-    variants = {
-        "quantized": f"quantize:mxfp4_{qc.get('allocation', 'load_aware')}",
-        "float": f"{main}@{len(data['order']) - 1}",
-    }
+def deployable(value: dict, data: dict, main: str) -> dict:
+    """Test accuracy per task (and mean, every test row) of the two models register can deploy, each
+    with its deployed heads (tasks.report.value)."""
+    variants = {"quantized": f"quantize:{quantized_variant(data)}", "float": f"{main}@{len(data['order']) - 1}"}
     out = {}
     for kind, variant in variants.items():
-        head = cells[(cells["variant"] == variant) & (cells["metric"] == "head")]
-        if head.empty:
-            raise ValueError(f"no features for the deployable {kind} model {variant!r}; rerun merge and quantize")
-        acc = {r.task: r.value for r in head.itertuples()}
+        acc = {t: round(a, 6) for t, a in value["accuracy"][kind].items() if t != "mean"}
         out[kind] = {
             "variant": variant,
             "accuracy": acc,
             "mean_accuracy": round(float(np.mean(list(acc.values()))), 6),
-            "n_test": n_test,
+            "n_test": value["n_test"],
         }
     return out
+
+
+def quantized_variant(data: dict) -> str:
+    return f"mxfp4_{data['quantize_config'].get('allocation', 'load_aware')}"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -473,18 +514,6 @@ def stage_summaries(root: Path, order: list[str]) -> dict[str, pd.DataFrame]:
 # the stage
 
 
-def _json_safe(obj):
-    if isinstance(obj, dict):
-        return {str(k): _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    if isinstance(obj, (float, np.floating)):
-        return None if not math.isfinite(float(obj)) else float(obj)
-    if isinstance(obj, np.integer):
-        return int(obj)
-    return obj
-
-
 def _csv(df: pd.DataFrame) -> bytes:
     return df.to_csv(index=False, float_format="%.6g").encode()
 
@@ -520,34 +549,46 @@ def finetune_warnings(cells: pd.DataFrame, chance: dict[str, float]) -> list[str
 
 
 def run(params: Params, task: str | None, root: Path, log) -> dict:
-    from crucible.progress import Progress
-    from tasks.report.page import build_report
-    from tasks.runtime.tracking import say
-
+    """Read both stages' features, score every variant through the interfaces, compare the deployable
+    models with the baselines row by row, build the report, write, log."""
     root = Path(root)
     data = read_inputs(root, params)
-    order, main = data["order"], params.merge.main
+    results = compute(params, root, data)
+    report = build_report(report_inputs(params, root, data, results))
+    write_outputs(root, results, report)
+    log_results(log, root, results)
+    return headline(results)
+
+
+def compute(params: Params, root: Path, data: dict) -> dict:
+    """Everything evaluate.json, variants.json, the plot data and the report hold."""
+    from crucible.progress import Progress
+    from tasks.report.value import predictions, value
+    from tasks.runtime.tracking import say
+
+    order, main, cfg = data["order"], data["main"], params.evaluate
     methods = [m for m in params.merge.methods if any(v["name"] == f"{m}@0" for v in data["variants"])]
     quantized = [v["method"] for v in data["variants"] if v["family"] == "quantize"]
     ifaces = interfaces(params)
-
-    pairs = sum(len(v["tasks"]) for v in data["variants"])
-    with Progress(total=pairs, desc="evaluate: variants x tasks", unit="pair") as bar:
+    with Progress(
+        total=sum(len(v["tasks"]) for v in data["variants"]), desc="evaluate: variants x tasks", unit="pair"
+    ) as bar:
         cells = score_variants(data, params, progress=bar.update)
     mats = continual_matrices(cells, order, methods, main, quantized, ifaces)
     summary, curves = summarise(mats, methods)
     T = data["tensors"]
+    preds, probe_fits = predictions(root, data, main, quantized_variant(data), params.pipeline.seed)
+    worth = value(preds, level=cfg.level, n_boot=cfg.n_boot, seed=params.pipeline.seed)
+    worth["baseline"] = {"probe": probe_fits}
     n_test = {t: int(T[f"labels/{t}/test"].shape[0]) for t in order}
     n_probe = {t: int(T[f"labels/{t}/probe"].shape[0]) for t in order}
-    deploy = deployable(cells, data, main, n_test)
+    chance = {t: round(float(np.bincount(T[f"labels/{t}/test"].numpy()).max()) / max(1, n_test[t]), 6) for t in order}
     base_cells = cells[(cells["variant"] == "base") & (cells["metric"] == "head")]
-    chance = {
-        t: round(float(np.bincount(T[f"labels/{t}/test"].numpy()).max()) / max(1, n_test[t]), 6)
-        for t in order
-        if n_test[t]
+    baselines = {
+        "chance": chance,
+        "base": {r.task: r.value for r in base_cells.itertuples()},
+        "probe": {t: round(a, 6) for t, a in worth["accuracy"]["probe"].items() if t != "mean"},
     }
-    baselines = {"chance": chance, "base": {r.task: r.value for r in base_cells.itertuples()}}
-
     table = {
         m: {r.interface: {"acc": r.acc, "bwt": r.bwt} for r in summary[summary["method"] == m].itertuples()}
         for m in mats
@@ -555,14 +596,16 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     warnings = finetune_warnings(cells, chance)
     for w in warnings:
         say(f"warning: {w}")
-    metrics = _json_safe(
+    metrics = json_safe(
         {
             "order": order,
             "main": main,
             "interfaces": ifaces,
+            "continual_rows": common_rows(data["variants"], T),
             "methods": table,
-            "deployable": deploy,
+            "deployable": deployable(worth, data, main),
             "baselines": baselines,
+            "value": worth,
             "n_test": n_test,
             "n_probe": n_probe,
             "warnings": warnings,
@@ -578,19 +621,36 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
         for j in range(len(order))
         for i in range(j + 1)
     ]
-    summaries = stage_summaries(root, order)
-
-    from tasks.runtime.tracking import git_commit
-
-    results = {
-        "order": order,
-        "interfaces": ifaces,
-        "main": main,
+    return {
+        "metrics": metrics,
+        "variants": variants,
         "cells": cells,
         "summary": summary,
         "curves": curves,
-        "matrices": {m: {i: R.tolist() for i, R in by.items()} for m, by in mats.items()},
-        **summaries,
+        "mats": mats,
+        "matrix_rows": matrix_rows,
+        "table": table,
+        "predictions": preds,
+        "summaries": stage_summaries(root, order),
+    }
+
+
+def report_inputs(params: Params, root: Path, data: dict, results: dict) -> dict:
+    """What tasks.report.page.build_report reads."""
+    from tasks.runtime.tracking import git_commit
+
+    m = results["metrics"]
+    return {
+        "order": m["order"],
+        "interfaces": m["interfaces"],
+        "main": m["main"],
+        "cells": results["cells"],
+        "summary": results["summary"],
+        "curves": results["curves"],
+        "matrices": {k: {i: R.tolist() for i, R in by.items()} for k, by in results["mats"].items()},
+        **results["summaries"],
+        "value": m["value"],
+        "register_model": params.register.model,
         "quantize": _read_json(root / METRICS / "quantize.json"),
         "moe": _read_json(root / METRICS / "moe.json"),
         "figures": {
@@ -606,33 +666,54 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
         "meta": {
             "git_commit": git_commit(root),
             "params": {"evaluate": params.evaluate.model_dump()},
-            "n_test": n_test,
-            "n_probe": n_probe,
+            "n_test": m["n_test"],
+            "n_probe": m["n_probe"],
         },
     }
-    report = build_report(results)
 
+
+def write_outputs(root: Path, results: dict, report: dict) -> None:
     with AtomicOutputs() as atomic:
-        atomic.json(metrics, root / METRICS / "evaluate.json")
-        atomic.json(_json_safe(variants), root / METRICS / "variants.json")
-        atomic.bytes(_csv(summary), root / REPORTS / "plots" / "summary.csv")
-        atomic.bytes(_csv(curves), root / REPORTS / "plots" / "curves.csv")
-        atomic.bytes(_csv(pd.DataFrame(matrix_rows)), root / REPORTS / "plots" / "matrix.csv")
-        atomic.bytes(_csv(summaries["curation"]), root / REPORTS / "plots" / "curation.csv")
+        atomic.json(results["metrics"], root / METRICS / "evaluate.json")
+        atomic.json(results["variants"], root / METRICS / "variants.json")
+        atomic.parquet(results["predictions"], root / METRICS / "predictions.parquet")
+        atomic.bytes(_csv(results["summary"]), root / REPORTS / "plots" / "summary.csv")
+        atomic.bytes(_csv(results["curves"]), root / REPORTS / "plots" / "curves.csv")
+        atomic.bytes(_csv(pd.DataFrame(results["matrix_rows"])), root / REPORTS / "plots" / "matrix.csv")
+        atomic.bytes(_csv(results["summaries"]["curation"]), root / REPORTS / "plots" / "curation.csv")
         for name, content in sorted(report.items()):
             atomic.bytes(content, root / REPORTS / name)
     for stale in (root / REPORTS / "figures").glob("*.png"):  # a figure this report no longer has
         if f"figures/{stale.name}" not in report:
             stale.unlink()
 
+
+def _flat(results: dict) -> dict:
     flat = {
         f"{m.replace('+', ':')}.{iface}.{k}": v
-        for m, by in table.items()
+        for m, by in results["table"].items()
         for iface, d in by.items()
         for k, v in d.items()
         if v == v
     }
-    flat.update({f"deployable.{k}.mean_accuracy": d["mean_accuracy"] for k, d in deploy.items()})
+    m = results["metrics"]
+    flat.update({f"deployable.{k}.mean_accuracy": d["mean_accuracy"] for k, d in m["deployable"].items()})
+    for name, by in m["value"]["comparisons"].items():
+        mean = by["mean"]
+        flat.update(
+            {
+                f"value.{name}.diff": mean["diff"],
+                f"value.{name}.ci_low": mean["ci_low"],
+                f"value.{name}.ci_high": mean["ci_high"],
+            }
+        )
+    for kind, v in m["value"]["normalised"].items():
+        flat.update({f"value.normalised.{kind}.{k}": x for k, x in (v or {}).items()})
+    return flat
+
+
+def log_results(log, root: Path, results: dict) -> None:
+    flat = _flat(results)
     for handle in (log, log.parent() if hasattr(log, "parent") else None):
         if handle is None:
             continue
@@ -640,13 +721,14 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
         handle.log_artifact(root / REPORTS / "index.html", "report")
         handle.log_artifacts(root / REPORTS / "figures", "report/figures")
         handle.log_artifact(root / METRICS / "evaluate.json", "report")
+
+
+def headline(results: dict) -> dict:
+    m, table = results["metrics"], results["table"]
+    main, ifaces = m["main"], m["interfaces"]
     out = {f"{main}.{iface}.acc": table[main][iface]["acc"] for iface in ifaces}
     out.update(
-        {
-            f"{main}.{iface}.bwt": table[main][iface]["bwt"]
-            for iface in ifaces
-            if table[main][iface]["bwt"] == table[main][iface]["bwt"]
-        }
+        {f"{main}.{i}.bwt": table[main][i]["bwt"] for i in ifaces if table[main][i]["bwt"] == table[main][i]["bwt"]}
     )
-    out.update({f"deployable.{k}.mean_accuracy": d["mean_accuracy"] for k, d in deploy.items()})
+    out.update({f"deployable.{k}.mean_accuracy": d["mean_accuracy"] for k, d in m["deployable"].items()})
     return out

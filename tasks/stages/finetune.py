@@ -1,14 +1,20 @@
-"""Stage `finetune` (per task): the base encoder + a linear head, fine-tuned on the task's labeled
-rows with GMixout (docs/methods.md, finetune; crucible.gmixout, crucible.train).
+"""Stage `finetune` (per task): the base model + a linear head, fine-tuned on the task's labeled
+rows (docs/methods.md, finetune; tasks.data.classifier, crucible.gmixout, crucible.train).
 
     crucible stage finetune --task bbc
 
-Reads data/<task>/labeled.parquet (id, text, label, source, confidence, weight; the pseudolabel
-stage's output) and test.parquet. A stratified, seeded share (`finetune.dev_fraction`) of the
-reference-sourced rows is held out as the dev split (early stopping, best checkpoint); the rest
-plus the audited members and the pseudo-labels are the training rows, each weighted by its
-`weight` (`finetune.weights: ignore` sets them to 1; rows of weight 0 are dropped). Every task starts
-from the same base model (`model.name`), so the merge stage can combine them; its content hash
+Reads data/<task>/labeled.parquet (id, text, label, source, confidence, weight, split; the
+pseudolabel stage's output) and test.parquet. The rows of split `dev` (a stratified, seeded share of
+the reference, `pseudolabel.dev_fraction`, never trained on by any stage) are the dev split; the
+other rows (reference, audited members, pseudo-labels) train, each weighted by its `weight`
+(`finetune.weights: ignore` sets them to 1; rows of weight 0 are dropped).
+
+LP-FT (Kumar et al., ICLR 2022; `finetune.head_init: probe`): the head starts as a logistic-
+regression probe (C by cross-validation) on the frozen base model's features of the training
+reference rows, then everything is fine-tuned. `finetune.keep: last` keeps the weights after the
+last step of a fixed schedule (`epochs`); `best` the step of the best dev accuracy (a few dozen dev
+rows choose poorly: docs/results.md has the sweep that set the schedule). Every task starts from
+the same base model (`model.name`), so the merge stage can combine them; its content hash
 (models/base/manifest.json) is recorded in config.json and merge refuses fine-tunes of another base.
 
 Outputs (all published together):
@@ -16,10 +22,11 @@ Outputs (all published together):
   keys: loads into transformers' AutoModel of `model.name`);
 - data/<task>/finetune/head.safetensors: `weight` (n_classes, hidden), `bias`; metadata `classes`;
 - data/<task>/finetune/config.json: the resolved config (finetune params, base model, classes,
-  max_length, pooling, seed, training sizes, best step);
-- metrics/<task>/finetune.json: dev/test accuracy and loss, steps, best step, sizes. No timings: the
-  file is a DVC output (its md5 is in dvc.lock and in merge's `data` dependency), so it must not
-  change when nothing else does; throughput and train seconds go to the stage's MLflow run.
+  max_length, pooling, seed, training sizes, the LP probe's C, best dev step);
+- metrics/<task>/finetune.json: dev/test accuracy and loss, the LP probe's dev accuracy, steps,
+  sizes. No timings: the file is a DVC output (its md5 is in dvc.lock and in merge's `data`
+  dependency), so it must not change when nothing else does; throughput and train seconds go to
+  the stage's MLflow run.
 Checkpoints go to <root>/.crucible/checkpoints/finetune/<task>/, outside `data/` (a killed run
 must not change what DVC sees as merge's dependency); a killed run resumes from the latest one
 when the resolved config, the training rows and torch's thread count are unchanged (else it
@@ -50,17 +57,18 @@ import numpy as np
 import pandas as pd
 import torch
 
-from crucible.gmixout import GMixout, GMixoutConfig
 from crucible.schema import validate_disjoint, validate_table
-from crucible.seeding import derive_seed, numpy_rng, stream_seed
-from crucible.train import EncoderClassifier, Examples, TrainConfig, evaluate, tokenize, train
-from tasks.data.models import MANIFEST, BaseModel, base_model
+from crucible.seeding import derive_seed
+from crucible.serialize import safetensors_bytes
+from crucible.train import evaluate, train
+from tasks.data.classifier import examples, prepare, train_config
+from tasks.data.models import MANIFEST, base_model
 from tasks.runtime.declaration import StageSpec
-from tasks.runtime.device import current, runtime_config
+from tasks.runtime.device import runtime_config
 from tasks.runtime.io import AtomicOutputs, read_stage_output, read_table
 from tasks.runtime.params_schema import FinetuneParams, Params
 
-LABELED_COLUMNS = ("id", "text", "label", "source", "confidence", "weight")
+LABELED_COLUMNS = ("id", "text", "label", "source", "confidence", "weight", "split")
 
 SPEC = StageSpec(
     name="finetune",
@@ -107,89 +115,32 @@ def read_labeled(path: Path) -> pd.DataFrame:
     if not np.all(np.isfinite(w) & (w >= 0)):
         row = int(np.flatnonzero(~(np.isfinite(w) & (w >= 0)))[0])
         raise ValueError(f"{path}, column 'weight', row {row}: got {w[row]!r}; expected a finite number >= 0")
+    bad = ~df["split"].isin(["train", "dev"]) | ((df["split"] == "dev") & (df["source"] != "reference"))
+    if bad.any():
+        row = int(np.flatnonzero(bad.to_numpy())[0])
+        raise ValueError(
+            f"{path}, column 'split', row {row}: got {df['split'].iloc[row]!r} (source {df['source'].iloc[row]!r}); "
+            "expected train, or dev for a reference row"
+        )
+    if not (df["split"] == "dev").any():
+        raise ValueError(f"{path}, column 'split': no dev rows; rerun the pseudolabel stage (dvc repro pseudolabel)")
     return df
 
 
-def split_dev(labeled: pd.DataFrame, fraction: float, seed: int) -> np.ndarray:
-    """Boolean mask of the dev rows: per class, round(fraction x n) (at least 1, leaving at least 1
-    for training) of the reference-sourced rows, drawn with `seed`."""
-    rng = numpy_rng(seed)
-    dev = np.zeros(len(labeled), dtype=bool)
-    ref = labeled["source"].to_numpy() == "reference"
-    for label in sorted(labeled.loc[ref, "label"].unique()):
-        rows = np.flatnonzero(ref & (labeled["label"].to_numpy() == label))
-        k = min(max(1, round(fraction * len(rows))), len(rows) - 1)
-        dev[rng.choice(rows, size=k, replace=False)] = True
-    if not dev.any():
-        raise ValueError("finetune: the dev split is empty; the reference needs at least 2 rows of a class")
-    return dev
-
-
-def mixout_config(cfg: FinetuneParams, seed: int, modules: str | None = None) -> GMixoutConfig | None:
-    """The method's GMixout config; `modules`: the resolved regex (finetune.modules: auto resolved
-    against the model by crucible.models.resolve_modules)."""
-    modules = modules or cfg.modules
-    if cfg.method == "plain":
-        return None
-    if cfg.method == "mixout":
-        return GMixoutConfig.mixout(p=cfg.mixout.p, modules=modules, seed=seed)
-    g = cfg.gmixout
-    return GMixoutConfig(
-        p=g.p, anchor=g.anchor, ema_beta=g.ema_beta, period=g.period, sparse=g.sparse, modules=modules, seed=seed
-    )
-
-
-def train_config(cfg: FinetuneParams, n_train: int, seed: int, progress: bool = True) -> TrainConfig:
-    steps = cfg.max_steps or max(1, round(cfg.epochs * -(-n_train // cfg.batch_size)))
-    return TrainConfig(
-        lr=cfg.lr,
-        head_lr=cfg.head_lr,
-        max_steps=steps,
-        batch_size=cfg.batch_size,
-        warmup=cfg.warmup,
-        weight_decay=cfg.weight_decay,
-        clip=cfg.clip,
-        eval_every=min(cfg.eval_every, steps),
-        patience=cfg.patience,
-        checkpoint_every=cfg.checkpoint_every,
-        seed=seed,
-        progress=progress,
-    )
-
-
-def examples(tokenizer, df: pd.DataFrame, classes: list[str], max_length: int, use_weights: bool = True) -> Examples:
-    index = {c: i for i, c in enumerate(classes)}
-    weights = (
-        df["weight"].to_numpy(dtype=np.float32) if use_weights and "weight" in df else np.ones(len(df), np.float32)
-    )
-    labels = df["label"].map(index).to_numpy(dtype=np.int64, copy=True)
-    return Examples(tokenize(tokenizer, df["text"].tolist(), max_length), labels, weights.copy())
-
-
-def build_model(base: BaseModel, n_classes: int, cfg: FinetuneParams, seed: int):
-    """(EncoderClassifier in train mode, tokenizer, GMixout or None); the head's initialisation and
-    the mixout masks draw from generators seeded from `seed` (never torch's global one). The model
-    is on the run's device (the head is drawn on the CPU, then moved: the same numbers anywhere)."""
-    from crucible.models import resolve_modules
-
-    encoder, tokenizer = base.load()
-    model = EncoderClassifier(
-        encoder, n_classes, dropout=cfg.dropout, seed=stream_seed(seed, "head"), pooling=base.pooling(encoder.config)
-    ).to(current().device)
-    try:
-        modules = resolve_modules(model.encoder, cfg.modules)
-    except ValueError as exc:
-        raise ValueError(f"finetune.modules: {exc}") from None
-    mix = mixout_config(cfg, stream_seed(seed, "mixout"), modules)
-    gm = GMixout.wrap(model.encoder, mix) if mix is not None else None
-    model.train()
-    return model, tokenizer, gm
-
-
 def run(params: Params, task: str, root: Path, log) -> dict:
-    from crucible.serialize import safetensors_bytes
+    """Read the labeled rows, fine-tune (LP, then FT), score dev and test, write, log."""
+    data = read_inputs(params, task, root)
+    seed = task_seed(params.pipeline.seed, task)
+    fitted = fit(params, root, task, data, seed, log)
+    outputs = write_outputs(root, task, fitted)
+    log.log_artifact(outputs / "config.json")
+    log_model(log, outputs, fitted["base"].path, data["test"], fitted["tokenizer"], fitted["model"].encoder.config)
+    return {**fitted["metrics"], **fitted["timing"]}
 
-    cfg = params.finetune
+
+def read_inputs(params: Params, task: str, root: Path) -> dict:
+    """labeled.parquet and test.parquet, validated (no test row among the training rows); the task's
+    classes (the reference's); the training and dev rows."""
     base = Path(root) / "data" / task
     labeled = read_labeled(base / "labeled.parquet")
     test = read_table(base / "test.parquet", "test")
@@ -199,31 +150,36 @@ def run(params: Params, task: str, root: Path, log) -> dict:
         pairs=(("labeled", "test"),),
         allow_shared_ids=params.ingest.allow_shared_ids,
     )
-    seed = task_seed(params.pipeline.seed, task)
     classes = sorted(labeled.loc[labeled["source"] == "reference", "label"].unique())
     unknown = sorted(set(labeled["label"]) - set(classes))
     if unknown:
         raise ValueError(
             f"{base / 'labeled.parquet'}: labels {unknown[:3]} do not occur in the reference rows (classes {classes})"
         )
-    dev_mask = split_dev(labeled, cfg.dev_fraction, seed)
-    train_df = labeled[~dev_mask & (labeled["weight"].to_numpy() > 0)]
-    dev_df = labeled[dev_mask]
+    dev = labeled["split"].to_numpy() == "dev"
+    train_df = labeled[~dev & (labeled["weight"].to_numpy() > 0)]
+    return {
+        "classes": classes,
+        "train": train_df,
+        "dev": labeled[dev],
+        "test": test,
+        "probe": train_df[train_df["source"] == "reference"],
+    }
 
+
+def fit(params: Params, root: Path, task: str, data: dict, seed: int, log) -> dict:
+    """The classifier trained on the training rows (tasks.data.classifier), scored on dev and test."""
+    cfg = params.finetune
     base_info = base_model(params, root)
-    model, tokenizer, gm = build_model(base_info, len(classes), cfg, seed)
-    max_length = base_info.max_length(tokenizer, model.encoder.config, cfg.max_length)
-    use_weights = cfg.weights == "use"
-    train_set = examples(tokenizer, train_df, classes, max_length, use_weights)
-    dev_set = examples(tokenizer, dev_df, classes, max_length, use_weights=False)
-    tcfg = train_config(cfg, len(train_set), seed)
-    tcfg = TrainConfig(**{**tcfg.__dict__, "pad_id": tokenizer.pad_token_id or 0, "autocast": current().precision})
-
+    model, tokenizer, gm, max_length, lp = prepare(base_info, data["classes"], cfg, seed, data["probe"], cfg.max_length)
+    train_set = examples(tokenizer, data["train"], data["classes"], max_length, cfg.weights == "use")
+    dev_set = examples(tokenizer, data["dev"], data["classes"], max_length, use_weights=False)
+    tcfg = train_config(cfg, len(train_set), seed, pad_id=tokenizer.pad_token_id or 0)
     resolved = {
         "task": task,
         "base_model": base_info.name,
         "base_model_hash": base_info.hash,
-        "classes": classes,
+        "classes": data["classes"],
         "max_length": max_length,
         "pooling": model.pooling,
         "dtype": base_info.dtype,
@@ -234,6 +190,59 @@ def run(params: Params, task: str, root: Path, log) -> dict:
         "n_dev": len(dev_set),
         "runtime": runtime_config(),
     }
+    lp_dev = None
+    if lp is not None:
+        resolved["probe_C"] = lp.C
+        lp_dev = float(evaluate(model, dev_set, tcfg.eval_batch_size, tcfg.pad_id, tcfg.autocast_dtype)["accuracy"])
+    ckpt_dir = fresh_checkpoints(root, task, resolved, data["train"])
+
+    def log_curve(metrics: dict, step: int) -> None:
+        if "dev_accuracy" in metrics or step % 5 == 0 or step == tcfg.max_steps:
+            log.log_metrics(metrics, step)
+
+    log.log_params({"torch_threads": torch.get_num_threads()})
+    result = train(
+        model, train_set, dev_set, tcfg, mixout=gm, checkpoint_dir=ckpt_dir, log=log_curve, desc=f"finetune@{task}"
+    )
+    if gm is not None:
+        gm.unwrap()
+    model.eval()
+    test_set = examples(tokenizer, data["test"], data["classes"], max_length, use_weights=False)
+    test_eval = evaluate(model, test_set, tcfg.eval_batch_size, tcfg.pad_id, tcfg.autocast_dtype)
+    dev_eval = evaluate(model, dev_set, tcfg.eval_batch_size, tcfg.pad_id, tcfg.autocast_dtype)
+    resolved["best_step"] = result.best_step
+    metrics = {
+        "dev_accuracy": dev_eval["accuracy"],
+        "dev_loss": dev_eval["loss"],
+        "test_accuracy": test_eval["accuracy"],
+        "test_loss": test_eval["loss"],
+        "steps": result.steps,
+        "best_step": result.best_step,
+        "stopped_early": int(result.stopped_early),
+        "n_train": len(train_set),
+        "n_dev": len(dev_set),
+        "n_test": len(test_set),
+        **({"probe_dev_accuracy": lp_dev} if lp_dev is not None else {}),
+    }
+    timing = {  # MLflow only: not in the DVC-tracked finetune.json
+        "examples_per_second": result.examples_per_second,
+        "steps_per_second": result.steps_per_second,
+        "train_seconds": result.seconds,
+    }
+    return {
+        "model": model,
+        "tokenizer": tokenizer,
+        "base": base_info,
+        "resolved": resolved,
+        "metrics": metrics,
+        "timing": timing,
+        "classes": data["classes"],
+        "checkpoints": ckpt_dir,
+    }
+
+
+def fresh_checkpoints(root: Path, task: str, resolved: dict, train_df: pd.DataFrame) -> Path:
+    """The task's checkpoint folder, emptied when it holds checkpoints of another config or data."""
     # the thread count too: a run resumed under another count would match no uninterrupted run
     fingerprint = hashlib.md5(
         json.dumps(
@@ -247,58 +256,29 @@ def run(params: Params, task: str, root: Path, log) -> dict:
         shutil.rmtree(ckpt_dir)  # checkpoints of another config or data: start over
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     (ckpt_dir / "fingerprint").write_text(fingerprint)
+    return ckpt_dir
 
-    def log_curve(metrics: dict, step: int) -> None:
-        if "dev_accuracy" in metrics or step % 5 == 0 or step == tcfg.max_steps:
-            log.log_metrics(metrics, step)
 
-    log.log_params({"torch_threads": torch.get_num_threads()})
-    result = train(
-        model, train_set, dev_set, tcfg, mixout=gm, checkpoint_dir=ckpt_dir, log=log_curve, desc=f"finetune@{task}"
-    )
-    if gm is not None:
-        gm.unwrap()
-    model.eval()
-    test_set = examples(tokenizer, test, classes, max_length, use_weights=False)
-    test_eval = evaluate(model, test_set, tcfg.eval_batch_size, tcfg.pad_id, tcfg.autocast_dtype)
-    dev_eval = evaluate(model, dev_set, tcfg.eval_batch_size, tcfg.pad_id, tcfg.autocast_dtype)
-
-    resolved["best_step"] = result.best_step
+def write_outputs(root: Path, task: str, fitted: dict) -> Path:
+    """The encoder, the head, the resolved config and the metrics, published together; the
+    checkpoints go."""
+    model = fitted["model"]
     backbone = {k: v.detach().cpu().contiguous() for k, v in model.encoder.state_dict().items()}
     head = {
         "weight": model.head.weight.detach().cpu().contiguous(),
         "bias": model.head.bias.detach().cpu().contiguous(),
     }
-    metrics = {
-        "dev_accuracy": dev_eval["accuracy"],
-        "dev_loss": dev_eval["loss"],
-        "test_accuracy": test_eval["accuracy"],
-        "test_loss": test_eval["loss"],
-        "steps": result.steps,
-        "best_step": result.best_step,
-        "stopped_early": int(result.stopped_early),
-        "n_train": len(train_set),
-        "n_dev": len(dev_set),
-        "n_test": len(test_set),
-    }
-    timing = {
-        "examples_per_second": result.examples_per_second,
-        "steps_per_second": result.steps_per_second,
-        "train_seconds": result.seconds,
-    }  # MLflow only: not in the DVC-tracked finetune.json
-    out_dir = base / "finetune"
+    out_dir = Path(root) / "data" / task / "finetune"
     with AtomicOutputs() as out:
         out.bytes(
-            safetensors_bytes(backbone, {"format": "pt", "base_model": base_info.name}), out_dir / "model.safetensors"
+            safetensors_bytes(backbone, {"format": "pt", "base_model": fitted["base"].name}),
+            out_dir / "model.safetensors",
         )
-        out.bytes(safetensors_bytes(head, {"classes": json.dumps(classes)}), out_dir / "head.safetensors")
-        out.json(resolved, out_dir / "config.json")
-        out.json(metrics, Path(root) / "metrics" / task / "finetune.json")
-    shutil.rmtree(ckpt_dir, ignore_errors=True)
-    shutil.rmtree(base / ".finetune-checkpoints", ignore_errors=True)  # where earlier versions kept them
-    log.log_artifact(out_dir / "config.json")
-    log_model(log, out_dir, base_info.path, test, tokenizer, model.encoder.config)
-    return {**metrics, **timing}
+        out.bytes(safetensors_bytes(head, {"classes": json.dumps(fitted["classes"])}), out_dir / "head.safetensors")
+        out.json(fitted["resolved"], out_dir / "config.json")
+        out.json(fitted["metrics"], Path(root) / "metrics" / task / "finetune.json")
+    shutil.rmtree(fitted["checkpoints"], ignore_errors=True)
+    return out_dir
 
 
 def log_model(log, finetune_dir: Path, base_model_dir: str, example: pd.DataFrame, tokenizer=None, config=None) -> None:

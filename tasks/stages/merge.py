@@ -46,13 +46,15 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import torch
 
-from tasks.data.heldout_scoring import FeatureStore, Scorer, read_probe_rows, read_task_model, read_tests
+from tasks.data.head_refit import dev_ids, refit_heads
+from tasks.data.heldout_scoring import FeatureStore, Scorer, probe_ids, read_probe_rows, read_task_model, read_tests
 from tasks.data.merge_worker import SCRATCH_HINT, start_method
 from tasks.data.models import MANIFEST, base_model
 from tasks.runtime.declaration import Plot, StageSpec
 from tasks.runtime.device import current, runtime_config
-from tasks.runtime.io import AtomicOutputs, figure_png
+from tasks.runtime.io import AtomicOutputs, figure_png, json_safe
 from tasks.runtime.params_schema import Params
 from tasks.runtime.scratch import scratch
 from tasks.runtime.tracking import say
@@ -74,7 +76,7 @@ SPEC = StageSpec(
         "data/{task}/reference.parquet",
         "data/{task}/labeled.parquet",
     ),
-    params=("pipeline.tasks", "model", "merge", "evaluate.probe_rows", "evaluate.probe_limit"),
+    params=("pipeline.seed", "pipeline.tasks", "model", "merge", "evaluate.probe_rows", "evaluate.probe_limit"),
     outs=tuple(str(OUT / n) for n in ("model.safetensors", "heads.safetensors", "config.json", "features.safetensors")),
     metrics=(str(METRICS / "merge.json"),),
     plots=(
@@ -116,14 +118,18 @@ def merge_method(
     finetuned: dict[str, float],
     threads: int,
     device: str = "cpu",
+    limit: int | None = None,
+    full_last: bool = False,
 ) -> tuple[dict, list, list]:
     """One method over the sequence `specs` (arrival order): its worker's time/memory records and, with
     a feature store, the accuracy matrix R[j, i] (task i after arrival j, i <= j) and its summaries;
     the features of every arrival's merged model on the arrived tasks go into the store (variant
     `<method>@<j>`; an arrival whose weights the store has scored already is not encoded again).
     The worker runs in its own process (tasks.data.merge_worker); interrupted while waiting for it,
-    it is killed, so none outlives the stage. Returns (summary entry, accuracy rows, rank rows); the
-    merged weights stay in `out_dir`."""
+    it is killed, so none outlives the stage. Each arrival is scored on the first `limit` test rows
+    (the matrix); with `full_last`, the last arrival's model on every test row (the deployable
+    model, compared row by row in evaluate), its matrix entry still on the first `limit`. Returns
+    (summary entry, accuracy rows, rank rows); the merged weights stay in `out_dir`."""
     from crucible.continual import accuracy_curve, average_accuracy, backward_transfer, normalised_accuracy
 
     order = [s["task"] for s in specs]
@@ -162,9 +168,12 @@ def merge_method(
         R = np.full((len(specs), len(specs)), np.nan)
         for j in range(len(specs)):
             state = read_merged_state(out_dir / f"{j}.safetensors", f"{method} after arrival {j}", store.scorer.theta_0)
-            acc = store.add(f"{method}@{j}", "merge", method, j, order[: j + 1], state=state)
+            name, last = f"{method}@{j}", j == len(specs) - 1
+            store.add(
+                name, "merge", method, j, order[: j + 1], state=state, test_limit=None if full_last and last else limit
+            )
             for i in range(j + 1):
-                R[j, i] = acc[order[i]]
+                R[j, i] = store.accuracy(name, order[i], limit)
                 rows.append({"method": method, "arrival": j, "task": order[i], "accuracy": R[j, i]})
         entry.update(
             {
@@ -179,14 +188,16 @@ def merge_method(
     return entry, rows, ranks
 
 
-def reference_accuracy(store: FeatureStore, specs: list[dict]) -> tuple[dict, dict]:
-    """(base model accuracy, own fine-tune accuracy) per task. Into the store go the base encoder's
-    features on every task (variant `base`) and each fine-tune's on the tasks arrived up to it
-    (variant `finetune:<task>`, for evaluate's swap-in-the-latest-fine-tune baseline)."""
+def reference_accuracy(store: FeatureStore, specs: list[dict], limit: int | None = None) -> tuple[dict, dict]:
+    """(base model accuracy, own fine-tune accuracy) per task on the first `limit` test rows (the
+    continual matrices' rows). Into the store go, on every test row, the base encoder's features on
+    every task (variant `base`) and each fine-tune's on the tasks arrived up to it (variant
+    `finetune:<task>`, for evaluate's swap-in-the-latest-fine-tune baseline and its comparisons)."""
     from tasks.runtime.io import read_safetensors
 
     order = [s["task"] for s in specs]
-    base = store.add("base", "base", "base", -1, order, state=store.scorer.theta_0)
+    store.add("base", "base", "base", -1, order, state=store.scorer.theta_0)
+    base = {t: store.accuracy("base", t, limit) for t in order}
     finetuned = {}
     for j, spec in enumerate(specs):
         t = spec["task"]
@@ -196,7 +207,8 @@ def reference_accuracy(store: FeatureStore, specs: list[dict]) -> tuple[dict, di
             f"rebuild it with `crucible stage finetune --task {t}`",
             shapes=_shapes(store.scorer.theta_0),
         )
-        finetuned[t] = store.add(f"finetune:{t}", "finetune", "finetune", j, order[: j + 1], state=state)[t]
+        store.add(f"finetune:{t}", "finetune", "finetune", j, order[: j + 1], state=state)
+        finetuned[t] = store.accuracy(f"finetune:{t}", t, limit)
     return base, finetuned
 
 
@@ -226,20 +238,31 @@ def worker_device(theta_0: dict, methods: dict, headroom: float = 6.0) -> str:
 
 
 def run(params: Params, task: str | None, root: Path, log) -> dict:
-    import torch
-    from safetensors.torch import save_file
-
-    from crucible.progress import Progress
-    from crucible.serialize import safetensors_bytes
-
-    cfg = params.merge
+    """Read the fine-tunes, merge them by every method in arrival order (scoring each arrival), choose
+    the main method, refit the heads, write, log."""
     root = Path(root)
+    inputs = read_inputs(params, root)
+    merged = merge_all(params, root, inputs)
+    deployed = deploy(params, root, inputs, merged)
+    metrics, timing = write_outputs(params, root, inputs, merged, deployed)
+    log_results(log, root, merged["summary"], timing)
+    result = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {**result, **{k: timing[deployed["main"]][k] for k in ("merge_seconds", "peak_rss_mb")}}
+
+
+def read_inputs(params: Params, root: Path) -> dict:
+    """The base model, every task's fine-tune (checked against it), the test and probe rows tokenised
+    once (Scorer), and an empty feature store."""
+    cfg = params.merge
     order = params.merge_order()
     base = base_model(params, root)
     specs = [read_task_model(root, t, base.name, base.hash) for t in order]
-    tests = read_tests(root, params, cfg.eval_limit)
     scorer = Scorer(
-        base, specs, tests, cfg.eval_batch_size, probes=read_probe_rows(root, params) if cfg.evaluate else None
+        base,
+        specs,
+        read_tests(root, params),
+        cfg.eval_batch_size,
+        probes=read_probe_rows(root, params) if cfg.evaluate else None,
     )
     other = [s["task"] for s in specs if s["pooling"] != scorer.pooling]
     if other:
@@ -247,21 +270,26 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
             f"data/{other[0]}/finetune/config.json: pooled {specs[order.index(other[0])]['pooling']!r}, "
             f"but model.pooling now resolves to {scorer.pooling!r}; rerun finetune@{other[0]}"
         )
-    store = FeatureStore(scorer)
-    threads = torch.get_num_threads()
+    return {"order": order, "base": base, "specs": specs, "scorer": scorer, "store": FeatureStore(scorer)}
 
-    rows: list[dict] = []  # accuracy.csv
-    ranks: list[dict] = []  # ranks.csv
-    summary: dict[str, dict] = {}
-    finetuned, base_acc = {}, {}
+
+def merge_all(params: Params, root: Path, inputs: dict) -> dict:
+    """Every method over the arrival sequence, one worker process at a time; each arrival's merged model
+    scored (when merge.evaluate) beside the base model and the fine-tunes; every final merged state."""
+    import torch
+    from safetensors.torch import save_file
+
+    from crucible.progress import Progress
+
+    cfg, order, specs, store = params.merge, inputs["order"], inputs["specs"], inputs["store"]
+    theta_0 = inputs["scorer"].theta_0
+    rows, ranks, summary, finetuned, base_acc = [], [], {}, {}, {}
     with scratch(root, "merge") as tmp:  # in the workspace; a killed run's folder goes at the next start
         theta0_file = tmp / "theta0.safetensors"
-        save_file({k: v.cpu().contiguous() for k, v in scorer.theta_0.items()}, str(theta0_file))
-        device = worker_device(scorer.theta_0, cfg.methods)
-        methods = [(m, kwargs or {}) for m, kwargs in cfg.methods.items()]
-
+        save_file({k: v.cpu().contiguous() for k, v in theta_0.items()}, str(theta0_file))
+        device = worker_device(theta_0, cfg.methods)
         if cfg.evaluate:
-            base_acc, finetuned = reference_accuracy(store, specs)
+            base_acc, finetuned = reference_accuracy(store, specs, cfg.eval_limit)
             rows += [
                 {"method": ref, "arrival": None, "task": t, "accuracy": acc[t]}
                 for t in order
@@ -269,72 +297,149 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
             ]
         # one method at a time: a worker merging beside the parent's scoring (one ahead) measured
         # slower on 2 cores (both processes want every core: the stage took 490 s against 305 s)
-        for method, kwargs in Progress(methods, desc="merge: methods", unit="method"):
+        for method, kwargs in Progress(list(cfg.methods.items()), desc="merge: methods", unit="method"):
             entry, method_rows, method_ranks = merge_method(
                 method,
-                kwargs,
+                kwargs or {},
                 theta0_file,
                 specs,
                 tmp / method,
                 store if cfg.evaluate else None,
                 finetuned,
-                threads,
+                torch.get_num_threads(),
                 device,
+                limit=cfg.eval_limit,
+                full_last=method == cfg.main,
             )
-            summary[method] = entry
-            rows += method_rows
-            ranks += method_ranks
-        main_state = read_merged_state(
-            tmp / cfg.main / f"{len(specs) - 1}.safetensors", f"{cfg.main} after the last arrival", scorer.theta_0
+            summary[method], rows, ranks = entry, rows + method_rows, ranks + method_ranks
+        main, choice = cfg.main, {}
+        if cfg.main == "auto":
+            choice = choose_main(store, list(cfg.methods), order, probe_ids(inputs["scorer"]), dev_ids(root, order))
+            main = max(choice, key=choice.get)
+        final = read_merged_state(
+            tmp / main / f"{len(specs) - 1}.safetensors", f"{main} after the last arrival", theta_0
         )
+    if cfg.main == "auto":  # the chosen final model on every test row (the matrix keeps its first rows)
+        store.add(f"{main}@{len(order) - 1}", "merge", main, len(order) - 1, order, state=final)
+    return {
+        "rows": rows,
+        "ranks": ranks,
+        "summary": summary,
+        "finetuned": finetuned,
+        "base_acc": base_acc,
+        "main": main,
+        "choice": choice,
+        "final": final,
+    }
 
-    heads = {f"{s['task']}.{k}": v.contiguous() for s in specs for k, v in s["head"].items()}
+
+def choose_main(store: FeatureStore, methods: list[str], order: list[str], probe_ids: dict, dev: dict) -> dict:
+    """{method: mean over tasks of its final merged model's accuracy on the task's dev rows, through
+    the task's fine-tune head}: merge.main auto takes the highest (the first of ties)."""
+    out = {}
+    for m in methods:
+        accs = []
+        for t in order:
+            x = store.tensors[f"{m}@{len(order) - 1}/{t}/probe"]
+            y = store.tensors[f"labels/{t}/probe"]
+            is_dev = torch.tensor([i in dev[t] for i in probe_ids[t]], dtype=torch.bool)
+            accs.append(float((store.scorer.head_logits(t, x[is_dev]).argmax(1) == y[is_dev]).float().mean()))
+        out[m] = float(np.mean(accs))
+    return out
+
+
+def deploy(params: Params, root: Path, inputs: dict, merged: dict) -> dict:
+    """The heads the main method's model is deployed with: refitted on its features where that wins on
+    the dev rows (merge.refit_heads), else the fine-tunes' own."""
+    cfg, order, specs, main = params.merge, inputs["order"], inputs["specs"], merged["main"]
+    kept = {s["task"]: (s["head"]["weight"], s["head"]["bias"]) for s in specs}
+    if not cfg.evaluate:
+        return {"main": main, "choice": {}, "heads": kept, "refit": {}}
+    heads, refit = refit_heads(
+        inputs["store"],
+        f"{main}@{len(order) - 1}",
+        kept,
+        probe_ids(inputs["scorer"]),
+        dev_ids(root, order),
+        cfg.refit_heads,
+        params.pipeline.seed,
+    )
+    return {"main": main, "choice": merged["choice"], "heads": heads, "refit": refit}
+
+
+def write_outputs(params: Params, root: Path, inputs: dict, merged: dict, deployed: dict) -> tuple[dict, dict]:
+    """The main method's encoder, the deployed and the fine-tunes' heads, the config, the features, the
+    metrics and the plot, published together. Returns (merge.json's metrics, the timings)."""
+    from crucible.serialize import safetensors_bytes
+
+    order, specs, base, summary, main = (
+        inputs["order"],
+        inputs["specs"],
+        inputs["base"],
+        merged["summary"],
+        deployed["main"],
+    )
+    task_heads = {f"{s['task']}.{k}": v.contiguous() for s in specs for k, v in s["head"].items()}
+    heads = {
+        f"{t}.{k}": v.contiguous() for t, (w, b) in deployed["heads"].items() for k, v in (("weight", w), ("bias", b))
+    }
     config = {
         "order": order,
-        "main": cfg.main,
-        "methods": cfg.methods,
+        "main": main,
+        "main_param": params.merge.main,
+        "methods": params.merge.methods,
         "base_model": base.name,
         "base_model_hash": base.hash,
-        "pooling": scorer.pooling,
+        "pooling": inputs["scorer"].pooling,
         "dtype": base.dtype,
         "classes": {s["task"]: s["classes"] for s in specs},
         "max_length": {s["task"]: s["max_length"] for s in specs},
+        "refit": {t: r["refit"] for t, r in deployed["refit"].items()},
         "runtime": runtime_config(),
     }
-    main = summary[cfg.main]
     # seconds and peak RSS vary run to run: MLflow gets them, the DVC-tracked merge.json does not, so
     # the same params give the same bytes
     timing = {m: {k: e.pop(k) for k in TIMING if k in e} for m, e in summary.items()}
-    metrics = {
-        "main": cfg.main,
-        "tasks": len(order),
-        **{k: main[k] for k in ("avg_accuracy", "normalised_accuracy", "bwt", "state_mb") if k in main},
-        "base_accuracy": base_acc,
-        "finetuned_accuracy": finetuned,
-        "methods": summary,
-    }
-    metrics = _json_safe(metrics)
-    out = root / OUT
+    metrics = json_safe(
+        {
+            "main": main,
+            "main_dev_accuracy": deployed["choice"],
+            "tasks": len(order),
+            **{
+                k: summary[main][k]
+                for k in ("avg_accuracy", "normalised_accuracy", "bwt", "state_mb")
+                if k in summary[main]
+            },
+            "base_accuracy": merged["base_acc"],
+            "finetuned_accuracy": merged["finetuned"],
+            "refit": deployed["refit"],
+            "methods": summary,
+        }
+    )
+    out, classes = root / OUT, {"classes": json.dumps(config["classes"])}
+    meta = {"format": "pt", "base_model": base.name, "method": main, "order": json.dumps(order)}
     with AtomicOutputs() as atomic:
-        atomic.bytes(
-            safetensors_bytes(
-                main_state, {"format": "pt", "base_model": base.name, "method": cfg.main, "order": json.dumps(order)}
-            ),
-            out / "model.safetensors",
-        )
-        atomic.bytes(safetensors_bytes(heads, {"classes": json.dumps(config["classes"])}), out / "heads.safetensors")
+        atomic.bytes(safetensors_bytes(merged["final"], meta), out / "model.safetensors")
+        atomic.bytes(safetensors_bytes(heads, classes), out / "heads.safetensors")
+        atomic.bytes(safetensors_bytes(task_heads, classes), out / "task_heads.safetensors")
         atomic.json(config, out / "config.json")
-        atomic.bytes(store.to_bytes(), out / "features.safetensors")
+        atomic.bytes(inputs["store"].to_bytes(), out / "features.safetensors")
         atomic.json(metrics, root / METRICS / "merge.json")
         atomic.bytes(
-            pd.DataFrame(rows, columns=["method", "arrival", "task", "accuracy"]).to_csv(index=False).encode(),
-            root / METRICS / "merge_accuracy.csv",
+            _csv(merged["rows"], ["method", "arrival", "task", "accuracy"]), root / METRICS / "merge_accuracy.csv"
         )
         atomic.bytes(
-            pd.DataFrame(ranks, columns=["method", "arrival", "param", "rank", "budget"]).to_csv(index=False).encode(),
-            root / METRICS / "merge_ranks.csv",
+            _csv(merged["ranks"], ["method", "arrival", "param", "rank", "budget"]), root / METRICS / "merge_ranks.csv"
         )
-        atomic.bytes(plot_accuracy(rows, order, summary), out / "accuracy.png")
+        atomic.bytes(plot_accuracy(merged["rows"], order, summary), out / "accuracy.png")
+    return metrics, timing
+
+
+def _csv(rows: list[dict], columns: list[str]) -> bytes:
+    return pd.DataFrame(rows, columns=columns).to_csv(index=False).encode()
+
+
+def log_results(log, root: Path, summary: dict, timing: dict) -> None:
     flat = {}
     for method, entry in summary.items():
         entry = {**entry, **timing[method]}
@@ -342,21 +447,8 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
             if k in entry and entry[k] == entry[k]:
                 flat[f"{method}.{k}"] = entry[k]
     log.log_metrics(flat)
-    log.log_artifact(out / "accuracy.png")
+    log.log_artifact(root / OUT / "accuracy.png")
     log.log_artifact(root / METRICS / "merge.json")
-    result = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    return {**result, **{k: timing[cfg.main][k] for k in ("merge_seconds", "peak_rss_mb")}}
-
-
-def _json_safe(obj):
-    """NaN (e.g. backward transfer of a single task) -> None, recursively: strict JSON for DVC and MLflow."""
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    if isinstance(obj, float) and obj != obj:
-        return None
-    return obj
 
 
 def plot_accuracy(rows: list[dict], order: list[str], summary: dict) -> bytes:

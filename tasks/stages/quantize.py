@@ -16,7 +16,8 @@ first `quantize.calibration_per_task` rows per task) and data/<task>/test.parque
 3. Ranks: round(`quantize.rank_per_matrix` x the number of matrices) units over all matrices
    (MiniLM: 8 x 36 = 288), uniform and load-aware; the model written
    is the `quantize.allocation` one.
-4. Scored on each task's test split (first `eval_limit`) with its own head: float, MXFP4 alone,
+4. Scored on each task's first `merge.eval_limit` test rows (the continual matrices' rows) with its
+   head, the written variant on every test row too: float, MXFP4 alone,
    MXFP4 + uniform ranks, MXFP4 + load-aware ranks.
 
 Outputs (all published together) under models/quantize/:
@@ -24,7 +25,9 @@ Outputs (all published together) under models/quantize/:
   the other tensors in float32: LayerNorms, and the embeddings unless `quantize.embeddings` puts
   them in MXFP4 too); `load_quantized_encoder` rebuilds it
   without the float weights;
-- heads.safetensors: the merge stage's task heads, unchanged;
+- heads.safetensors: the task heads the quantized encoder is deployed with: the merge stage's, or
+  refitted on the quantized encoder's features of each task's training reference rows where that is
+  more accurate on the dev rows (`quantize.refit_heads`, tasks.data.head_refit);
 - config.json: base model, quantized layers with their ranks, mode, scaling, allocation, classes,
   max_length per task;
 - features.safetensors: the frozen features of the three MXFP4 variants on every task's test and
@@ -71,7 +74,16 @@ SPEC = StageSpec(
         "data/{task}/test.parquet",
         "data/{task}/labeled.parquet",
     ),
-    params=("pipeline.tasks", "model", "merge.order", "quantize", "evaluate.probe_rows", "evaluate.probe_limit"),
+    params=(
+        "pipeline.seed",
+        "pipeline.tasks",
+        "model",
+        "merge.order",
+        "merge.eval_limit",
+        "quantize",
+        "evaluate.probe_rows",
+        "evaluate.probe_limit",
+    ),
     outs=tuple(str(OUT / n) for n in ("model.safetensors", "heads.safetensors", "config.json", "features.safetensors")),
     metrics=(str(METRICS / "quantize.json"),),
     plots=(
@@ -229,7 +241,9 @@ def _run(params: Params, root: Path, log) -> dict:
     from crucible.progress import Progress
     from crucible.quant import CompensationPlan, cache_dequantized, quantize_model, save_quantized, select_linears
     from crucible.quant.linear import MXEmbedding, mx_layers, quantize_embeddings, select_modules
-    from tasks.data.heldout_scoring import FeatureStore, Scorer, read_probe_rows, read_tests
+    from crucible.serialize import safetensors_bytes
+    from tasks.data.head_refit import dev_ids, refit_heads
+    from tasks.data.heldout_scoring import FeatureStore, Scorer, probe_ids, read_probe_rows, read_tests
 
     cfg = params.quantize
     root = Path(root)
@@ -252,7 +266,7 @@ def _run(params: Params, root: Path, log) -> dict:
         }
         for t in order
     ]
-    tests = read_tests(root, params, cfg.eval_limit)
+    tests = read_tests(root, params)
     # no copy of the base weights kept (keep_theta_0=False): the merged weights replace them in place
     scorer = Scorer(base, specs, tests, cfg.eval_batch_size, probes=read_probe_rows(root, params), keep_theta_0=False)
     store = FeatureStore(scorer)
@@ -309,7 +323,7 @@ def _run(params: Params, root: Path, log) -> dict:
     # one quantized copy at a time beside the float encoder: each variant is built, scored and
     # dropped; the main one is serialised before it goes
     accuracy: dict[str, dict[str, float]] = {}
-    chosen = ranks[cfg.allocation]
+    chosen, limit = ranks[cfg.allocation], params.merge.eval_limit
     for variant, r in Progress(
         [
             ("float", None),
@@ -322,10 +336,17 @@ def _run(params: Params, root: Path, log) -> dict:
     ):
         enc = float_encoder if r is None else quantized(r)
         scorer.use_encoder(enc)
-        if r is None:  # the merge stage keeps the float model's features
-            accuracy[variant] = {t: scorer.accuracy(t) for t in order}
+        # every variant on the continual matrices' rows (the first merge.eval_limit); the written one on
+        # every test row too (the value comparisons). The merge stage keeps the float model's features.
+        if r is None:
+            features = {t: scorer.features(t, "test", limit) for t in order}
+            accuracy[variant] = {t: scorer.accuracy(t, scorer.head_logits(t, x)) for t, x in features.items()}
         else:
-            accuracy[variant] = store.add(f"quantize:{variant}", "quantize", variant, -1, order)
+            deployed_variant = variant == f"mxfp4_{cfg.allocation}"
+            store.add(
+                f"quantize:{variant}", "quantize", variant, -1, order, test_limit=None if deployed_variant else limit
+            )
+            accuracy[variant] = {t: store.accuracy(f"quantize:{variant}", t, limit) for t in order}
         if variant == f"mxfp4_{cfg.allocation}":
             layer_bytes = [m.nbytes() for m in mx_layers(enc).values()]
             emb_bytes = sum(m.nbytes() for m in enc.modules() if isinstance(m, MXEmbedding))
@@ -337,6 +358,22 @@ def _run(params: Params, root: Path, log) -> dict:
             del enc
             gc.collect()
 
+    deploy, refit = refit_heads(
+        store,
+        f"quantize:mxfp4_{cfg.allocation}",
+        {t: (merged["heads"][t]["weight"], merged["heads"][t]["bias"]) for t in order},
+        probe_ids(scorer),
+        dev_ids(root, order),
+        cfg.refit_heads,
+        params.pipeline.seed,
+    )
+    heads = {f"{t}.{k}": v.contiguous() for t, (w, b) in deploy.items() for k, v in (("weight", w), ("bias", b))}
+    deployed = {
+        t: scorer.accuracy(
+            t, torch.nn.functional.linear(store.tensors[f"quantize:mxfp4_{cfg.allocation}/{t}/test"], w, b)
+        )
+        for t, (w, b) in deploy.items()
+    }
     itemsize = torch.empty((), dtype=getattr(torch, cfg.adapter_dtype)).element_size()
     n_weights = sum(m.weight.numel() for m in linears.values())
     mx_bytes = sum(b["packed"] + b["scales"] for b in layer_bytes)
@@ -376,6 +413,8 @@ def _run(params: Params, root: Path, log) -> dict:
             "load_aware": plan.weighted_error(ranks["load_aware"]),
         },
         "adapter_mb": {a: plan.adapter_bytes(r, itemsize) / 2**20 for a, r in ranks.items()},
+        "refit": refit,
+        "deployed_accuracy": deployed,  # the written model with the written heads (refitted where better on dev)
         "ranks": chosen,
     }
     metrics["relative_weighted_error"] = {
@@ -417,12 +456,13 @@ def _run(params: Params, root: Path, log) -> dict:
         "classes": merged["classes"],
         "max_length": merged["max_length"],
         "merged_from": merged["config"].get("main"),
+        "refit": {t: r["refit"] for t, r in refit.items()},
         "runtime": runtime_config(),
     }
     out = root / OUT
     with AtomicOutputs() as atomic:
         atomic.bytes(data, out / "model.safetensors")
-        atomic.bytes(merged["paths"]["heads.safetensors"].read_bytes(), out / "heads.safetensors")
+        atomic.bytes(safetensors_bytes(heads, {"classes": json.dumps(merged["classes"])}), out / "heads.safetensors")
         atomic.json(config, out / "config.json")
         atomic.bytes(store.to_bytes(), out / "features.safetensors")
         atomic.json(metrics, root / METRICS / "quantize.json")

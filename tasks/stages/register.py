@@ -5,8 +5,9 @@ registry, with a gated `champion` alias and lineage tags.
 
 Reads the deployable model (`register.model`: `quantized` = models/quantize/, the packed MXFP4
 encoder with its low-rank compensation; `float` = models/merge/, the float merged encoder), with
-every task's head (heads.safetensors, config.json), metrics/evaluate.json (its `deployable` entry:
-test accuracy per task of both models) and dvc.lock (lineage).
+every task's deployed head (heads.safetensors, config.json), metrics/evaluate.json (its `deployable`
+entry: test accuracy per task of both models, and `value`: their paired comparisons with the
+frozen-base probe), metrics/predictions.parquet (every test row's prediction) and dvc.lock (lineage).
 
 1. Model hash: md5 over the kind, the md5 of the model's model.safetensors, heads.safetensors and
    config.json, and the md5 of the pyfunc code (tasks/registry/pyfunc.py). If a version of
@@ -15,19 +16,22 @@ test accuracy per task of both models) and dvc.lock (lineage).
    that version (gate params may have changed).
 2. Otherwise the pyfunc (tasks.registry.pyfunc.MultiTaskClassifier: text + task in, label + probabilities
    out; weights, heads, tokenizer, crucible's code and pinned requirements inside) is logged as an
-   MLflow model of this stage's run and registered as a new version.
-3. The gate: the version gets the alias `champion` when no task's test accuracy is below its floor
-   (`register.floors`, else `register.floor`, else derived from the data: the better of chance and
-   the base model, plus `register.floor_margin`; floor_basis) and its mean test accuracy is at
-   least the current champion's minus `register.tolerance`; the first version needs only the floors. Otherwise it
-   gets the alias `challenger`, the tag `crucible.gate.reason` says why, and the stage succeeds.
-   Aliases only: registry stages are deprecated in MLflow 3.
-4. Tags on the version: model hash, kind, variant, sizes, the gate's decision and reason, the
-   evaluate metrics, and lineage (tasks.runtime.lineage: git commit, dvc.lock md5 of every upstream
-   artifact, the params of each stage). `crucible lineage <version|alias>` resolves them.
+   MLflow model of this stage's run and registered as a new version; its test predictions go to the
+   run too (gate/predictions.parquet), so a later version is compared with it row by row.
+3. The gate (tasks/registry/gate.py): with the 95 % intervals of paired comparisons on every test
+   row, no task significantly below the frozen-base probe, the task mean significantly above it
+   (`register.require_gain`), the task mean not significantly below the current champion's on the
+   same rows (`register.tolerance`), and every task at or above a floor where one is set
+   (`register.floors`, `register.floor`). A passing version gets the alias `champion`; otherwise
+   `challenger`, the tag `crucible.gate.reason` says why, and the stage succeeds. The rule and the
+   intervals are the tags `crucible.gate.rule` and `crucible.gate.record`. Aliases only: registry
+   stages are deprecated in MLflow 3.
+4. Tags on the version: model hash, kind, variant, sizes, the gate's decision, reason, rule and
+   intervals, the evaluate metrics, and lineage (tasks.runtime.lineage: git commit, dvc.lock md5 of
+   every upstream artifact, the params of each stage). `crucible lineage <version|alias>` resolves them.
 
-Output: metrics/registered.json (name, version, aliases, model hash, gate decision and
-reason, accuracy, sizes; a DVC metric, not cached).
+Output: metrics/registered.json (name, version, aliases, model hash, gate decision, reason, checks
+and intervals, accuracy, sizes; a DVC metric, not cached).
 """
 
 from __future__ import annotations
@@ -40,7 +44,9 @@ from pathlib import Path
 
 import pandas as pd
 
+from crucible.seeding import derive_seed
 from tasks.data.models import MANIFEST
+from tasks.registry.gate import PREDICTIONS_ARTIFACT, champion_comparison, gate, rule
 from tasks.registry.registry import HASH_TAG, PYFUNC_CODE, apply_gate, ensure_registered_model, log_pyfunc, versions
 from tasks.runtime import lineage
 from tasks.runtime.declaration import StageSpec
@@ -51,6 +57,7 @@ from tasks.runtime.tracking import REGISTERED  # metrics/registered.json
 SOURCES = {"quantized": Path("models") / "quantize", "float": Path("models") / "merge"}
 MODEL_FILES = ("model.safetensors", "heads.safetensors", "config.json")
 EVALUATE = Path("metrics") / "evaluate.json"
+PREDICTIONS = Path("metrics") / "predictions.parquet"
 
 
 SPEC = StageSpec(
@@ -63,9 +70,10 @@ SPEC = StageSpec(
         str(MANIFEST),
         *(str(SOURCES[k] / n) for k in ("quantized", "float") for n in MODEL_FILES),
         str(EVALUATE),
+        str(PREDICTIONS),
         "data/{task}/test.parquet",
     ),
-    params=("tracking.registered_model", "model", "register"),
+    params=("pipeline.seed", "tracking.registered_model", "model", "register", "evaluate.level", "evaluate.n_boot"),
     metrics=(str(REGISTERED),),
 )
 
@@ -110,55 +118,41 @@ def read_deployable(root: Path, kind: str, tasks: list[str]) -> dict:
     }
 
 
-def floors_for(
-    params: Params, tasks: list[str], classes: dict[str, list] | None = None, baselines: dict | None = None
-) -> dict[str, float]:
-    """Each task's floor (floor_basis says where each comes from)."""
-    return floor_basis(params, tasks, classes, baselines)[0]
-
-
-def floor_basis(
-    params: Params, tasks: list[str], classes: dict[str, list] | None = None, baselines: dict | None = None
-) -> tuple[dict[str, float], dict[str, str]]:
-    """({task: floor}, {task: where it comes from}). A task's floor is `register.floors[task]`, else
-    `register.floor`, else (floor: null) derived from the data: the better of chance and the base
-    model, plus `register.floor_margin`. Chance is the majority class's share of the test rows the
-    accuracy was measured on (evaluate.json's `baselines.chance`; never below 1/n_classes, and
-    1/n_classes alone when evaluate did not record it); the base model is the base encoder with the
-    task's head (`baselines.base`), when recorded. So a model no better than guessing the majority
-    class, or than the encoder it started from, never becomes the champion by default."""
+def set_floors(params: Params, tasks: list[str]) -> dict[str, float]:
+    """The floors set in params: `register.floors[task]`, else `register.floor` (none when null)."""
     cfg = params.register
     unknown = sorted(set(cfg.floors) - set(tasks))
     if unknown:
         raise ValueError(
             f"register.floors names tasks {unknown} that the model has no head for (its tasks: {', '.join(tasks)})"
         )
-    classes, baselines = classes or {}, baselines or {}
-    floors, basis = {}, {}
-    for t in tasks:
-        if t in cfg.floors:
-            floors[t], basis[t] = float(cfg.floors[t]), "register.floors"
-            continue
-        if cfg.floor is not None:
-            floors[t], basis[t] = float(cfg.floor), "register.floor"
-            continue
-        n = len(classes.get(t) or ()) or None
-        uniform = 1.0 / n if n else 0.0
-        chance = (baselines.get("chance") or {}).get(t)
-        if chance is None:
-            chance, what = uniform, f"chance 1/{n} classes = {uniform:.4f}" if n else "chance unknown"
-        else:
-            chance = max(float(chance), uniform)
-            what = f"chance {chance:.4f} (the majority class's share of its test rows)"
-        base = (baselines.get("base") or {}).get(t)
-        parts = [what] + ([f"the base model {float(base):.4f}"] if base is not None else [])
-        best = max(chance, float(base) if base is not None else 0.0)
-        floors[t] = round(min(1.0, best + cfg.floor_margin), 6)
-        basis[t] = (
-            f"{'the better of ' + ' and '.join(parts) if len(parts) > 1 else parts[0]}, "
-            f"+ register.floor_margin {cfg.floor_margin:g}"
-        )
-    return floors, basis
+    floors = {t: float(cfg.floor) for t in tasks} if cfg.floor is not None else {}
+    return {**floors, **{t: float(v) for t, v in cfg.floors.items()}}
+
+
+def read_value(root: Path, kind: str, tasks: list[str]) -> tuple[dict, pd.DataFrame]:
+    """(evaluate.json's comparisons of the deployed model with the probe, {task: ..., "mean": ...};
+    every test row's task, id, text_md5, text, label and the deployed model's prediction `pred`)."""
+    from tasks.runtime.io import read_stage_output, read_table
+
+    hint = "run the evaluate stage first (`crucible stage evaluate` or `dvc repro evaluate`)"
+    value = json.loads((Path(root) / EVALUATE).read_text()).get("value") or {}
+    versus = (value.get("comparisons") or {}).get(f"{kind}_vs_probe")
+    if not isinstance(versus, dict) or "mean" not in versus or any(t not in versus for t in tasks):
+        raise ValueError(f"{Path(root) / EVALUATE}: no 'value.comparisons.{kind}_vs_probe' for tasks {tasks}; {hint}")
+    preds = read_stage_output(
+        Path(root) / PREDICTIONS, "predictions", ("task", "id", "text_md5", "label", kind), "evaluate"
+    )
+    preds = preds[preds["task"].isin(tasks)].rename(columns={kind: "pred"})
+    texts = []
+    for t, g in preds.groupby("task", sort=False):
+        test = read_table(Path(root) / "data" / t / "test.parquet", "test")
+        if len(test) != len(g) or (test["id"].astype(str).to_numpy() != g["id"].to_numpy()).any():
+            raise ValueError(
+                f"{Path(root) / PREDICTIONS}: its rows of task {t!r} are not data/{t}/test.parquet's; {hint}"
+            )
+        texts += test["text"].astype(str).tolist()
+    return {t: versus[t] for t in [*tasks, "mean"]}, preds.assign(text=texts).reset_index(drop=True)
 
 
 def lost_registry(root: Path, name: str, known: list) -> str | None:
@@ -230,151 +224,208 @@ def _metric_tags(deployable: dict, evaluate: dict) -> dict:
 
 
 def run(params: Params, task: str | None, root: Path, log) -> dict:
-    from tasks.data.models import base_model
-    from tasks.registry.pyfunc import save_multitask_model
-    from tasks.runtime.tracking import experiment_name, git_commit, git_dirty
-
-    cfg = params.register
+    """Read the deployable model and its evaluation, register it (unless its hash is registered),
+    gate it, write registered.json, tag the run."""
     root = Path(root)
+    model = read_model(params, root)
+    deployable = read_deployable(root, model["kind"], model["tasks"])
+    versus_probe, preds = read_value(root, model["kind"], model["tasks"])
+    version = register_version(params, root, log, model, deployable, preds)
+    cfg = params.register
+    floors = set_floors(params, model["tasks"])
+
+    def decide(champion):
+        versus_champion = None
+        if champion is not None:
+            seed = derive_seed(params.pipeline.seed, "champion")
+            versus_champion = champion_comparison(
+                log.client, champion, preds, root, level=params.evaluate.level, n_boot=params.evaluate.n_boot, seed=seed
+            )
+        decision = gate(
+            deployable["accuracy"],
+            floors,
+            versus_probe,
+            versus_champion,
+            tolerance=cfg.tolerance,
+            require_gain=cfg.require_gain,
+        )
+        record = {
+            "rule": rule(cfg.require_gain, cfg.tolerance),
+            "floors": floors,
+            "vs_probe": versus_probe,
+            "vs_champion": versus_champion,
+        }
+        return decision, record
+
     name = params.tracking.registered_model
-    kind = cfg.model
+    record = apply_gate(log.client, name, version["mv"], decide, hold=hold(params))
+    aliases = sorted(log.client.get_model_version(name, version["mv"].version).aliases)
+    result = summary(params, model, deployable, version, record, aliases)
+    with AtomicOutputs() as atomic:
+        atomic.json(result, root / REGISTERED)
+    print(f"register: {version['note']}; gate: {record['decision']} ({record['reason']})", file=sys.stderr)
+    log.set_tags(
+        {
+            "crucible.register.version": version["mv"].version,
+            "crucible.register.new_version": str(version["new"]).lower(),
+            "crucible.register.decision": record["decision"],
+            HASH_TAG: version["hash"],
+        }
+    )
+    return {
+        "version": int(version["mv"].version),
+        "new_version": int(version["new"]),
+        "gate_passed": int(record["passed"]),
+        "mean_accuracy": deployable["mean_accuracy"],
+        **{f"accuracy.{t}": a for t, a in deployable["accuracy"].items()},
+        **{f"size_mb.{k}": v for k, v in result["size_mb"].items()},
+    }
+
+
+def read_model(params: Params, root: Path) -> dict:
+    """The deployable model's folder, checked: its files, config and tasks."""
+    kind = params.register.model
     source = root / SOURCES[kind]
+    stage = "quantize" if kind == "quantized" else "merge"
     for n in MODEL_FILES:
         if not (source / n).is_file():
-            stage = "quantize" if kind == "quantized" else "merge"
             raise FileNotFoundError(
                 f"{source / n}: missing; register.model = {kind!r} registers the {stage} stage's "
                 f"model: run `crucible stage {stage}` (or `dvc repro {stage}`)"
             )
-    stage = "quantize" if kind == "quantized" else "merge"
     try:
         config = json.loads((source / "config.json").read_text())
     except ValueError as exc:
-        raise ValueError(
-            f"{source / 'config.json'}: not valid JSON ({exc}); rebuild it with `crucible stage {stage}` "
-            f"(or `dvc repro {stage}`)"
-        ) from None
+        raise ValueError(f"{source / 'config.json'}: not valid JSON ({exc}); {rebuild_hint(stage)}") from None
     tasks = [t for t in (config.get("order") or config.get("classes") or {}) if t in (config.get("classes") or {})]
     if not tasks:
-        raise ValueError(f"{source / 'config.json'}: no 'classes' per task; rebuild it")
-    deployable = read_deployable(root, kind, tasks)
-    evaluate = json.loads((root / EVALUATE).read_text())
-    floors, basis = floor_basis(params, tasks, config.get("classes"), evaluate.get("baselines"))
-    h = model_hash(root, kind)
-    served = _size([source / "model.safetensors", source / "heads.safetensors"])
-    float_size = _size([root / SOURCES["float"] / "model.safetensors", root / SOURCES["float"] / "heads.safetensors"])
-    client = log.client
-    from tasks.runtime.tracking import _WRITE_LOCK
+        raise ValueError(f"{source / 'config.json'}: no 'classes' per task; {rebuild_hint(stage)}")
+    return {"kind": kind, "source": source, "config": config, "tasks": tasks}
 
-    with _WRITE_LOCK:
+
+def register_version(params: Params, root: Path, log, model: dict, deployable: dict, preds: pd.DataFrame) -> dict:
+    """The registered version of this model: the one that carries its hash already, or a new one (the
+    pyfunc logged, its predictions beside it, the version created with its tags in one call)."""
+    from tasks.data.models import base_model
+    from tasks.registry.pyfunc import save_multitask_model
+    from tasks.runtime.tracking import WRITE_LOCK, experiment_name, git_commit, git_dirty
+
+    client, name, kind, source = log.client, params.tracking.registered_model, model["kind"], model["source"]
+    h = model_hash(root, kind)
+    with WRITE_LOCK:
         ensure_registered_model(client, name)
     known = versions(client, name)
     lost = lost_registry(root, name, known)
     if lost:
         print(f"register: warning: {lost}", file=sys.stderr)
+    sizes = {
+        "served": _size([source / "model.safetensors", source / "heads.safetensors"]),
+        "float": _size([root / SOURCES["float"] / n for n in ("model.safetensors", "heads.safetensors")]),
+    }
     same = [v for v in known if v.tags.get(HASH_TAG) == h]
     if same:
         mv = same[-1]
-        new = False
         note = f"model hash {h} is already registered as version {mv.version} of {name!r}: nothing new registered"
-        pyfunc_bytes = int(mv.tags.get("crucible.size.pyfunc_bytes", 0))
-    else:
-        new = True
-        commit = git_commit(root)
-        base_dir = base_model(params, root).path
-        example = example_rows(root, tasks)
-        extra = {"batch_size": cfg.batch_size, "variant": deployable["variant"], "model_hash": h}
-        with tempfile.TemporaryDirectory() as tmp:
-            dest = Path(tmp) / "model"
-            model_id, uri = log_pyfunc(
-                client,
-                log.run_id,
-                dest,
-                lambda path, mlflow_model: save_multitask_model(
-                    path, source, kind, base_dir, example, extra, mlflow_model=mlflow_model
-                ),
-            )
-            pyfunc_bytes = _tree_size(dest)
-        experiment, dirty = experiment_name(), git_dirty(root)
-        tags = {
-            HASH_TAG: h,
-            "crucible.model_kind": kind,
-            "crucible.experiment": experiment or "",
-            "crucible.git_dirty": "unknown" if dirty is None else str(dirty).lower(),
-            "crucible.tasks": ",".join(tasks),
-            "crucible.size.served_bytes": served,
-            "crucible.size.float_bytes": float_size,
-            "crucible.size.pyfunc_bytes": pyfunc_bytes,
-            "crucible.stage_run_id": log.run_id,
-            **_metric_tags(deployable, evaluate),
-            **lineage.lineage_tags(root, commit),
+        sizes["pyfunc"] = int(mv.tags.get("crucible.size.pyfunc_bytes", 0))
+        return {
+            "mv": mv,
+            "new": False,
+            "note": note + (f"; warning: {lost}" if lost else ""),
+            "hash": h,
+            "sizes": sizes,
+            "lost": lost,
         }
-        with _WRITE_LOCK:  # the tags go in with the version: one transaction, not one per tag
-            mv = client.create_model_version(
-                name,
-                source=uri,
-                run_id=log.run_id,
-                model_id=model_id,
-                tags={k: str(v) for k, v in tags.items()},
-                description=f"{kind} model ({deployable['variant']}), tasks "
-                f"{', '.join(tasks)}, mean test accuracy "
-                f"{deployable['mean_accuracy']:.4f}",
-            )
-        note = f"registered version {mv.version} of {name!r} (model hash {h})"
-    if lost:
-        note += f"; warning: {lost}"
+    example = example_rows(root, model["tasks"])
+    extra = {"batch_size": params.register.batch_size, "variant": deployable["variant"], "model_hash": h}
+    base_dir = base_model(params, root).path
+    with tempfile.TemporaryDirectory() as tmp:
+        dest = Path(tmp) / "model"
+        model_id, uri = log_pyfunc(
+            client,
+            log.run_id,
+            dest,
+            lambda path, mlflow_model: save_multitask_model(
+                path, source, kind, base_dir, example, extra, mlflow_model=mlflow_model
+            ),
+        )
+        sizes["pyfunc"] = _tree_size(dest)
+        preds_file = Path(tmp) / Path(PREDICTIONS_ARTIFACT).name
+        preds[["task", "id", "text_md5", "label", "pred"]].to_parquet(preds_file, index=False)
+        with WRITE_LOCK:
+            client.log_artifact(log.run_id, str(preds_file), str(Path(PREDICTIONS_ARTIFACT).parent))
+    experiment, dirty = experiment_name(), git_dirty(root)
+    tags = {
+        HASH_TAG: h,
+        "crucible.model_kind": kind,
+        "crucible.experiment": experiment or "",
+        "crucible.git_dirty": "unknown" if dirty is None else str(dirty).lower(),
+        "crucible.tasks": ",".join(model["tasks"]),
+        "crucible.size.served_bytes": sizes["served"],
+        "crucible.size.float_bytes": sizes["float"],
+        "crucible.size.pyfunc_bytes": sizes["pyfunc"],
+        "crucible.stage_run_id": log.run_id,
+        **_metric_tags(deployable, json.loads((root / EVALUATE).read_text())),
+        **lineage.lineage_tags(root, git_commit(root)),
+    }
+    with WRITE_LOCK:  # the tags go in with the version: one transaction, not one per tag
+        mv = client.create_model_version(
+            name,
+            source=uri,
+            run_id=log.run_id,
+            model_id=model_id,
+            tags={k: str(v) for k, v in tags.items()},
+            description=f"{kind} model ({deployable['variant']}), tasks {', '.join(model['tasks'])}, mean test "
+            f"accuracy {deployable['mean_accuracy']:.4f}",
+        )
+    note = f"registered version {mv.version} of {name!r} (model hash {h})"
+    return {
+        "mv": mv,
+        "new": True,
+        "note": note + (f"; warning: {lost}" if lost else ""),
+        "hash": h,
+        "sizes": sizes,
+        "lost": lost,
+    }
+
+
+def hold(params: Params) -> str | None:
+    """Why this run may not move the champion: a DVC experiment, or register.promote: false."""
+    from tasks.runtime.tracking import experiment_name
+
     experiment = experiment_name()
-    hold = (
-        f"DVC experiment {experiment!r} (dvc exp run never promotes)"
-        if experiment
-        else "register.promote is false"
-        if not cfg.promote
-        else None
-    )
-    record = apply_gate(
-        client, name, mv, deployable["accuracy"], deployable["mean_accuracy"], floors, cfg.tolerance, basis, hold=hold
-    )
-    aliases = sorted(client.get_model_version(name, mv.version).aliases)
-    result = {
+    if experiment:
+        return f"DVC experiment {experiment!r} (dvc exp run never promotes)"
+    return None if params.register.promote else "register.promote is false"
+
+
+def summary(params: Params, model: dict, deployable: dict, version: dict, record: dict, aliases: list) -> dict:
+    """metrics/registered.json."""
+    from tasks.runtime.tracking import experiment_name
+
+    name, mv, sizes = params.tracking.registered_model, version["mv"], version["sizes"]
+    return {
         "name": name,
         "version": mv.version,
-        "new_version": new,
+        "new_version": version["new"],
         "aliases": aliases,
-        "model_hash": h,
-        "model": kind,
+        "model_hash": version["hash"],
+        "model": model["kind"],
         "variant": deployable["variant"],
         "model_uri": f"models:/{name}/{mv.version}",
         "run_id": mv.run_id,
         "experiment": experiment_name(),
-        "promote": cfg.promote and not experiment_name(),
-        "note": note,
-        "lost_registry": lost,
+        "promote": params.register.promote and not experiment_name(),
+        "note": version["note"],
+        "lost_registry": version["lost"],
         "gate": record,
         "accuracy": deployable["accuracy"],
         "mean_accuracy": deployable["mean_accuracy"],
         "n_test": deployable["n_test"],
-        "size_bytes": {"served": served, "float": float_size, "pyfunc": pyfunc_bytes},
-        "size_mb": {"served": served / 2**20, "float": float_size / 2**20, "pyfunc": pyfunc_bytes / 2**20},
-        "size_ratio_served_to_float": served / float_size if float_size else None,
+        "size_bytes": sizes,
+        "size_mb": {k: v / 2**20 for k, v in sizes.items()},
+        "size_ratio_served_to_float": sizes["served"] / sizes["float"] if sizes["float"] else None,
     }
-    with AtomicOutputs() as atomic:
-        atomic.json(result, root / REGISTERED)
-    print(f"register: {note}; gate: {record['decision']} ({record['reason']})", file=sys.stderr)
-    log.set_tags(
-        {
-            "crucible.register.version": mv.version,
-            "crucible.register.new_version": str(new).lower(),
-            "crucible.register.decision": record["decision"],
-            HASH_TAG: h,
-        }
-    )
-    return {
-        "version": int(mv.version),
-        "new_version": int(new),
-        "gate_passed": int(record["passed"]),
-        "mean_accuracy": deployable["mean_accuracy"],
-        **{f"accuracy.{t}": a for t, a in deployable["accuracy"].items()},
-        "served_mb": served / 2**20,
-        "float_mb": float_size / 2**20,
-        "pyfunc_mb": pyfunc_bytes / 2**20,
-    }
+
+
+def rebuild_hint(stage: str) -> str:
+    return f"rebuild it with `crucible stage {stage}` (or `dvc repro {stage}`)"

@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.determinism]
 
 def sh(root: Path, *cmd: str, env: dict | None = None) -> subprocess.CompletedProcess:
     # one thread count for dvc repro and the flow, so that a rerun stage gives the same bytes under
-    # either (torch and BLAS sums round by thread count; the README says so)
+    # either (torch and BLAS sums round by thread count; docs/stages.md, finetune, says so)
     proc = subprocess.run(
         list(cmd),
         cwd=root,
@@ -52,7 +52,7 @@ def test_dvc_repro_then_flow_then_dvc_agree(tiny_project):
     root = tiny_project
     # two tasks are enough to show per-task fan-out and selective reruns, at half the time
     data = yaml.safe_load((root / "params.yaml").read_text())
-    data["pipeline"]["tasks"] = {k: data["pipeline"]["tasks"][k] for k in ("bbc", "debates")}
+    data["pipeline"]["tasks"] = {k: data["pipeline"]["tasks"][k] for k in ("bbc", "trec")}
     (root / "params.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
     # dvc.yaml lists each task's files for the stages over all tasks: rewrite it for these tasks
     # (`crucible run` does so itself; under plain `dvc repro` a stale one is refused)
@@ -62,9 +62,7 @@ def test_dvc_repro_then_flow_then_dvc_agree(tiny_project):
         assert f"Running stage '{sid}'" in out
     # the evaluate report holds every variant and interface; DVC lists the metrics and renders the plots
     variants = json.loads((root / "metrics" / "variants.json").read_text())
-    assert {"base", "finetune:bbc", "finetune:debates", "gs3r@0", "gs3r@1", "quantize:mxfp4_load_aware"} <= set(
-        variants
-    )
+    assert {"base", "finetune:bbc", "finetune:trec", "gs3r@0", "gs3r@1", "quantize:mxfp4_load_aware"} <= set(variants)
     html = (root / "reports" / "index.html").read_text()
     for name in [*variants, "head", "probe", "kmeans", "agglomerative"]:
         assert name in html, name
@@ -86,13 +84,13 @@ def test_dvc_repro_then_flow_then_dvc_agree(tiny_project):
     (root / "params.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
     out = dvc(root, "repro")
     ran = {line.split("'")[1] for line in out.splitlines() if line.startswith("Running stage")}
-    assert ran == {"curate@bbc", "curate@debates", "evaluate"}, out
+    assert ran == {"curate@bbc", "curate@trec", "evaluate"}, out
 
     # one param of one task changes: the Prefect flow reruns exactly that stage and dvc-commits it
     data = yaml.safe_load((root / "params.yaml").read_text())
-    data["pipeline"]["tasks"]["debates"]["n_test"] = 30
+    data["pipeline"]["tasks"]["trec"]["n_test"] = 30
     (root / "params.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
-    assert "ingest@debates" in dvc(root, "status")
+    assert "ingest@trec" in dvc(root, "status")
     flow = sh(root, str(BIN / "crucible"), "run").stdout
     lines = {
         line.split()[0]: line
@@ -103,7 +101,7 @@ def test_dvc_repro_then_flow_then_dvc_agree(tiny_project):
     # ingest@bbc reads every task's spec (the demo mixes the other tasks' corpora into its pool), so
     # it reruns too; its outputs are the same bytes, so nothing downstream of it does
     # and the model stage re-hashes the base model's files on every flow run (cheap; same bytes)
-    assert rerun == ids("debates") | {"ingest@bbc", "model"}, flow
+    assert rerun == ids("trec") | {"ingest@bbc", "model"}, flow
     assert all("up to date" in line for sid, line in lines.items() if sid not in rerun), flow
     assert len(lines) == len(STAGES) * 2 - len(ONCE)
     assert "Data and pipelines are up to date" in dvc(root, "status")
@@ -123,10 +121,10 @@ def test_dvc_repro_then_flow_then_dvc_agree(tiny_project):
     parents = client.search_runs([exp.experiment_id], "tags.`crucible.kind` = 'pipeline'")
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
     children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parents[0].info.run_id}'")
-    assert sorted(r.info.run_name for r in children) == sorted(ids("debates") | {"ingest@bbc", "model"})
-    child = next(r for r in children if r.info.run_name == "ingest@debates")
+    assert sorted(r.info.run_name for r in children) == sorted(ids("trec") | {"ingest@bbc", "model"})
+    child = next(r for r in children if r.info.run_name == "ingest@trec")
     assert child.data.metrics["n_test"] == 30
-    assert child.data.tags["crucible.output.data/debates/pool.parquet"]
+    assert child.data.tags["crucible.output.data/trec/pool.parquet"]
     assert not (root / "mlruns").exists()
     # the evaluate report went to the pipeline's parent run too
     assert "report/index.html" in [f.path for f in client.list_artifacts(parents[0].info.run_id, "report")]

@@ -146,27 +146,73 @@ def test_temperature_scaling_lowers_heldout_nll_of_an_overconfident_model():
     assert pl.nll(logits[2000:], y[2000:], t) < pl.nll(logits[2000:], y[2000:], 1.0) - 0.1
 
 
-def test_teacher_is_deterministic_and_calibrated_on_holdout():
+def test_teacher_is_deterministic_and_calibrated_on_the_dev_rows():
     x, labels = _blobs(2)
-    a = pl.fit_teacher(x, labels, seed=3, C=1e4)
-    b = pl.fit_teacher(x, labels, seed=3, C=1e4)
+    dev = pl.dev_split(labels, 0.3, seed=3)
+    a = pl.fit_teacher(x, labels, dev=dev, seed=3, C=1e4)
+    b = pl.fit_teacher(x, labels, dev=dev, seed=3, C=1e4)
     assert a.temperature == b.temperature
     np.testing.assert_array_equal(a.coef, b.coef)
     np.testing.assert_array_equal(pl.predict(a, x).proba, pl.predict(b, x).proba)
-    assert a.classes == ("c0", "c1", "c2") and a.n_holdout == pytest.approx(90, abs=3)
-    assert a.holdout_nll <= a.holdout_nll_uncalibrated
+    assert a.classes == ("c0", "c1", "c2") and a.calibration.n_dev == int(dev.sum()) == pytest.approx(90, abs=3)
+    assert a.n_fit == len(x) - int(dev.sum())
+    assert a.calibration.dev_nll <= a.calibration.dev_nll_uncalibrated
     p = pl.predict(a, x)
     np.testing.assert_allclose(p.proba.sum(1), 1.0)
     np.testing.assert_array_equal(p.confidence, p.proba.max(1))
+    # C: null is chosen by cross-validation on the training rows, from the grid
+    from crucible.heads import C_GRID
+
+    assert pl.fit_teacher(x, labels, dev=dev, seed=3).C in C_GRID
+
+
+def test_calibration_of_any_teachers_logits_is_the_temperature_fit():
+    rng = np.random.default_rng(2)
+    logits = rng.normal(scale=3, size=(300, 3))
+    y = logits.argmax(1)
+    y[:60] = (y[:60] + 1) % 3  # 20 % wrong: the logits are over-confident
+    cal = pl.calibrate(logits, y)
+    assert cal.temperature == pytest.approx(pl.fit_temperature(logits, y))
+    assert cal.dev_accuracy == pytest.approx(0.8) and cal.n_dev == 300
+    assert cal.dev_nll == pytest.approx(pl.nll(logits, y, cal.temperature))
+    assert cal.dev_nll < cal.dev_nll_uncalibrated
+    pred = pl.predict_logits(logits, cal.temperature)
+    np.testing.assert_array_equal(pred.label, logits.argmax(1))
+    from scipy.special import softmax
+
+    np.testing.assert_allclose(pred.proba, softmax(logits / cal.temperature, axis=1))
+
+
+def test_the_dev_split_is_stratified_seeded_and_leaves_every_class_a_training_row():
+    labels = np.array(["a"] * 40 + ["b"] * 20 + ["c"] * 2 + ["d"], dtype=object)
+    dev = pl.dev_split(labels, 0.25, seed=1)
+    assert [int(dev[labels == k].sum()) for k in "abcd"] == [10, 5, 1, 0]
+    assert np.array_equal(dev, pl.dev_split(labels, 0.25, seed=1))
+    assert not np.array_equal(dev, pl.dev_split(labels, 0.25, seed=2))
+    with pytest.raises(ValueError, match=r"dev fraction: 1.0; valid values are in \(0, 1\)"):
+        pl.dev_split(labels, 1.0, seed=0)
+
+
+def test_target_selection_keeps_the_longest_confident_prefix_of_the_expected_accuracy():
+    conf = np.array([0.99, 0.6, 0.95, 0.7, 0.9, 0.5])
+    # sorted 0.99, 0.95, 0.9, 0.7, 0.6, 0.5: running means 0.99, 0.97, 0.9467, 0.885, 0.828, 0.775
+    np.testing.assert_array_equal(pl.select_by_target(conf, 0.9), [1, 0, 1, 0, 1, 0])
+    np.testing.assert_array_equal(pl.select_by_target(conf, 0.885), [1, 0, 1, 1, 1, 0])
+    assert pl.select_by_target(conf, 0.5).all()
+    assert not pl.select_by_target(conf, 0.995).any()  # even the most confident is below the target
+    # ties with the last kept item are kept too
+    np.testing.assert_array_equal(pl.select_by_target(np.array([0.9, 0.8, 0.8, 0.5]), 0.84), [1, 1, 1, 0])
+    pred = pl.Predictions(np.zeros(6, int), conf, np.stack([conf, 1 - conf], 1))
+    np.testing.assert_array_equal(pl.select(pred, mode="target", threshold=0.0, target=0.9), [1, 0, 1, 0, 1, 0])
 
 
 def test_binary_teacher_matches_the_logistic_sigmoid():
     x, labels = _blobs(4, k=2)
     labels = np.where(labels == "c0", "neg", "pos").astype(object)
-    t = pl.fit_teacher(x, labels, seed=0)
-    z = x @ t.coef[1] + t.intercept[1]
+    t = pl.fit_teacher(x, labels, dev=pl.dev_split(labels, 0.3, seed=0), seed=0)
+    np.testing.assert_allclose(t.coef[0], -t.coef[1])  # one logit, split symmetrically over the two rows
+    z = x @ (t.coef[1] - t.coef[0]) + (t.intercept[1] - t.intercept[0])
     np.testing.assert_allclose(t.proba(x)[:, 1], 1 / (1 + np.exp(-z / t.temperature)))
-    assert not t.coef[0].any()
 
 
 def test_single_class_reference_is_refused():
@@ -176,7 +222,7 @@ def test_single_class_reference_is_refused():
         match=r"ref.parquet, column 'label': all 20 rows have the single class 'pos'; "
         r"expected labeled rows of at least two classes",
     ):
-        pl.fit_teacher(x, np.array(["pos"] * 20, dtype=object), source="ref.parquet")
+        pl.fit_teacher(x, np.array(["pos"] * 20, dtype=object), dev=np.zeros(20, bool), source="ref.parquet")
 
 
 def test_audit_label_outside_the_classes_is_refused():
@@ -189,15 +235,17 @@ def test_audit_label_outside_the_classes_is_refused():
     np.testing.assert_array_equal(pl.label_indices(np.array(["b", None, "a"], dtype=object), ("a", "b")), [1, -1, 0])
 
 
-def test_empty_selection_is_refused():
-    with pytest.raises(ValueError, match="the selection is empty"):
-        pl.estimate_quality(PRED, CLASSES, S, np.ones(6), M, Y, np.ones(6), np.zeros(6, bool))
+def test_an_empty_selection_has_no_selected_accuracy():
+    q = pl.estimate_quality(PRED, CLASSES, S, np.ones(6), M, Y, np.ones(6), np.zeros(6, bool))
+    assert q.selected_accuracy is None and "selected_accuracy" not in q.to_dict() and "accuracy" in q.to_dict()
     assert not pl.select_by_threshold(PRED.confidence, 0.99).any()
 
 
-def test_bad_selection_mode_and_holdout():
+def test_bad_selection_mode_target_and_dev_mask():
     with pytest.raises(ValueError, match="selection mode 'top'"):
         pl.select(PRED, mode="top", threshold=0.5)
+    with pytest.raises(ValueError, match=r"target_accuracy: 0; valid values are in \(0, 1\]"):
+        pl.select_by_target(PRED.confidence, 0)
     x, labels = _blobs(0)
-    with pytest.raises(ValueError, match=r"holdout: 1.0; valid values are in \(0, 1\)"):
-        pl.fit_teacher(x, labels, holdout=1.0)
+    with pytest.raises(ValueError, match="the dev mask must mark some but not all"):
+        pl.fit_teacher(x, labels, dev=np.ones(len(labels), bool))

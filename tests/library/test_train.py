@@ -259,6 +259,35 @@ def test_early_stopping_keeps_the_best_evaluation():
     assert evaluate(model, DEV)["accuracy"] == pytest.approx(result.best_dev_accuracy)
 
 
+def test_a_fixed_schedule_keeps_the_last_weights_and_watches_dev_only():
+    """keep="last": the same steps as keep="best" (the same draws), and the model holds the weights
+    of the last step, not of the best dev evaluation."""
+    cfg = TrainConfig(**{**CFG.__dict__, "max_steps": 12, "eval_every": 1, "checkpoint_every": 0})
+    best_model, last_model = tiny_model(), tiny_model()
+    best = train(best_model, TRAIN, DEV, cfg)
+    last = train(last_model, TRAIN, DEV, TrainConfig(**{**cfg.__dict__, "keep": "last"}))
+    assert [h["accuracy"] for h in best.history] == [h["accuracy"] for h in last.history]
+    assert last.best_step == best.best_step and last.steps == 12
+    from crucible.train import evaluate
+
+    assert evaluate(last_model, DEV)["accuracy"] == pytest.approx(last.history[-1]["accuracy"])
+    if best.best_step != 12:  # the kept weights differ where the best evaluation was not the last
+        assert any(
+            not torch.equal(a, b) for a, b in zip(best_model.state_dict().values(), last_model.state_dict().values())
+        )
+    with pytest.raises(ValueError, match="TrainConfig.keep = 'first'"):
+        TrainConfig(keep="first")
+
+
+def test_pooled_features_are_what_the_head_sees():
+    from crucible.train import pooled_features, predict
+
+    model = tiny_model()
+    x = pooled_features(model, TRAIN.input_ids)
+    logits = predict(model, TRAIN.input_ids)
+    torch.testing.assert_close(torch.nn.functional.linear(x, model.head.weight, model.head.bias), logits)
+
+
 def test_wise_ft_interpolates():
     a, b = tiny_model(0).state_dict(), tiny_model(1).state_dict()
     assert all(torch.equal(wise_ft(a, b, 0.0)[k], a[k]) for k in a if a[k].is_floating_point())

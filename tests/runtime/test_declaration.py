@@ -17,7 +17,7 @@ from tasks.runtime.params_schema import FinetuneParams, Params
 from tasks.stages import NAMES, dvc_yaml, spec, specs
 
 ROOT = Path(__file__).resolve().parents[2]
-TASKS = ["bbc", "rotten", "tweets", "debates"]
+TASKS = ["bbc", "rotten", "tweets", "trec"]
 
 
 def test_dvc_yaml_is_generated_from_the_declarations():

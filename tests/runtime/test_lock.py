@@ -200,7 +200,7 @@ def test_a_stage_sets_torch_and_blas_threads(tmp_path, project_root):
         from tasks.stages import execute
         from tasks.runtime.workspace import make_workspace
         root = make_workspace({str(project_root)!r}, {str(tmp_path / "ws")!r}, "tiny")
-        execute("ingest", "debates", root, threads=1)
+        execute("ingest", "trec", root, threads=1)
         blas = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
         print(json.dumps({{"torch": torch.get_num_threads(), "blas": blas}}))""")
     out = subprocess.run(

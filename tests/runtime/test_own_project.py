@@ -37,7 +37,7 @@ def test_override_replaces_the_inherited_task_list(project_root, tmp_path):
         "bbc",
         "rotten",
         "tweets",
-        "debates",
+        "trec",
         "spam",
     ]
     assert list(load_params(project_root / "params.yaml", str(replaced)).pipeline.tasks) == ["spam"]

@@ -25,10 +25,10 @@ def check(data, *fragments):
 
 def test_shipped_params_and_profiles_are_valid(project_root):
     params = load_params(project_root / "params.yaml")
-    assert list(params.pipeline.tasks) == ["bbc", "rotten", "tweets", "debates"]
+    assert list(params.pipeline.tasks) == ["bbc", "rotten", "tweets", "trec"]
     tiny = load_params(project_root / "params.yaml", "tiny")
     assert tiny.task_sizes("bbc") == (40, 120, 40)
-    assert params.task_sizes("debates") == (80, 400, 120)
+    assert params.task_sizes("bbc") == (200, 1500, 400) and params.task_sizes("trec") == (200, 2000, 400)
 
 
 def test_unknown_key_is_named_with_a_suggestion(base):
@@ -67,8 +67,8 @@ def test_choice_not_allowed(base):
 
 
 def test_unknown_corpus(base):
-    base["pipeline"]["tasks"]["bbc"]["corpus"] = "imdb"
-    check(base, "pipeline.tasks.bbc.corpus", "'imdb'", "bbc_news")
+    base["pipeline"]["tasks"]["bbc"]["corpus"] = "newsgroups"
+    check(base, "pipeline.tasks.bbc.corpus", "'newsgroups'", "bbc_news")
 
 
 def test_missing_required_section():
@@ -81,8 +81,8 @@ def test_bad_task_name(base):
 
 
 def test_audit_budget_larger_than_a_pool(base):
-    base["pipeline"]["tasks"]["debates"]["n_pool"] = 100
-    check(base, "ingest.audit.budget = 150 exceeds the pool size 100 of task 'debates'")
+    base["pipeline"]["tasks"]["trec"]["n_pool"] = 100
+    check(base, "ingest.audit.budget = 150 exceeds the pool size 100 of task 'trec'")
 
 
 def test_demo_task_needs_a_corpus(base):
@@ -141,10 +141,10 @@ def test_merge_order(base):
     check(base, "merge.order", "lists a task twice")
     base["merge"] = {"order": ["rotten", "news"]}
     check(base, "merge.order names ['news']", "not in pipeline.tasks")
-    base["merge"] = {"order": ["debates", "bbc"]}
+    base["merge"] = {"order": ["trec", "bbc"]}
     from tasks.runtime.params import validate_params
 
-    assert validate_params(base, "x").merge_order() == ["debates", "bbc"]
+    assert validate_params(base, "x").merge_order() == ["trec", "bbc"]
     del base["merge"]
     assert validate_params(base, "x").merge_order() == list(base["pipeline"]["tasks"])
 
@@ -197,10 +197,15 @@ def test_a_task_set_to_null_is_dropped(tmp_path, project_root):
     from tasks.runtime.params import load_params
 
     profile = tmp_path / "fewer.yaml"
-    profile.write_text(yaml.safe_dump({"extends": "tiny", "pipeline": {"tasks": {"debates": None, "tweets": None}}}))
+    profile.write_text(yaml.safe_dump({"extends": "tiny", "pipeline": {"tasks": {"trec": None, "tweets": None}}}))
     params = load_params(project_root / "params.yaml", str(profile))
     assert list(params.pipeline.tasks) == ["bbc", "rotten"]
-    assert list(load_params(project_root / "params.yaml", "smollm2").pipeline.tasks) == ["bbc", "rotten", "tweets"]
+    assert list(load_params(project_root / "params.yaml", "smollm2").pipeline.tasks) == [
+        "bbc",
+        "rotten",
+        "tweets",
+        "trec",
+    ]
     # the rendered params (a workspace's params.yaml, which dvc.yaml's foreach reads) lose it too
     from tasks.runtime.params import render_params
 

@@ -106,6 +106,7 @@ def finetune_project(tmp_path_factory):
             "source": "reference",
             "confidence": 1.0,
             "weight": 1.0,
+            "split": "dev" if i % 5 == 0 else "train",
         }
         for i, lab in enumerate(["fresh", "rotten"] * 20)
     ]

@@ -27,7 +27,7 @@ def no_cuda(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
 
-EMBEDDINGS = Path("data") / "debates" / "embeddings.safetensors"
+EMBEDDINGS = Path("data") / "trec" / "embeddings.safetensors"
 
 
 def set_runtime(root: Path, **values) -> None:
@@ -53,8 +53,8 @@ def embedded(tmp_path_factory, project_root):
     with pytest.MonkeyPatch.context() as mp:  # auto resolves to the CPU, as on a machine without CUDA
         mp.setattr(crucible.device, "visible_cuda", lambda: 0)
         execute("model", None, root)
-        execute("ingest", "debates", root)
-        execute("embed", "debates", root)
+        execute("ingest", "trec", root)
+        execute("embed", "trec", root)
     return root
 
 
@@ -72,11 +72,11 @@ def test_cpu_asked_for_explicitly_or_by_the_environment_gives_the_same_bytes(emb
     set_runtime(embedded, device="cpu", precision="fp32")
     try:
         assert md5_file(embedded / EMBEDDINGS) == before
-        execute("embed", "debates", embedded)
+        execute("embed", "trec", embedded)
         assert md5_file(embedded / EMBEDDINGS) == before
         set_runtime(embedded, device="auto", precision="auto")
         monkeypatch.setenv("CRUCIBLE_DEVICE", "cpu")
-        execute("embed", "debates", embedded)
+        execute("embed", "trec", embedded)
         assert md5_file(embedded / EMBEDDINGS) == before
     finally:
         set_runtime(embedded, device="auto", precision="auto")
@@ -94,7 +94,7 @@ def test_cuda_without_a_gpu_stops_the_stage_before_it_writes_anything(embedded, 
         setting = "CRUCIBLE_DEVICE = 'cuda:1'"
     try:
         with pytest.raises(DeviceUnavailable) as err:
-            execute("embed", "debates", embedded)
+            execute("embed", "trec", embedded)
     finally:
         set_runtime(embedded, device="auto")
     assert setting in str(err.value) and "no CUDA device is visible" in str(err.value)
@@ -111,7 +111,7 @@ def test_the_command_says_so_in_one_line_and_exits_2(embedded):
                 "stage",
                 "embed",
                 "--task",
-                "debates",
+                "trec",
                 "--root",
                 str(embedded),
             ],
@@ -123,7 +123,7 @@ def test_the_command_says_so_in_one_line_and_exits_2(embedded):
         set_runtime(embedded, device="auto")
     assert proc.returncode == 2, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: stage embed@debates: runtime.device = 'cuda', but no CUDA device is visible"), last
+    assert last.startswith("error: stage embed@trec: runtime.device = 'cuda', but no CUDA device is visible"), last
 
 
 def test_the_runtime_is_no_stage_dependency(project_root):

@@ -76,9 +76,10 @@ def write_features(root, *, probe_rows: int = 30, seed: int = 0, merged: bool = 
                 }
             )
         )
-    (root / "models" / "merge" / "heads.safetensors").write_bytes(
-        safetensors_bytes(heads, {"classes": json.dumps(CLASSES)})
-    )
+    # the fine-tunes' heads (every interface) and the deployed ones (the value comparisons): the same here
+    for path in ("merge/heads.safetensors", "merge/task_heads.safetensors", "quantize/heads.safetensors"):
+        (root / "models" / path).write_bytes(safetensors_bytes(heads, {"classes": json.dumps(CLASSES)}))
+    write_baseline_inputs(root, rng, labels, means)
     for t in ORDER:
         d = root / "metrics" / t
         d.mkdir(parents=True, exist_ok=True)
@@ -115,6 +116,29 @@ def write_features(root, *, probe_rows: int = 30, seed: int = 0, merged: bool = 
         (d / "finetune.json").write_text(
             json.dumps({"test_accuracy": 0.9, "dev_accuracy": 0.88, "steps": 6, "n_train": 70})
         )
+
+
+def write_baseline_inputs(root, rng, labels, means) -> None:
+    """What the frozen-base probe baseline reads: each task's reference and test tables and the embed
+    stage's embeddings of them (row for row: the test rows are the features' test rows)."""
+    from tasks.data.embeddings import ids_digest
+
+    for t in ORDER:
+        folder = root / "data" / t
+        folder.mkdir(parents=True, exist_ok=True)
+        frames, tensors, meta = {}, {}, {"model": "all-MiniLM-L6-v2"}
+        for table, y in (("reference", np.arange(40) % len(CLASSES[t])), ("test", labels[t, "test"])):
+            frames[table] = pd.DataFrame(
+                {
+                    "id": [f"{table[0]}{i}" for i in range(len(y))],
+                    "text": [f"{table} text {i} of {t}" for i in range(len(y))],
+                    "label": np.asarray(CLASSES[t])[y],
+                }
+            )
+            frames[table].to_parquet(folder / f"{table}.parquet", index=False)
+            tensors[table] = _cluster_features(rng, y, means[t], 3.0)
+            meta[f"{table}_ids_md5"] = ids_digest(frames[table]["id"])
+        (folder / "embeddings.safetensors").write_bytes(safetensors_bytes(tensors, meta))
 
 
 @pytest.fixture
@@ -189,6 +213,7 @@ def test_metrics_follow_from_the_per_variant_scores(project):
     assert metrics["baselines"] == {
         "chance": {"rotten": 0.5, "bbc": round(8 / 24, 6)},
         "base": {t: variants["base"][t]["head"] for t in ORDER},
+        "probe": {t: round(metrics["value"]["accuracy"]["probe"][t], 6) for t in ORDER},
     }
     # plot data and report
     summary = pd.read_csv(project / "reports" / "plots" / "summary.csv")
@@ -210,6 +235,60 @@ def test_metrics_follow_from_the_per_variant_scores(project):
         assert (project / "reports" / "figures" / f"{figure}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_deployable_models_are_compared_with_the_probe_row_by_row(project):
+    """metrics/predictions.parquet holds every model's prediction on every test row; the value block
+    of evaluate.json is computed from it: accuracies, each paired difference with its interval, the
+    frozen-base probe refitted here from the embeddings gives the same predictions."""
+    from crucible.heads import fit_probe_cv
+    from crucible.seeding import derive_seed
+    from crucible.stats import compare_tasks
+    from tasks.data.embeddings import load_embeddings
+
+    execute("evaluate", None, project)
+    metrics = json.loads((project / "metrics" / "evaluate.json").read_text())
+    preds = pd.read_parquet(project / "metrics" / "predictions.parquet")
+    assert list(preds.columns) == [
+        "task",
+        "row",
+        "id",
+        "text_md5",
+        "label",
+        "probe",
+        "finetune",
+        "merged",
+        "float",
+        "quantized",
+    ]
+    assert preds.groupby("task").size().to_dict() == {"rotten": 24, "bbc": 24}
+    value = metrics["value"]
+    for m in ("probe", "finetune", "merged", "float", "quantized"):
+        for t in ORDER:
+            g = preds[preds["task"] == t]
+            assert value["accuracy"][m][t] == pytest.approx((g[m] == g["label"]).mean())
+    for t in ORDER:
+        test = pd.read_parquet(project / "data" / t / "test.parquet")
+        ref = pd.read_parquet(project / "data" / t / "reference.parquet")
+        emb = load_embeddings(project, t, {"reference": ref, "test": test})
+        fit = fit_probe_cv(
+            emb["reference"].double().numpy(), ref["label"].to_numpy(object), seed=derive_seed(0, t, "baseline")
+        )
+        assert (fit.probe.predict(emb["test"].double().numpy()) == preds.loc[preds["task"] == t, "probe"]).all()
+        assert value["baseline"]["probe"][t]["C"] == fit.C
+    cmp = value["comparisons"]["quantized_vs_probe"]
+    pairs = {
+        t: ((g["quantized"] == g["label"]).to_numpy(), (g["probe"] == g["label"]).to_numpy())
+        for t, g in preds.groupby("task", sort=False)
+    }
+    again = compare_tasks(pairs, n_boot=10_000, seed=derive_seed(0, 0))
+    assert cmp["mean"]["diff"] == pytest.approx(again["mean"].diff)
+    assert cmp["mean"]["ci_low"] == pytest.approx(again["mean"].ci_low, abs=1e-6)
+    assert cmp["rotten"]["p_value"] == pytest.approx(again["rotten"].p_value)
+    assert set(value["comparisons"]) >= {"quantized_vs_probe", "quantized_vs_finetune", "float_vs_merged"}
+    assert 0 < value["normalised"]["quantized"]["value"] <= 2
+    html = (project / "reports" / "index.html").read_text()
+    assert "Value: the deployed model against the frozen-base probe" in html and "quantized − probe" in html
+
+
 def test_same_inputs_give_the_same_artifacts(project):
     execute("evaluate", None, project)
     first = {
@@ -221,13 +300,14 @@ def test_same_inputs_give_the_same_artifacts(project):
 
 
 def test_a_permuted_head_fails_only_the_head_interface(project):
-    """Permute the rows of bbc's head (the label mapping): through the head every variant looks
-    broken on bbc; the probe and the clusterings see the same features and do not move."""
+    """Permute the rows of bbc's head (the label mapping; the fine-tunes' heads, which every interface
+    reads): through the head every variant looks broken on bbc; the probe and the clusterings see the
+    same features and do not move."""
     execute("evaluate", None, project)
     before = json.loads((project / "metrics" / "variants.json").read_text())
     from safetensors.torch import load_file
 
-    path = project / "models" / "merge" / "heads.safetensors"
+    path = project / "models" / "merge" / "task_heads.safetensors"
     heads = load_file(str(path))
     perm = torch.tensor([1, 2, 0])
     heads["bbc.weight"], heads["bbc.bias"] = heads["bbc.weight"][perm], heads["bbc.bias"][perm]
@@ -305,7 +385,7 @@ def _edit_features(root, folder, change):
             "quantize",
             lambda t, m: t.__setitem__("quantize:mxfp4/bbc/test", torch.zeros(24, 5)),
             r"tensor 'quantize:mxfp4/bbc/test' has shape \[24, 5\], but the head of task 'bbc' "
-            r"\(.*merge/heads\.safetensors, "
+            r"\(.*merge/task_heads\.safetensors, "
             r"tensor 'bbc\.weight'\) takes features of width 8",
         ),
         (

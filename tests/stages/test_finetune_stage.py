@@ -49,6 +49,8 @@ def synthetic_tables(seed: int = 0) -> tuple[pd.DataFrame, pd.DataFrame]:
                     "source": source,
                     "confidence": 1.0 if source != "pseudo" else 0.9,
                     "weight": weight if i != 3 else 0.0,
+                    # every fifth reference row is a dev row (4 of each class), as pseudolabel splits
+                    "split": "dev" if source == "reference" and i % 5 == 0 else "train",
                 }
             )
     labeled = pd.DataFrame(rows)
@@ -122,8 +124,8 @@ def test_outputs_config_and_metrics(finetuned_project):
 def test_saved_model_loads_into_the_base_architecture_and_reproduces_the_dev_accuracy(finetuned_project):
     from crucible.embed import load_encoder
     from crucible.train import EncoderClassifier, evaluate
+    from tasks.data.classifier import examples
     from tasks.data.models import resolve_model
-    from tasks.stages.finetune import examples, split_dev, task_seed
 
     base = finetuned_project / "data" / "rotten"
     encoder, tokenizer = load_encoder(resolve_model("all-MiniLM-L6-v2"))
@@ -139,7 +141,7 @@ def test_saved_model_loads_into_the_base_architecture_and_reproduces_the_dev_acc
     model.encoder.load_state_dict(state)
     model.head.load_state_dict(head)
     labeled = pd.read_parquet(base / "labeled.parquet")
-    dev = labeled[split_dev(labeled, 0.2, task_seed(0, "rotten"))]
+    dev = labeled[labeled["split"] == "dev"]
     acc = evaluate(model, examples(tokenizer, dev, classes, 32, use_weights=False))["accuracy"]
     metrics = json.loads((finetuned_project / "metrics" / "rotten" / "finetune.json").read_text())
     assert acc == pytest.approx(metrics["dev_accuracy"])
@@ -155,14 +157,52 @@ def test_rerun_is_byte_identical(finetuned_project):
     assert {name: md5_file(finetuned_project / name) for name in OUTPUTS} == before
 
 
-def test_split_dev_is_stratified_and_seeded():
-    from tasks.stages.finetune import split_dev
+def test_lp_ft_starts_the_head_as_the_probe_on_the_training_reference_rows(finetuned_project):
+    """finetune.head_init: probe (the default): before any step, the head is crucible.heads'
+    probe fitted on the frozen base model's pooled features of the training reference rows; random:
+    nn.Linear's initialisation. The stage records the probe's C and its dev accuracy."""
+    from crucible.heads import fit_linear_head
+    from crucible.train import pooled_features
+    from tasks.data.classifier import examples, prepare
+    from tasks.data.models import base_model
+    from tasks.runtime.params import load_params
 
-    df = pd.DataFrame({"source": ["reference"] * 20 + ["pseudo"] * 10, "label": ["a"] * 10 + ["b"] * 10 + ["a"] * 10})
-    dev = split_dev(df, 0.2, seed=1)
-    assert dev.sum() == 4 and not dev[20:].any()
-    assert df["label"][dev].value_counts().to_dict() == {"a": 2, "b": 2}
-    assert np.array_equal(dev, split_dev(df, 0.2, seed=1)) and not np.array_equal(dev, split_dev(df, 0.2, seed=2))
+    params = load_params(finetuned_project / "params.yaml")
+    labeled = pd.read_parquet(finetuned_project / "data" / "rotten" / "labeled.parquet")
+    rows = labeled[(labeled["source"] == "reference") & (labeled["split"] == "train")]
+    base = base_model(params, finetuned_project)
+    model, tokenizer, gm, max_length, lp = prepare(base, ["fresh", "rotten"], params.finetune, 3, rows, 32)
+    gm.unwrap()
+    ex = examples(tokenizer, rows, ["fresh", "rotten"], max_length, use_weights=False)
+    x = pooled_features(model, ex.input_ids, pad_id=tokenizer.pad_token_id or 0).numpy()
+    from crucible.seeding import stream_seed
+
+    again = fit_linear_head(x, ex.labels.numpy(), 2, seed=stream_seed(3, "probe"))
+    np.testing.assert_allclose(model.head.weight.detach().numpy(), again.weight, atol=1e-6)
+    np.testing.assert_allclose(model.head.bias.detach().numpy(), again.bias, atol=1e-6)
+    assert lp.C == again.C
+    random = prepare(base, ["fresh", "rotten"], params.finetune.model_copy(update={"head_init": "random"}), 3, rows, 32)
+    assert random[4] is None and not torch.allclose(random[0].head.weight, model.head.weight)
+    config = json.loads((finetuned_project / "data" / "rotten" / "finetune" / "config.json").read_text())
+    metrics = json.loads((finetuned_project / "metrics" / "rotten" / "finetune.json").read_text())
+    assert config["probe_C"] in (0.01, 0.1, 1.0, 10.0, 100.0) and 0 <= metrics["probe_dev_accuracy"] <= 1
+
+
+def test_labeled_rows_without_a_split_are_refused(tmp_path, project_root):
+    from tasks.runtime.workspace import make_workspace
+
+    root = make_workspace(project_root, tmp_path / "ws", "tiny")
+    labeled, test = synthetic_tables()
+    (root / "data" / "rotten").mkdir(parents=True)
+    labeled.drop(columns="split").to_parquet(root / "data" / "rotten" / "labeled.parquet", index=False)
+    test.to_parquet(root / "data" / "rotten" / "test.parquet", index=False)
+    with pytest.raises(ValueError, match=r"labeled.parquet.*split"):
+        execute("finetune", "rotten", root)
+    labeled.assign(split=np.where(labeled["source"] == "pseudo", "dev", labeled["split"])).to_parquet(
+        root / "data" / "rotten" / "labeled.parquet", index=False
+    )
+    with pytest.raises(ValueError, match=r"column 'split', row 50: got 'dev' \(source 'pseudo'\)"):
+        execute("finetune", "rotten", root)
 
 
 def test_unknown_finetune_param_is_rejected(project_root):

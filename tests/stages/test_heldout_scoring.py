@@ -41,7 +41,7 @@ def store():
     scorer = Scorer(resolve_model("all-MiniLM-L6-v2"), specs, tests, 4, probes=probes)
     calls = []
     features = scorer.features
-    scorer.features = lambda task, split="test": calls.append((task, split)) or features(task, split)
+    scorer.features = lambda task, split="test", limit=None: calls.append((task, split)) or features(task, split, limit)
     store = FeatureStore(scorer)
     store.calls = calls
     return store
@@ -82,6 +82,35 @@ def test_the_same_weights_are_encoded_once_and_other_weights_again(store):
         for t in tasks:
             for split in ("test", "probe"):
                 assert torch.equal(tensors[f"{variant}/{t}/{split}"], store.tensors[f"{variant}/{t}/{split}"])
+
+
+def test_a_test_limit_scores_the_first_rows_and_slices_what_is_known(store):
+    """The continual matrices score the first `test_limit` test rows; the final models every row. A
+    limited variant of weights known on every row is a slice (nothing encoded); a variant wanting
+    every row of weights known on fewer is encoded; the file checks each variant's own row count."""
+    base = store.scorer.theta_0
+    store.add("base", "base", "base", -1, ["news"], state=base)
+    store.add("first", "merge", "m", 0, ["news"], state=base, test_limit=4)
+    assert len(store.calls) == 2 and store.copied == 2
+    assert torch.equal(store.tensors["first/news/test"], store.tensors["base/news/test"][:4])
+    assert store.tensors["first/news/probe"].shape[0] == 4  # probe rows are never limited
+    assert store.accuracy("base", "news", 4) == store.accuracy("first", "news")
+    other = {k: v.clone() for k, v in base.items()}
+    name = "encoder.layer.0.attention.self.query.weight"
+    other[name].view(torch.int32)[0, 0] += 1
+    store.add("limited", "merge", "m", 1, ["news"], state=other, test_limit=3)
+    assert store.tensors["limited/news/test"].shape[0] == 3 and store.calls[2] == ("news", "test")
+    store.add("full", "merge", "m", 1, ["news"], state=other)
+    assert store.tensors["full/news/test"].shape[0] == 6 and len(store.calls) == 5  # test encoded again
+    variants = {v["name"]: v["test_rows"] for v in store.variants}
+    assert variants == {"base": {"news": 6}, "first": {"news": 4}, "limited": {"news": 3}, "full": {"news": 6}}
+    from tasks.data.heldout_scoring import _features_problem
+
+    tensors = load(store.to_bytes())
+    meta = _metadata(store.to_bytes())
+    assert _features_problem(tensors, meta) is None
+    tensors["first/news/test"] = tensors["first/news/test"][:2]
+    assert "expected [4, hidden]" in _features_problem(tensors, meta)
 
 
 def test_without_weights_the_current_encoder_is_scored_every_time(store):

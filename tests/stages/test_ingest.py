@@ -36,24 +36,24 @@ def hashes(root: Path, task: str) -> dict:
 
 
 def test_demo_ingest_is_deterministic_and_valid(tiny_project):
-    first = execute("ingest", "debates", tiny_project)
-    h1 = hashes(tiny_project, "debates")
-    second = execute("ingest", "debates", tiny_project)
-    assert hashes(tiny_project, "debates") == h1, "same params must give byte-identical files"
+    first = execute("ingest", "trec", tiny_project)
+    h1 = hashes(tiny_project, "trec")
+    second = execute("ingest", "trec", tiny_project)
+    assert hashes(tiny_project, "trec") == h1, "same params must give byte-identical files"
     assert first.outputs == second.outputs
     assert set(h1) == {f"{t}.parquet" for t in TABLES} | {"ingest.json"}
-    base = tiny_project / "data" / "debates"
+    base = tiny_project / "data" / "trec"
     assert not (base / "ingest.json").exists(), "the metrics file lies under metrics/<task>/, where git commits it"
     pool, audit, truth = (pd.read_parquet(base / f"{t}.parquet") for t in ("pool", "audit", "truth"))
     assert len(pool) == 120 and set(audit["id"]) <= set(pool["id"])
     merged = audit.merge(truth, on="id", suffixes=("", "_truth"))
     assert (merged["member"] == merged["member_truth"]).all(), "the annotator answers from the truth"
-    metrics = json.loads((tiny_project / "metrics" / "debates" / "ingest.json").read_text())
+    metrics = json.loads((tiny_project / "metrics" / "trec" / "ingest.json").read_text())
     assert metrics["eps_true"] == pytest.approx(1 - truth["member"].mean())
     # another seed gives another draw
     set_params(tiny_project, pipeline__seed=7)
-    execute("ingest", "debates", tiny_project)
-    assert hashes(tiny_project, "debates")["pool.parquet"] != h1["pool.parquet"]
+    execute("ingest", "trec", tiny_project)
+    assert hashes(tiny_project, "trec")["pool.parquet"] != h1["pool.parquet"]
 
 
 def _write_user_files(root: Path, task: str, audit_pi=0.5) -> Path:
@@ -113,20 +113,20 @@ KILLER = textwrap.dedent("""
         if len(written) == 3:  # three tables written to temporary files, none published yet
             os.kill(os.getpid(), signal.SIGKILL)
     pd.DataFrame.to_parquet = to_parquet_then_die
-    execute("ingest", "debates", sys.argv[1])
+    execute("ingest", "trec", sys.argv[1])
 """)
 
 
 def test_killed_ingest_leaves_previous_outputs_intact(tiny_project):
-    execute("ingest", "debates", tiny_project)
-    before = hashes(tiny_project, "debates")
+    execute("ingest", "trec", tiny_project)
+    before = hashes(tiny_project, "trec")
     set_params(tiny_project, pipeline__seed=11)  # the next run would change every file
     proc = subprocess.run([sys.executable, "-c", KILLER, str(tiny_project)], capture_output=True, text=True)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
-    assert hashes(tiny_project, "debates") == before
-    leftovers = list((tiny_project / "data" / "debates").glob(".*.tmp"))
+    assert hashes(tiny_project, "trec") == before
+    leftovers = list((tiny_project / "data" / "trec").glob(".*.tmp"))
     assert len(leftovers) == 3, "the killed run's temporary files, never renamed into place"
-    execute("ingest", "debates", tiny_project)  # a clean rerun publishes and sweeps the leftovers
-    assert hashes(tiny_project, "debates")["pool.parquet"] != before["pool.parquet"]
-    assert not list((tiny_project / "data" / "debates").glob(".*.tmp"))
-    assert not list((tiny_project / "metrics" / "debates").glob(".*.tmp"))
+    execute("ingest", "trec", tiny_project)  # a clean rerun publishes and sweeps the leftovers
+    assert hashes(tiny_project, "trec")["pool.parquet"] != before["pool.parquet"]
+    assert not list((tiny_project / "data" / "trec").glob(".*.tmp"))
+    assert not list((tiny_project / "metrics" / "trec").glob(".*.tmp"))

@@ -20,7 +20,14 @@ TASKS = ("bbc", "rotten", "tweets")
 METHODS = {"gs3r": {"energy": 1.0, "rank_budget": 1.0}, "weight_average": {}, "task_arithmetic": {"lam": 0.5}}
 # the stage's outputs: the model and its figure under models/merge/, the metrics and the plot data
 # under metrics/ (where git commits them)
-MODEL_FILES = ("model.safetensors", "heads.safetensors", "config.json", "features.safetensors", "accuracy.png")
+MODEL_FILES = (
+    "model.safetensors",
+    "heads.safetensors",
+    "task_heads.safetensors",
+    "config.json",
+    "features.safetensors",
+    "accuracy.png",
+)
 METRIC_FILES = ("merge.json", "merge_accuracy.csv", "merge_ranks.csv")
 
 
@@ -74,6 +81,9 @@ def fake_finetunes(root, theta_0: dict, seed: int = 0) -> None:
             }
         )
         reference.to_parquet(root / "data" / task / "reference.parquet", index=False)
+        labeled = reference.assign(source="reference", confidence=1.0, weight=1.0)
+        labeled["split"] = ["dev" if i % 4 == 0 else "train" for i in range(len(labeled))]
+        labeled.to_parquet(root / "data" / task / "labeled.parquet", index=False)
 
 
 @pytest.fixture(scope="module")
@@ -109,20 +119,50 @@ def test_outputs_and_metrics(merged_project):
         assert (root / "metrics" / name).is_file(), name
     assert not {"merge.json", "accuracy.csv", "ranks.csv"} & {p.name for p in out.iterdir()}
     config = json.loads((out / "config.json").read_text())
-    assert config["order"] == ["rotten", "bbc", "tweets"] and config["main"] == "gs3r"
+    assert config["order"] == ["rotten", "bbc", "tweets"] and config["main_param"] == "auto"
     metrics = json.loads((root / "metrics" / "merge.json").read_text())
     assert set(metrics["methods"]) == set(METHODS)
     for entry in metrics["methods"].values():
         assert len(entry["accuracy_curve"]) == 3 and entry["state_mb"] > 0
         assert "merge_seconds" not in entry and "peak_rss_mb" not in entry  # run-to-run noise: MLflow only
     assert result.metrics["merge_seconds"] > 0 and result.metrics["peak_rss_mb"] >= 0
-    assert metrics["avg_accuracy"] == metrics["methods"]["gs3r"]["avg_accuracy"]
+    assert config["main"] == metrics["main"] in METHODS
+    assert metrics["avg_accuracy"] == metrics["methods"][metrics["main"]]["avg_accuracy"]
     assert result.metrics["avg_accuracy"] == metrics["avg_accuracy"]
     heads = load_file(str(out / "heads.safetensors"))
     assert set(heads) == {f"{t}.{p}" for t in TASKS for p in ("weight", "bias")}
     assert heads["bbc.weight"].shape == (3, 384)
     ranks = pd.read_csv(root / "metrics" / "merge_ranks.csv")
     assert set(ranks["method"]) == {"gs3r"} and (ranks["rank"] <= ranks["budget"]).all()
+
+
+def test_each_head_is_refitted_on_the_merged_features_where_that_wins_on_the_dev_rows(merged_project):
+    """merge.refit_heads: auto. Per task, a probe fitted on the final merged model's features of the
+    training reference rows (crucible.heads, the same seed) is deployed where it is more accurate
+    on the dev rows than the fine-tune's head; task_heads.safetensors keeps the fine-tunes' own."""
+    from crucible.heads import fit_linear_head
+    from crucible.seeding import derive_seed
+    from tasks.data.heldout_scoring import read_features
+
+    root, _ = merged_project
+    out = root / "models" / "merge"
+    heads, own = load_file(str(out / "heads.safetensors")), load_file(str(out / "task_heads.safetensors"))
+    refit = json.loads((root / "metrics" / "merge.json").read_text())["refit"]
+    tensors, _ = read_features(out / "features.safetensors", "merge")
+    main = json.loads((out / "config.json").read_text())["main"]
+    assert set(refit) == set(TASKS)
+    for t in TASKS:
+        r = refit[t]
+        assert r["refit"] == (r["dev_accuracy_refit"] > r["dev_accuracy_kept"]) and (r["n_fit"], r["n_dev"]) == (12, 4)
+        x, y = tensors[f"{main}@2/{t}/probe"].numpy(), tensors[f"labels/{t}/probe"].numpy()
+        dev = np.arange(len(y)) % 4 == 0  # fake_finetunes' dev rows: every fourth reference row
+        if r["refit"]:
+            again = fit_linear_head(x[~dev], y[~dev], own[f"{t}.bias"].shape[0], seed=derive_seed(0, t, "refit"))
+            np.testing.assert_allclose(heads[f"{t}.weight"].numpy(), again.weight, atol=1e-6)
+        else:
+            assert torch.equal(heads[f"{t}.weight"], own[f"{t}.weight"])
+    config = json.loads((out / "config.json").read_text())
+    assert config["refit"] == {t: refit[t]["refit"] for t in TASKS}
 
 
 def test_accuracy_matrix_matches_a_direct_evaluation(merged_project, base_state):
@@ -178,7 +218,7 @@ def test_features_are_those_of_the_scored_models(merged_project):
     arrived = {v["name"]: v["tasks"] for v in meta["variants"]}
     assert arrived["finetune:bbc"] == ["rotten", "bbc"] and arrived["base"] == order
     acc = pd.read_csv(root / "metrics" / "merge_accuracy.csv")
-    heads = load_file(str(root / "models" / "merge" / "heads.safetensors"))
+    heads = load_file(str(root / "models" / "merge" / "task_heads.safetensors"))  # the fine-tunes' own
     for j in range(3):
         for t in order[: j + 1]:
             x = tensors[f"gs3r@{j}/{t}/test"]
@@ -198,16 +238,43 @@ def test_features_are_those_of_the_scored_models(merged_project):
         assert torch.equal(scorer.labels(t, "probe"), tensors[f"labels/{t}/probe"])
 
 
-def test_main_model_is_the_gs3r_merge_and_loads_into_the_base_architecture(merged_project, base_state):
+def test_auto_takes_the_method_most_accurate_on_the_dev_rows(merged_project):
+    """merge.main: auto. Each method's final merged model, each task through its fine-tune's head, on
+    the dev rows of the probe rows (fake_finetunes: every fourth reference row): the mean over tasks
+    is recorded and the highest wins; its final model is the one scored on every test row."""
+    from tasks.data.heldout_scoring import read_features
+
+    root, _ = merged_project
+    metrics = json.loads((root / "metrics" / "merge.json").read_text())
+    tensors, meta = read_features(root / "models" / "merge" / "features.safetensors", "merge")
+    heads = load_file(str(root / "models" / "merge" / "task_heads.safetensors"))
+    expected = {}
+    for m in METHODS:
+        accs = []
+        for t in TASKS:
+            x, y = tensors[f"{m}@2/{t}/probe"], tensors[f"labels/{t}/probe"]
+            dev = torch.arange(len(y)) % 4 == 0
+            logits = x[dev] @ heads[f"{t}.weight"].T + heads[f"{t}.bias"]
+            accs.append(float((logits.argmax(1) == y[dev]).float().mean()))
+        expected[m] = float(np.mean(accs))
+    assert metrics["main_dev_accuracy"] == pytest.approx(expected)
+    assert metrics["main"] == max(expected, key=expected.get)
+    rows = {v["name"]: v["test_rows"] for v in meta["variants"]}
+    main = metrics["main"]
+    assert rows[f"{main}@2"] == {"rotten": 24, "bbc": 24, "tweets": 24}  # every test row (eval_limit 200 > 24 here)
+
+
+def test_main_model_is_the_chosen_merge_and_loads_into_the_base_architecture(merged_project, base_state):
     from crucible.embed import load_encoder
     from crucible.merge import make_merger, task_vector
     from tasks.data.models import resolve_model
 
     root, _ = merged_project
+    main = json.loads((root / "models" / "merge" / "config.json").read_text())["main"]
     state = load_file(str(root / "models" / "merge" / "model.safetensors"))
     encoder, _ = load_encoder(resolve_model("all-MiniLM-L6-v2"))
     encoder.load_state_dict(state, strict=True)
-    merger = make_merger("gs3r", **METHODS["gs3r"])
+    merger = make_merger(main, **METHODS[main])
     for t in ("rotten", "bbc", "tweets"):
         merger.add(task_vector(load_file(str(root / "data" / t / "finetune" / "model.safetensors")), base_state))
     expected = merger.merged(base_state)

@@ -43,6 +43,7 @@ def tables(task: str, seed: int) -> dict[str, pd.DataFrame]:
         [{"id": f"r{i}", "text": text(classes[i % 2], i, "r"), "label": classes[i % 2]} for i in range(24)]
     )
     labeled = reference.assign(source="reference", confidence=1.0, weight=1.0)
+    labeled["split"] = ["dev" if i % 4 == 0 else "train" for i in range(len(labeled))]  # as pseudolabel writes
     pseudo = pd.DataFrame(
         [
             {
@@ -52,6 +53,7 @@ def tables(task: str, seed: int) -> dict[str, pd.DataFrame]:
                 "source": "pseudo",
                 "confidence": 0.9,
                 "weight": 0.5,
+                "split": "train",
             }
             for i in range(16)
         ]
@@ -59,7 +61,9 @@ def tables(task: str, seed: int) -> dict[str, pd.DataFrame]:
     test = pd.DataFrame(
         [{"id": f"t{i}", "text": text(classes[i % 2], i, "t"), "label": classes[i % 2]} for i in range(16)]
     )
-    return {"reference": reference, "labeled": pd.concat([labeled, pseudo], ignore_index=True), "test": test}
+    pool = pd.DataFrame([{"id": f"q{i}", "text": text(classes[i % 2], i, "q")} for i in range(8)])
+    labeled = pd.concat([labeled, pseudo], ignore_index=True)
+    return {"reference": reference, "labeled": labeled, "test": test, "pool": pool}
 
 
 @pytest.mark.parametrize("family", ["deberta-v2", "modernbert", "llama"])
@@ -74,11 +78,11 @@ def test_stages_end_to_end_on_a_local_model_folder(family, tmp_path, project_roo
             "main": "task_arithmetic",
             "eval_limit": 16,
         },
-        "quantize": {"calibration_per_task": 8, "eval_limit": 16},
+        "quantize": {"calibration_per_task": 8},
         "finetune": {"max_steps": 4, "max_length": 16},
-        # a random tiny model is at chance: a floor of 0 lets it through the gate, so the
-        # registry path (champion, served in a fresh process) is what this test checks
-        "register": {"floor": 0.0},
+        # a random tiny model is at chance: the registry path (the registered version, served in a
+        # fresh process) is what this test checks, whichever alias the gate gives it
+        "register": {"require_gain": False},
     }
     root = make_workspace(project_root, tmp_path / "ws", "tiny", overrides=over)
     params = yaml.safe_load((root / "params.yaml").read_text())
@@ -92,6 +96,7 @@ def test_stages_end_to_end_on_a_local_model_folder(family, tmp_path, project_roo
     execute("model", None, root)
     manifest = json.loads((root / "models" / "base" / "manifest.json").read_text())
     for task in LABELS:
+        execute("embed", task, root)  # the frozen-base probe of evaluate's comparisons reads its embeddings
         execute("finetune", task, root)
         config = json.loads((root / "data" / task / "finetune" / "config.json").read_text())
         assert config["base_model_hash"] == manifest["hash"]
@@ -100,13 +105,14 @@ def test_stages_end_to_end_on_a_local_model_folder(family, tmp_path, project_roo
         execute(stage, None, root)
     qconfig = json.loads((root / "models" / "quantize" / "config.json").read_text())
     assert qconfig["rank_budget"] == 8 * json.loads((root / "metrics" / "quantize.json").read_text())["matrices"]
-    assert json.loads((root / "metrics" / "registered.json").read_text())
+    registered = json.loads((root / "metrics" / "registered.json").read_text())
+    alias = registered["aliases"][0]  # champion, or challenger where the gate's intervals refuse it
 
-    # the champion, from the registry alone, in a fresh process (the base model's folder gone)
+    # the registered version, from the registry alone, in a fresh process (the base model's folder gone)
     folder.rename(tmp_path / "moved")
     code = (
         "import json, mlflow.pyfunc, pandas as pd\n"
-        "m = mlflow.pyfunc.load_model('models:/crucible-classifier@champion')\n"
+        f"m = mlflow.pyfunc.load_model('models:/crucible-classifier@{alias}')\n"
         "out = m.predict(pd.DataFrame({'text': ['the film was good great win', 'market price goal'], "
         "'task': ['rotten', 'bbc']}))\n"
         "print(json.dumps(out['label'].tolist()))\n"

@@ -1,4 +1,5 @@
-"""The pseudolabel stage on the tiny profile: outputs, sources, determinism, bad input."""
+"""The pseudolabel stage on the tiny profile: outputs, sources, the dev split, each teacher,
+determinism, bad input."""
 
 import json
 
@@ -26,6 +27,7 @@ def labeled_project(tmp_path_factory, project_root):
     from tasks.runtime.workspace import make_workspace
 
     root = make_workspace(project_root, tmp_path_factory.mktemp("pseudolabel"), "tiny")
+    set_pseudolabel(root, teacher="probe")  # seconds a run; the other teachers: their own test
     for stage in ("ingest", "embed", "curate", "pseudolabel"):
         execute(stage, "bbc", root)
     return root
@@ -40,7 +42,7 @@ def set_pseudolabel(root, **kw):
 def test_labeled_table_sources_labels_and_weights(labeled_project):
     base = labeled_project / "data" / "bbc"
     labeled = pd.read_parquet(base / "labeled.parquet")
-    assert list(labeled.columns) == ["id", "text", "label", "source", "confidence", "weight"]
+    assert list(labeled.columns) == ["id", "text", "label", "source", "confidence", "weight", "split"]
     assert labeled["id"].is_unique
     assert set(labeled["source"]) == {"reference", "audit", "pseudo"}
     reference = pd.read_parquet(base / "reference.parquet")
@@ -56,10 +58,13 @@ def test_labeled_table_sources_labels_and_weights(labeled_project):
     assert (aud_rows["label"] == members.loc[aud_rows.index, "label"]).all()
     assert not labeled["id"].isin(audit.index[audit["member"] == 0]).any()
     np.testing.assert_allclose(aud_rows["weight"], curated.loc[aud_rows.index, "m"].clip(0, 5.0))
-    # pseudo-labels: unaudited, confident, weight = m x confidence (m = s in [0, 1] off the audit)
+    # pseudo-labels: unaudited, the most confident (their mean confidence reaches the target accuracy),
+    # weight = m x confidence (m = s in [0, 1] off the audit)
+    metrics = json.loads((labeled_project / "metrics" / "bbc" / "pseudolabel.json").read_text())
     pseudo = labeled[labeled["source"] == "pseudo"].set_index("id")
     assert not pseudo.index.isin(audit.index).any()
-    assert (pseudo["confidence"] >= 0.5).all() and (pseudo["weight"] > 0).all()
+    assert (pseudo["confidence"] >= metrics["threshold_used"]).all() and (pseudo["weight"] > 0).all()
+    assert metrics["expected_selected_accuracy"] >= 0.9
     np.testing.assert_allclose(pseudo["weight"], curated.loc[pseudo.index, "m"] * pseudo["confidence"])
     assert np.isfinite(labeled["weight"]).all() and (labeled["weight"] >= 0).all()
 
@@ -74,12 +79,53 @@ def test_metrics_intervals_truth_and_plots(labeled_project):
         assert 0 <= metrics[f"{name}_true"] <= 1, name
     assert sum(metrics[f"prior_{c}"] for c in classes) == pytest.approx(1.0)
     assert sum(metrics[f"prior_{c}_true"] for c in classes) == pytest.approx(1.0)
-    assert metrics["temperature"] > 0 and metrics["holdout_nll"] <= metrics["holdout_nll_uncalibrated"]
+    assert metrics["temperature"] > 0 and metrics["dev_nll"] <= metrics["dev_nll_uncalibrated"]
+    assert metrics["teacher_n_fit"] + metrics["n_dev"] == 40  # the tiny profile's reference rows
+    assert metrics["selection_gain"] == pytest.approx(metrics["selected_accuracy"] - metrics["accuracy"])
     confusion = pd.read_csv(labeled_project / "metrics" / "bbc" / "pseudolabel_confusion.csv")
     assert list(confusion.columns) == ["actual", "predicted"]
     assert len(confusion) == metrics["n_audit_members"]
     assert (labeled_project / "reports" / "bbc" / "pseudolabel_confusion.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(base.glob("pseudolabel*")), "no metrics or plot files left under data/<task>/"
+
+
+def test_the_dev_rows_are_a_stratified_quarter_of_the_reference_that_nothing_trains_on(labeled_project):
+    labeled = pd.read_parquet(labeled_project / "data" / "bbc" / "labeled.parquet")
+    ref = labeled[labeled["source"] == "reference"]
+    dev = ref[ref["split"] == "dev"]
+    assert (labeled.loc[labeled["source"] != "reference", "split"] == "train").all()
+    counts = ref["label"].value_counts()
+    for label, n in dev["label"].value_counts().items():
+        assert n == min(max(round(0.25 * counts[label]), 1), counts[label] - 1), label
+    metrics = json.loads((labeled_project / "metrics" / "bbc" / "pseudolabel.json").read_text())
+    assert metrics["n_dev"] == len(dev)
+
+
+@pytest.mark.parametrize("teacher", ["finetune", "model"])
+def test_every_teacher_labels_the_pool_calibrated_on_the_dev_rows(labeled_project, teacher, tmp_path):
+    """The base model fine-tuned on the reference's training rows (self-training), and a probe on
+    another (larger) model's features: here a tiny random BERT saved in the test, standing in for
+    all-mpnet-base-v2. (The probe teacher is the module's fixture.)"""
+    from support.tiny_models import save_tiny
+
+    saved = {f: (labeled_project / f).read_bytes() for f in OUTPUTS}
+    folder = save_tiny("bert", tmp_path / "teacher")
+    set_pseudolabel(labeled_project, teacher=teacher, teacher_model=str(folder))
+    try:
+        execute("pseudolabel", "bbc", labeled_project)
+        metrics = json.loads((labeled_project / "metrics" / "bbc" / "pseudolabel.json").read_text())
+        labeled = pd.read_parquet(labeled_project / "data" / "bbc" / "labeled.parquet")
+        assert metrics["temperature"] > 0 and 0 <= metrics["dev_accuracy"] <= 1
+        assert metrics["teacher_n_fit"] + metrics["n_dev"] == 40
+        if teacher == "model":
+            assert metrics["teacher_dim"] == 32  # the tiny model's width, not the base model's
+        else:
+            assert metrics["teacher_steps"] == 20  # 5 passes over 30 training rows in batches of 8
+        assert (labeled["split"] == "dev").sum() == metrics["n_dev"]
+    finally:
+        set_pseudolabel(labeled_project, teacher="probe", teacher_model="all-mpnet-base-v2")
+        for f, data in saved.items():
+            (labeled_project / f).write_bytes(data)
 
 
 def test_pseudolabel_is_deterministic(labeled_project):
@@ -97,25 +143,25 @@ def test_quota_caps_pseudo_labels_per_class(labeled_project):
         pseudo = pd.read_parquet(base / "labeled.parquet").query("source == 'pseudo'")
         assert 0 < len(pseudo) and pseudo["label"].value_counts().max() <= 3
     finally:
-        set_pseudolabel(labeled_project, selection="threshold", quota=1000)
+        set_pseudolabel(labeled_project, selection="target", quota=1000)
         for f, data in saved.items():
             (labeled_project / f).write_bytes(data)
 
 
-def test_empty_selection_fails_and_writes_nothing(labeled_project):
-    before = {f: md5_file(labeled_project / f) for f in OUTPUTS}
-    set_pseudolabel(labeled_project, threshold=1.0)
+def test_an_empty_selection_warns_and_keeps_the_reference_and_audit(labeled_project, capsys):
+    saved = {f: (labeled_project / f).read_bytes() for f in OUTPUTS}
+    set_pseudolabel(labeled_project, selection="threshold", threshold=1.0)
     try:
-        with pytest.raises(
-            ValueError,
-            match=r"task 'bbc': the pseudo-label selection is empty: .* "
-            r"pseudolabel.threshold = 1",
-        ):
-            execute("pseudolabel", "bbc", labeled_project)
+        execute("pseudolabel", "bbc", labeled_project)
+        labeled = pd.read_parquet(labeled_project / "data" / "bbc" / "labeled.parquet")
+        metrics = json.loads((labeled_project / "metrics" / "bbc" / "pseudolabel.json").read_text())
+        assert set(labeled["source"]) == {"reference", "audit"} and metrics["n_pseudo"] == 0
+        assert "selected_accuracy" not in metrics and "accuracy" in metrics
+        assert "pseudolabel@bbc: no pseudo-label kept" in capsys.readouterr().err
     finally:
-        set_pseudolabel(labeled_project, threshold=0.5)
-    assert {f: md5_file(labeled_project / f) for f in OUTPUTS} == before
-    assert not [p for d in ("data", "metrics", "reports") for p in (labeled_project / d / "bbc").glob(".*.tmp")]
+        set_pseudolabel(labeled_project, selection="target", threshold=0.5)
+        for f, data in saved.items():
+            (labeled_project / f).write_bytes(data)
 
 
 def test_audit_label_outside_the_classes_fails(labeled_project):

@@ -78,32 +78,40 @@ def test_outputs_and_metrics(quantized_project):
 
 def test_written_model_reloads_to_the_scored_accuracy(quantized_project):
     """The packed model on disk, rebuilt without the float weights, scores exactly what the stage
-    reported for its allocation; the float figure equals scoring the merged weights directly."""
+    reported for its allocation through the merge stage's heads, and its deployed accuracy through
+    the written heads (refitted where better on the dev rows); the float figure equals scoring the
+    merged weights directly."""
     from tasks.data.heldout_scoring import Scorer
     from tasks.data.models import resolve_model
     from tasks.stages.quantize import load_quantized_encoder
 
     root, _ = quantized_project
     m = json.loads((root / "metrics" / "quantize.json").read_text())
-    heads = load_file(str(root / "models" / "quantize" / "heads.safetensors"))
-    specs = [
-        {
-            "task": t,
-            "head": {"weight": heads[f"{t}.weight"], "bias": heads[f"{t}.bias"]},
-            "classes": c,
-            "max_length": 32,
-        }
-        for t, c in TASKS.items()
-    ]
     tests = {t: pd.read_parquet(root / "data" / t / "test.parquet") for t in TASKS}
-    scorer = Scorer(resolve_model("all-MiniLM-L6-v2"), specs, tests, 64)
+    scorers = {}
+    for which, folder in (("merged", "merge"), ("deployed", "quantize")):
+        heads = load_file(str(root / "models" / folder / "heads.safetensors"))
+        specs = [
+            {
+                "task": t,
+                "head": {"weight": heads[f"{t}.weight"], "bias": heads[f"{t}.bias"]},
+                "classes": c,
+                "max_length": 32,
+            }
+            for t, c in TASKS.items()
+        ]
+        scorers[which] = Scorer(resolve_model("all-MiniLM-L6-v2"), specs, tests, 64)
+    scorer = scorers["merged"]
     scorer.load(load_file(str(root / "models" / "merge" / "model.safetensors")))
     for t in TASKS:
         assert scorer.accuracy(t) == pytest.approx(m["accuracy"]["float"][t], abs=1e-6)  # metrics keep 6 digits
     encoder, _ = load_quantized_encoder(root / "models" / "quantize")
-    scorer.use_encoder(encoder)
-    for t in TASKS:
-        assert scorer.accuracy(t) == pytest.approx(m["accuracy"]["mxfp4_load_aware"][t], abs=1e-6)
+    for which, key in (("merged", None), ("deployed", "deployed_accuracy")):
+        scorers[which].use_encoder(encoder)
+        for t in TASKS:
+            expected = m["accuracy"]["mxfp4_load_aware"][t] if key is None else m[key][t]
+            assert scorers[which].accuracy(t) == pytest.approx(expected, abs=1e-6)
+    assert set(m["refit"]) == set(TASKS) and all(r["n_dev"] > 0 for r in m["refit"].values())
 
 
 def test_same_inputs_give_the_same_model(quantized_project, tmp_path_factory, project_root, base_state):

@@ -251,7 +251,7 @@ def test_optional_sections_omitted():
     ):
         assert gone not in page, gone
     assert set(files) == {"index.html", "figures/interfaces.png"}
-    assert "Headline" in page
+    assert "Continual merging: metrics per interface" in page and "Value:" not in page  # no value block given
 
 
 def test_strings_escaped():
@@ -356,3 +356,31 @@ def test_missing_values_upstream_render_as_dashes():
     assert files["figures/ccmmd.png"].startswith(PNG_SIGNATURE)
     curation = _page(files).split('id="curation"')[1].split("</table>")[0]
     assert curation.count('<td class="num">\u2013</td>') == 3 * len(ORDER)
+
+
+def test_the_value_section_leads_with_the_deployed_model_against_the_probe():
+    """The report's first section: the sentence with the task-mean difference to the probe and its
+    interval, the accuracy of each model per task, and every paired difference with its interval."""
+    results = make_results()
+    order = list(results["order"])
+
+    def cmp(d):
+        return {"a": 0.8, "b": 0.8 - d, "diff": d, "ci_low": d - 0.02, "ci_high": d + 0.02, "n": 400, "p_value": 0.01}
+
+    models = ("probe", "finetune", "merged", "float", "quantized")
+    results["value"] = {
+        "level": 0.95,
+        "n_test": {t: 400 for t in order},
+        "accuracy": {m: {**{t: 0.7 + 0.01 * k for t in order}, "mean": 0.7 + 0.01 * k} for k, m in enumerate(models)},
+        "comparisons": {
+            "quantized_vs_probe": {**{t: cmp(0.04) for t in order}, "mean": cmp(0.04)},
+            "quantized_vs_finetune": {**{t: cmp(-0.01) for t in order}, "mean": cmp(-0.01)},
+        },
+        "normalised": {"quantized": {"value": 0.985, "ci_low": 0.97, "ci_high": 0.99}, "float": None},
+    }
+    results["register_model"] = "quantized"
+    page = _page(build_report(results))
+    assert page.index("Value: the deployed model") < page.index("Continual merging: metrics per interface")
+    assert "+0.040 [+0.020, +0.060] (95% interval, paired bootstrap over 400 test rows)" in page
+    assert "0.985 [0.970, 0.990] of the fine-tunes" in page
+    assert "quantized − finetune" in page and "-0.010 [-0.030, +0.010]" in page

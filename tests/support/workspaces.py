@@ -52,6 +52,7 @@ def fake_merge(root, theta_0: dict, seed: int = 0) -> None:
         heads[f"{t}.weight"] = torch.randn(len(classes), 384, generator=g)
         heads[f"{t}.bias"] = torch.zeros(len(classes))
     save_file(heads, str(folder / "heads.safetensors"), metadata={"classes": json.dumps(TASKS)})
+    save_file(heads, str(folder / "task_heads.safetensors"), metadata={"classes": json.dumps(TASKS)})
     (folder / "config.json").write_text(
         json.dumps(
             {
@@ -76,6 +77,10 @@ def fake_merge(root, theta_0: dict, seed: int = 0) -> None:
             )
             (root / "data" / t).mkdir(parents=True, exist_ok=True)
             df.to_parquet(root / "data" / t / f"{kind}.parquet", index=False)
+            if kind == "reference":  # pseudolabel's table: the reference, every fourth row a dev row
+                labeled = df.assign(source="reference", confidence=1.0, weight=1.0)
+                labeled["split"] = ["dev" if i % 4 == 0 else "train" for i in range(n)]
+                labeled.to_parquet(root / "data" / t / "labeled.parquet", index=False)
 
 
 def _dvc(root: Path, *args: str) -> subprocess.CompletedProcess:
@@ -118,29 +123,60 @@ def write_evaluate(
     root: Path,
     accuracy: dict[str, float],
     float_accuracy: dict[str, float] | None = None,
-    baselines: dict | None = None,
+    probe_accuracy: float = 0.1,
 ) -> None:
-    """metrics/evaluate.json with a `deployable` entry of the given test accuracies (and, if given,
-    the `baselines` the register gate derives its floors from: {chance: {task: share}, base: {...}})."""
+    """metrics/evaluate.json and metrics/predictions.parquet as the evaluate stage writes them, for a
+    model of the given test accuracy per task: on each task's test rows the model is right on the
+    first round(accuracy x n) of them, the frozen-base probe on the first round(probe_accuracy x n);
+    the comparisons (tasks.report.value) are computed from those rows."""
+    from tasks.report.value import text_md5, value
 
-    def entry(variant, acc):
+    frames = []
+    for t, acc in accuracy.items():
+        test = pd.read_parquet(root / "data" / t / "test.parquet")
+        n, labels = len(test), test["label"].astype(str).to_numpy()
+        wrong = np.array([TASKS[t][(TASKS[t].index(y) + 1) % len(TASKS[t])] for y in labels])
+
+        def predict(a: float) -> np.ndarray:
+            return np.where(np.arange(n) < round(a * n), labels, wrong)
+
+        cols = {
+            "probe": predict(probe_accuracy),
+            "quantized": predict(acc),
+            "float": predict((float_accuracy or accuracy)[t]),
+        }
+        cols.update(finetune=cols["float"], merged=cols["float"])
+        frames.append(
+            pd.DataFrame(
+                {
+                    "task": t,
+                    "row": np.arange(n),
+                    "id": test["id"].astype(str),
+                    "text_md5": text_md5(test["text"]),
+                    "label": labels,
+                    **cols,
+                }
+            )
+        )
+    preds = pd.concat(frames, ignore_index=True)
+    worth = value(preds, level=0.95, n_boot=2000, seed=0)
+
+    def entry(variant, kind):
+        acc = {t: a for t, a in worth["accuracy"][kind].items() if t != "mean"}
         return {
             "variant": variant,
             "accuracy": acc,
             "mean_accuracy": float(np.mean(list(acc.values()))),
-            "n_test": {t: 24 for t in acc},
+            "n_test": worth["n_test"],
         }
 
     data = {
-        "deployable": {
-            "quantized": entry(f"quantize:{QUANT_VARIANT}", accuracy),
-            "float": entry("gs3r", float_accuracy or accuracy),
-        }
+        "deployable": {"quantized": entry(f"quantize:{QUANT_VARIANT}", "quantized"), "float": entry("gs3r", "float")},
+        "value": worth,
     }
-    if baselines is not None:
-        data["baselines"] = baselines
     (root / "metrics").mkdir(exist_ok=True)
     (root / "metrics" / "evaluate.json").write_text(json.dumps(data, indent=2))
+    preds.to_parquet(root / "metrics" / "predictions.parquet", index=False)
 
 
 def base_workspace(tmp_path_factory) -> Path:
