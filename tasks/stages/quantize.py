@@ -228,26 +228,24 @@ def calibrate(scorer, linears: dict, batches: list[tuple], sensitivity: bool) ->
 
 
 def run(params: Params, task: str | None, root: Path, log) -> dict:
+    """Read the merged model, calibrate and plan the compensation, build and score each MXFP4 variant,
+    refit the deployed heads, write, log."""
     import torch
 
     # scoped, not torch.set_grad_enabled: under the flow, stages share worker threads
     with torch.no_grad():
-        return _run(params, root, log)
+        inputs = read_inputs(params, Path(root))
+        plan = plan_compensation(params, Path(root), inputs)
+        scored = score_variants(params, inputs, plan)
+        heads = deploy_heads(params, Path(root), inputs, scored)
+        metrics = write_outputs(params, Path(root), inputs, plan, scored, heads)
+    return log_results(log, Path(root), metrics)
 
 
-def _run(params: Params, root: Path, log) -> dict:
-    import torch
-
-    from crucible.progress import Progress
-    from crucible.quant import CompensationPlan, cache_dequantized, quantize_model, save_quantized, select_linears
-    from crucible.quant.linear import MXEmbedding, mx_layers, quantize_embeddings, select_modules
-    from crucible.serialize import safetensors_bytes
-    from tasks.data.head_refit import dev_ids, refit_heads
-    from tasks.data.heldout_scoring import FeatureStore, Scorer, probe_ids, read_probe_rows, read_tests
-
-    cfg = params.quantize
-    root = Path(root)
-    from crucible.models import resolve_embeddings, resolve_modules
+def read_inputs(params: Params, root: Path) -> dict:
+    """The base model, the merged model (loaded into a scorer of every task's test and probe rows) and
+    an empty feature store."""
+    from tasks.data.heldout_scoring import FeatureStore, Scorer, read_probe_rows, read_tests
 
     base = base_model(params, root)
     merged = read_merged(root, base.name, base.hash)
@@ -266,10 +264,15 @@ def _run(params: Params, root: Path, log) -> dict:
         }
         for t in order
     ]
-    tests = read_tests(root, params)
     # no copy of the base weights kept (keep_theta_0=False): the merged weights replace them in place
-    scorer = Scorer(base, specs, tests, cfg.eval_batch_size, probes=read_probe_rows(root, params), keep_theta_0=False)
-    store = FeatureStore(scorer)
+    scorer = Scorer(
+        base,
+        specs,
+        read_tests(root, params),
+        params.quantize.eval_batch_size,
+        probes=read_probe_rows(root, params),
+        keep_theta_0=False,
+    )
     try:
         scorer.load(merged["state"])
     except RuntimeError as exc:
@@ -278,18 +281,37 @@ def _run(params: Params, root: Path, log) -> dict:
             f"{base.name!r}: {str(exc)[:400]}; {_rebuild_hint()}"
         ) from None
     del merged["state"]  # loaded into the scorer's encoder: no second copy
-    float_encoder = scorer.encoder
+    return {
+        "base": base,
+        "merged": merged,
+        "order": order,
+        "scorer": scorer,
+        "store": FeatureStore(scorer),
+        "float_encoder": scorer.encoder,
+    }
+
+
+def plan_compensation(params: Params, root: Path, inputs: dict) -> dict:
+    """The matrices and embeddings to quantize, their calibration statistics, the error SVDs and the
+    rank of every matrix under the budget, uniform and load-aware."""
+    import torch
+
+    from crucible.models import resolve_embeddings, resolve_modules
+    from crucible.progress import Progress
+    from crucible.quant import CompensationPlan, select_linears
+    from crucible.quant.linear import select_modules
+
+    cfg, encoder, merged, scorer = params.quantize, inputs["float_encoder"], inputs["merged"], inputs["scorer"]
     try:
-        modules = resolve_modules(float_encoder, cfg.modules)
-        linears = select_linears(float_encoder, modules)
+        modules = resolve_modules(encoder, cfg.modules)
+        linears = select_linears(encoder, modules)
     except ValueError as exc:
         raise ValueError(f"quantize.modules: {exc}") from None
-
     embeddings = None
     if cfg.embeddings:
         try:
-            embeddings = resolve_embeddings(float_encoder, cfg.embeddings)
-            select_modules(float_encoder, embeddings, torch.nn.Embedding, "embedding")
+            embeddings = resolve_embeddings(encoder, cfg.embeddings)
+            select_modules(encoder, embeddings, torch.nn.Embedding, "embedding")
         except ValueError as exc:
             raise ValueError(f"quantize.embeddings: {exc}") from None
     rank_budget = params.rank_budget(len(linears))
@@ -307,164 +329,214 @@ def _run(params: Params, root: Path, log) -> dict:
     )
     bar.close()
     ranks = {a: plan.ranks(rank_budget, a) for a in ("uniform", "load_aware")}
-    zero = {n: 0 for n in linears}
+    return {
+        "modules": modules,
+        "linears": linears,
+        "embeddings": embeddings,
+        "rank_budget": rank_budget,
+        "plan": plan,
+        "ranks": ranks,
+        "zero": {n: 0 for n in linears},
+    }
 
-    def quantized(r: dict) -> torch.nn.Module:
-        enc = copy.deepcopy(float_encoder)
-        quantize_model(enc, modules, cfg.mode, plan.adapters(r), cfg.adapter_dtype)
-        cache_dequantized(enc)  # scoring: dequantize each matrix once, not once per batch
-        if embeddings:
-            try:
-                quantize_embeddings(enc, embeddings, cfg.mode)
-            except ValueError as exc:
-                raise ValueError(f"quantize.embeddings: {exc}") from None
-        return enc
 
-    # one quantized copy at a time beside the float encoder: each variant is built, scored and
-    # dropped; the main one is serialised before it goes
-    accuracy: dict[str, dict[str, float]] = {}
-    chosen, limit = ranks[cfg.allocation], params.merge.eval_limit
-    for variant, r in Progress(
-        [
-            ("float", None),
-            ("mxfp4", zero),
-            ("mxfp4_uniform", ranks["uniform"]),
-            ("mxfp4_load_aware", ranks["load_aware"]),
-        ],
-        desc="quantize: scoring",
-        unit="variant",
-    ):
-        enc = float_encoder if r is None else quantized(r)
+def quantized_copy(params: Params, encoder, plan: dict, ranks: dict):
+    """A copy of the float encoder in MXFP4 with the adapters of `ranks` (and its embeddings, where
+    quantize.embeddings asks), dequantized once for scoring."""
+    from crucible.quant import cache_dequantized, quantize_model
+    from crucible.quant.linear import quantize_embeddings
+
+    cfg = params.quantize
+    enc = copy.deepcopy(encoder)
+    quantize_model(enc, plan["modules"], cfg.mode, plan["plan"].adapters(ranks), cfg.adapter_dtype)
+    cache_dequantized(enc)  # scoring: dequantize each matrix once, not once per batch
+    if plan["embeddings"]:
+        try:
+            quantize_embeddings(enc, plan["embeddings"], cfg.mode)
+        except ValueError as exc:
+            raise ValueError(f"quantize.embeddings: {exc}") from None
+    return enc
+
+
+def score_variants(params: Params, inputs: dict, plan: dict) -> dict:
+    """The float model and each MXFP4 variant on the continual matrices' rows (the first
+    merge.eval_limit), the written one on every test row too (the value comparisons); the written one
+    serialised. One quantized copy at a time beside the float encoder: built, scored, dropped."""
+    from crucible.progress import Progress
+    from crucible.quant import save_quantized
+    from crucible.quant.linear import MXEmbedding, mx_layers
+
+    cfg, order, scorer, store = params.quantize, inputs["order"], inputs["scorer"], inputs["store"]
+    float_encoder, limit, ranks = inputs["float_encoder"], params.merge.eval_limit, plan["ranks"]
+    accuracy, written = {}, {}
+    variants = [
+        ("float", None),
+        ("mxfp4", plan["zero"]),
+        ("mxfp4_uniform", ranks["uniform"]),
+        ("mxfp4_load_aware", ranks["load_aware"]),
+    ]
+    for variant, r in Progress(variants, desc="quantize: scoring", unit="variant"):
+        enc = float_encoder if r is None else quantized_copy(params, float_encoder, plan, r)
         scorer.use_encoder(enc)
-        # every variant on the continual matrices' rows (the first merge.eval_limit); the written one on
-        # every test row too (the value comparisons). The merge stage keeps the float model's features.
-        if r is None:
+        if r is None:  # the merge stage keeps the float model's features
             features = {t: scorer.features(t, "test", limit) for t in order}
             accuracy[variant] = {t: scorer.accuracy(t, scorer.head_logits(t, x)) for t, x in features.items()}
         else:
-            deployed_variant = variant == f"mxfp4_{cfg.allocation}"
-            store.add(
-                f"quantize:{variant}", "quantize", variant, -1, order, test_limit=None if deployed_variant else limit
-            )
+            deployed = variant == f"mxfp4_{cfg.allocation}"
+            store.add(f"quantize:{variant}", "quantize", variant, -1, order, test_limit=None if deployed else limit)
             accuracy[variant] = {t: store.accuracy(f"quantize:{variant}", t, limit) for t in order}
         if variant == f"mxfp4_{cfg.allocation}":
-            layer_bytes = [m.nbytes() for m in mx_layers(enc).values()]
-            emb_bytes = sum(m.nbytes() for m in enc.modules() if isinstance(m, MXEmbedding))
-            data = save_quantized(
-                enc, metadata={"base_model": base.name, "method": "mxfp4", "order": json.dumps(order)}
-            )
+            written = {
+                "layer_bytes": [m.nbytes() for m in mx_layers(enc).values()],
+                "emb_bytes": sum(m.nbytes() for m in enc.modules() if isinstance(m, MXEmbedding)),
+                "data": save_quantized(
+                    enc, metadata={"base_model": inputs["base"].name, "method": "mxfp4", "order": json.dumps(order)}
+                ),
+            }
         scorer.use_encoder(float_encoder)
         if r is not None:
             del enc
             gc.collect()
+    return {"accuracy": accuracy, **written}
 
+
+def deploy_heads(params: Params, root: Path, inputs: dict, scored: dict) -> dict:
+    """The heads the written model is deployed with (refitted on its features where that wins on the
+    dev rows, tasks.data.head_refit) and its accuracy through them on every test row."""
+    import torch
+
+    from tasks.data.head_refit import dev_ids, refit_heads
+    from tasks.data.heldout_scoring import probe_ids
+
+    order, merged, store, scorer = inputs["order"], inputs["merged"], inputs["store"], inputs["scorer"]
+    variant = f"quantize:mxfp4_{params.quantize.allocation}"
     deploy, refit = refit_heads(
         store,
-        f"quantize:mxfp4_{cfg.allocation}",
+        variant,
         {t: (merged["heads"][t]["weight"], merged["heads"][t]["bias"]) for t in order},
         probe_ids(scorer),
         dev_ids(root, order),
-        cfg.refit_heads,
+        params.quantize.refit_heads,
         params.pipeline.seed,
     )
-    heads = {f"{t}.{k}": v.contiguous() for t, (w, b) in deploy.items() for k, v in (("weight", w), ("bias", b))}
-    deployed = {
-        t: scorer.accuracy(
-            t, torch.nn.functional.linear(store.tensors[f"quantize:mxfp4_{cfg.allocation}/{t}/test"], w, b)
-        )
+    accuracy = {
+        t: scorer.accuracy(t, torch.nn.functional.linear(store.tensors[f"{variant}/{t}/test"], w, b))
         for t, (w, b) in deploy.items()
     }
+    heads = {f"{t}.{k}": v.contiguous() for t, (w, b) in deploy.items() for k, v in (("weight", w), ("bias", b))}
+    return {"heads": heads, "refit": refit, "accuracy": accuracy}
+
+
+def summary_metrics(params: Params, inputs: dict, plan: dict, scored: dict, heads: dict) -> dict:
+    """quantize.json: sizes and bits per weight, the accuracy of every variant, the share of the MXFP4
+    loss the compensation recovers, the weighted errors, the refit and the deployed accuracy."""
+    import torch
+
+    cfg, linears, ranks, p = params.quantize, plan["linears"], plan["ranks"], plan["plan"]
+    accuracy = scored["accuracy"]
     itemsize = torch.empty((), dtype=getattr(torch, cfg.adapter_dtype)).element_size()
     n_weights = sum(m.weight.numel() for m in linears.values())
-    mx_bytes = sum(b["packed"] + b["scales"] for b in layer_bytes)
-    adapter_bytes = sum(b["adapter"] for b in layer_bytes)
-    float_bytes = merged["paths"]["model.safetensors"].stat().st_size
-
+    mx_bytes = sum(b["packed"] + b["scales"] for b in scored["layer_bytes"])
+    adapter_bytes = sum(b["adapter"] for b in scored["layer_bytes"])
+    float_bytes = inputs["merged"]["paths"]["model.safetensors"].stat().st_size
     mean = {v: float(np.mean(list(a.values()))) for v, a in accuracy.items()}
     lost = mean["float"] - mean["mxfp4"]
-    err0 = plan.weighted_error(zero)
-    metrics = {
-        "mode": cfg.mode,
-        "scaling": cfg.scaling,
-        "allocation": cfg.allocation,
-        "load": cfg.load,
-        "matrices": len(linears),
-        "quantized_weights": n_weights,
-        "rank_budget": rank_budget,
-        "total_rank": plan.total_rank,
-        "bits_per_weight": 8 * mx_bytes / n_weights,
-        "bits_per_weight_all_in": 8 * (mx_bytes + adapter_bytes) / n_weights,
-        "quantized_matrices_mb": {
-            "float32": 4 * n_weights / 2**20,
-            "mxfp4": mx_bytes / 2**20,
-            "adapters": adapter_bytes / 2**20,
-        },
-        "model_mb": {"float": float_bytes / 2**20, "quantized": len(data) / 2**20},
-        "embeddings_mxfp4_mb": emb_bytes / 2**20,
-        "accuracy": accuracy,
-        "mean_accuracy": mean,
-        "accuracy_lost_by_mxfp4": lost,
-        "recovered_share": {
-            a: (mean[f"mxfp4_{a}"] - mean["mxfp4"]) / lost if lost > 0 else None for a in ("uniform", "load_aware")
-        },
-        "weighted_error": {
-            "mxfp4": err0,
-            "uniform": plan.weighted_error(ranks["uniform"]),
-            "load_aware": plan.weighted_error(ranks["load_aware"]),
-        },
-        "adapter_mb": {a: plan.adapter_bytes(r, itemsize) / 2**20 for a, r in ranks.items()},
-        "refit": refit,
-        "deployed_accuracy": deployed,  # the written model with the written heads (refitted where better on dev)
-        "ranks": chosen,
+    err0 = p.weighted_error(plan["zero"])
+    weighted = {
+        "mxfp4": err0,
+        "uniform": p.weighted_error(ranks["uniform"]),
+        "load_aware": p.weighted_error(ranks["load_aware"]),
     }
-    metrics["relative_weighted_error"] = {
-        k: v / err0 if err0 > 0 else 0.0 for k, v in metrics["weighted_error"].items()
-    }
-    metrics = _rounded(metrics)
-    rank_rows = [
+    return _rounded(
         {
-            "matrix": n,
-            "layer": _layer_index(n),
-            "out": layer.shape[0],
-            "in": layer.shape[1],
-            "load": layer.load,
-            "rank_uniform": ranks["uniform"][n],
-            "rank_load_aware": ranks["load_aware"][n],
-            "energy_kept_uniform": _energy_kept(layer.spectrum, ranks["uniform"][n]),
-            "energy_kept_load_aware": _energy_kept(layer.spectrum, ranks["load_aware"][n]),
+            "mode": cfg.mode,
+            "scaling": cfg.scaling,
+            "allocation": cfg.allocation,
+            "load": cfg.load,
+            "matrices": len(linears),
+            "quantized_weights": n_weights,
+            "rank_budget": plan["rank_budget"],
+            "total_rank": p.total_rank,
+            "bits_per_weight": 8 * mx_bytes / n_weights,
+            "bits_per_weight_all_in": 8 * (mx_bytes + adapter_bytes) / n_weights,
+            "quantized_matrices_mb": {
+                "float32": 4 * n_weights / 2**20,
+                "mxfp4": mx_bytes / 2**20,
+                "adapters": adapter_bytes / 2**20,
+            },
+            "model_mb": {"float": float_bytes / 2**20, "quantized": len(scored["data"]) / 2**20},
+            "embeddings_mxfp4_mb": scored["emb_bytes"] / 2**20,
+            "accuracy": accuracy,
+            "mean_accuracy": mean,
+            "accuracy_lost_by_mxfp4": lost,
+            "recovered_share": {
+                a: (mean[f"mxfp4_{a}"] - mean["mxfp4"]) / lost if lost > 0 else None for a in ("uniform", "load_aware")
+            },
+            "weighted_error": weighted,
+            "adapter_mb": {a: p.adapter_bytes(r, itemsize) / 2**20 for a, r in ranks.items()},
+            "refit": heads["refit"],
+            "deployed_accuracy": heads["accuracy"],  # the written model with the written heads
+            "ranks": ranks[cfg.allocation],
+            "relative_weighted_error": {k: v / err0 if err0 > 0 else 0.0 for k, v in weighted.items()},
         }
-        for n, layer in plan.layers.items()
-    ]
-    rank_rows = _rounded(rank_rows)
+    )
+
+
+def write_outputs(params: Params, root: Path, inputs: dict, plan: dict, scored: dict, heads: dict) -> dict:
+    """The packed model, its heads, its config, the features, quantize.json, the rank and accuracy
+    tables and the figure, published together. Returns quantize.json's metrics."""
+    from crucible.serialize import safetensors_bytes
+
+    cfg, ranks, merged, order = params.quantize, plan["ranks"], inputs["merged"], inputs["order"]
+    metrics = summary_metrics(params, inputs, plan, scored, heads)
+    rank_rows = _rounded(
+        [
+            {
+                "matrix": n,
+                "layer": _layer_index(n),
+                "out": layer.shape[0],
+                "in": layer.shape[1],
+                "load": layer.load,
+                "rank_uniform": ranks["uniform"][n],
+                "rank_load_aware": ranks["load_aware"][n],
+                "energy_kept_uniform": _energy_kept(layer.spectrum, ranks["uniform"][n]),
+                "energy_kept_load_aware": _energy_kept(layer.spectrum, ranks["load_aware"][n]),
+            }
+            for n, layer in plan["plan"].layers.items()
+        ]
+    )
+    accuracy = scored["accuracy"]
     acc_rows = [{"variant": v, "task": t, "accuracy": a} for v, accs in accuracy.items() for t, a in accs.items()]
     config = {
-        "base_model": base.name,
-        "base_model_hash": base.hash,
-        "pooling": scorer.pooling,
-        "dtype": base.dtype,
+        "base_model": inputs["base"].name,
+        "base_model_hash": inputs["base"].hash,
+        "pooling": inputs["scorer"].pooling,
+        "dtype": inputs["base"].dtype,
         "order": order,
-        "modules": modules,
-        "embeddings": embeddings,
+        "modules": plan["modules"],
+        "embeddings": plan["embeddings"],
         "mode": cfg.mode,
         "scaling": cfg.scaling,
         "allocation": cfg.allocation,
         "load": cfg.load,
-        "rank_budget": rank_budget,
+        "rank_budget": plan["rank_budget"],
         "rank_per_matrix": cfg.rank_per_matrix,
         "adapter_dtype": cfg.adapter_dtype,
-        "ranks": chosen,
+        "ranks": ranks[cfg.allocation],
         "classes": merged["classes"],
         "max_length": merged["max_length"],
         "merged_from": merged["config"].get("main"),
-        "refit": {t: r["refit"] for t, r in refit.items()},
+        "refit": {t: r["refit"] for t, r in heads["refit"].items()},
         "runtime": runtime_config(),
     }
     out = root / OUT
     with AtomicOutputs() as atomic:
-        atomic.bytes(data, out / "model.safetensors")
-        atomic.bytes(safetensors_bytes(heads, {"classes": json.dumps(merged["classes"])}), out / "heads.safetensors")
+        atomic.bytes(scored["data"], out / "model.safetensors")
+        atomic.bytes(
+            safetensors_bytes(heads["heads"], {"classes": json.dumps(merged["classes"])}), out / "heads.safetensors"
+        )
         atomic.json(config, out / "config.json")
-        atomic.bytes(store.to_bytes(), out / "features.safetensors")
+        atomic.bytes(inputs["store"].to_bytes(), out / "features.safetensors")
         atomic.json(metrics, root / METRICS / "quantize.json")
         atomic.bytes(pd.DataFrame(rank_rows).to_csv(index=False).encode(), root / METRICS / "quantize_ranks.csv")
         atomic.bytes(
@@ -472,16 +544,20 @@ def _run(params: Params, root: Path, log) -> dict:
             root / METRICS / "quantize_accuracy.csv",
         )
         atomic.bytes(plot_quantize(rank_rows, accuracy, order), out / "quantize.png")
+    return metrics
+
+
+def log_results(log, root: Path, metrics: dict) -> dict:
     flat = {
         "bits_per_weight": metrics["bits_per_weight"],
         "bits_per_weight_all_in": metrics["bits_per_weight_all_in"],
         "model_mb": metrics["model_mb"]["quantized"],
         "float_model_mb": metrics["model_mb"]["float"],
-        **{f"mean_accuracy.{v}": a for v, a in mean.items()},
+        **{f"mean_accuracy.{v}": a for v, a in metrics["mean_accuracy"].items()},
         **{f"relative_weighted_error.{k}": v for k, v in metrics["relative_weighted_error"].items()},
     }
     log.log_metrics(flat)
-    log.log_artifact(out / "quantize.png")
+    log.log_artifact(root / OUT / "quantize.png")
     log.log_artifact(root / METRICS / "quantize.json")
     return flat
 
