@@ -114,28 +114,37 @@ def plot(scores: np.ndarray, truth: np.ndarray | None, result, task: str) -> byt
 
 
 def run(params: Params, task: str, root: Path, log) -> dict:
-    cfg = params.curate
-    base = Path(root) / "data" / task
+    """Read the audited task, score the pool, estimate CC-MMD and the corrected weights, gate, write, log."""
     data = read_audited_task(root, task)
-    pool, ref_x, pool_x = data.pool, data.ref_x, data.pool_x
-    audited, member, pi = data.audited, data.member, data.pi
-    scores = proxy_scores(params, ref_x, pool_x, pool, str(base / "pool.parquet"))
-    truth = _truth_membership(root, task, pool)
+    scores = proxy_scores(params, data.ref_x, data.pool_x, data.pool, str(Path(root) / "data" / task / "pool.parquet"))
+    truth = _truth_membership(root, task, data.pool)
+    result = estimate(params, task, root, data, scores, truth)
+    metrics, keep = curation_metrics(params, result, scores, truth)
+    check_gate(params, task, result)
+    write_outputs(root, task, data, scores, truth, result, keep, metrics)
+    log.log_artifact(Path(root) / "reports" / task / "curate.png")
+    log.log_artifact(Path(root) / "metrics" / task / "curate.json")
+    return metrics
 
+
+def estimate(params: Params, task: str, root: Path, data, scores, truth):
+    """CC-MMD between the reference and the pool's clean part (crucible.ccmmd), on the run's device (on
+    CUDA the exact kernel sums run through the Triton kernel)."""
+    cfg = params.curate
     kernel = GaussianKernel(
         bandwidths=tuple(cfg.bandwidths) if cfg.bandwidths else None,
         scales=tuple(cfg.bandwidth_scales),
         seed=params.pipeline.seed,
     )
-    device = current().device  # on CUDA the exact kernel sums run through the Triton kernel
+    device = current().device
     try:
-        result = cc_mmd(
-            torch.from_numpy(ref_x).float().to(device),
-            torch.from_numpy(pool_x).float().to(device),
+        return cc_mmd(
+            torch.from_numpy(data.ref_x).float().to(device),
+            torch.from_numpy(data.pool_x).float().to(device),
             scores,
-            audited.astype(np.float64),
-            member,
-            pi,
+            data.audited.astype(np.float64),
+            data.member,
+            data.pi,
             kernel=kernel,
             truth=truth,
             method=cfg.method,
@@ -144,10 +153,13 @@ def run(params: Params, task: str, root: Path, log) -> dict:
             level=cfg.level,
         )
     except ValueError as exc:
-        raise ValueError(f"task '{task}' ({base}): {exc}") from None
-    m = result.weights.cpu().numpy()
-    keep = m > cfg.keep_threshold
+        raise ValueError(f"task '{task}' ({Path(root) / 'data' / task}): {exc}") from None
 
+
+def curation_metrics(params: Params, result, scores, truth) -> tuple[dict, np.ndarray]:
+    """(curate.json's metrics, the kept items m_j > keep_threshold); with the demo's truth, the true
+    contamination, the proxy score's AUC and the kept items' precision and recall beside."""
+    keep = result.weights.cpu().numpy() > params.curate.keep_threshold
     metrics = {
         f"ccmmd_{k}" if k in ("value", "se", "ci_low", "ci_high") else k: v
         for k, v in result.to_dict().items()
@@ -163,6 +175,12 @@ def run(params: Params, task: str, root: Path, log) -> dict:
             keep_precision=float(truth[keep].mean()) if keep.any() else 0.0,
             keep_recall=float(keep[truth == 1].mean()),
         )
+    return metrics, keep
+
+
+def check_gate(params: Params, task: str, result) -> None:
+    """The data-quality gate (curate.gate_max_ccmmd): the interval's lower end above it stops the run."""
+    cfg = params.curate
     if cfg.gate_max_ccmmd is not None and result.ci_low > cfg.gate_max_ccmmd:
         raise DataQualityGateError(
             f"task '{task}': data-quality gate failed: CC-MMD^2 = {result.value:.4g} with {cfg.level:.0%} interval "
@@ -171,20 +189,19 @@ def run(params: Params, task: str, root: Path, log) -> dict:
             "the clean part of the pool does not match the reference"
         )
 
+
+def write_outputs(root: Path, task: str, data, scores, truth, result, keep, metrics: dict) -> None:
     curated = pd.DataFrame(
         {
-            "id": pool["id"],
-            "text": pool["text"],
+            "id": data.pool["id"],
+            "text": data.pool["text"],
             "score": scores,
-            "audited": audited.astype(np.int8),
-            "m": m,
+            "audited": data.audited.astype(np.int8),
+            "m": result.weights.cpu().numpy(),
             "keep": keep,
         }
     )
     with AtomicOutputs() as out:
-        out.parquet(curated, base / "curated.parquet")
+        out.parquet(curated, Path(root) / "data" / task / "curated.parquet")
         out.json(metrics, Path(root) / "metrics" / task / "curate.json")
         out.bytes(plot(scores, truth, result, task), Path(root) / "reports" / task / "curate.png")
-    log.log_artifact(Path(root) / "reports" / task / "curate.png")
-    log.log_artifact(Path(root) / "metrics" / task / "curate.json")
-    return metrics
