@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -87,6 +88,17 @@ def execute(
 
 
 _say = tracking.say  # `crucible: <message>` on stderr
+
+
+@contextmanager
+def timed(seconds: dict, key: str):
+    """Wall seconds of the block into seconds[key] (a stage's timings go to its MLflow run, never to a
+    DVC-tracked file: they change from run to run)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[key] = time.perf_counter() - start
 
 
 class PeakRSS:

@@ -113,6 +113,7 @@ SPEC = StageSpec(
         str(MERGE / "accuracy.png"),
         str(QUANTIZE / "quantize.png"),
         "models/moe/build",
+        "models/moe/quantize",  # its moe.png goes into the report
         *(f"metrics/{{task}}/{s}.json" for s in ("ingest", "curate", "pseudolabel", "finetune")),
         # the frozen-base probe, the baseline of every comparison, and the test rows' ids
         *(f"data/{{task}}/{f}" for f in ("reference.parquet", "test.parquet", "embeddings.safetensors")),

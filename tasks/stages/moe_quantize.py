@@ -66,32 +66,42 @@ def checkpoint_dir(root: Path) -> Path:
 
 
 def run(params: Params, task: str | None, root: Path, log) -> dict:
-    p = params.moe
+    """Read the built MoE, quantize it in every variant (crucible.moe.variants), write, log. Off
+    (moe.enabled false): a note saying so."""
     root = Path(root)
-    build_json = root / BUILD / "build.json"
-    if not build_json.is_file():
-        raise FileNotFoundError(f"{build_json}: missing; run the moe_build stage first (crucible stage moe_build)")
-    try:
-        build = json.loads(build_json.read_text())
-    except ValueError as exc:
-        raise ValueError(f"{build_json}: not valid JSON ({exc}); rerun moe_build") from None
-    if not p.enabled:
+    build = read_build(root)
+    if not params.moe.enabled:
         note = {"enabled": False, "note": "moe.enabled is false: the MoE branch did not run"}
         with AtomicOutputs() as out:
             _replace(root / HOME, out, {"disabled.json": (json.dumps(note, indent=2) + "\n").encode()})
             out.json(note, root / METRICS)
         return {"moe_enabled": 0}
     if not build.get("enabled"):
-        raise ValueError(f"{build_json}: built with moe.enabled false; rerun moe_build (dvc repro moe_build)")
+        raise ValueError(
+            f"{root / BUILD / 'build.json'}: built with moe.enabled false; rerun moe_build (dvc repro moe_build)"
+        )
+    moe, tokenizer = load_moe(root / BUILD)
+    result, budget = quantize(params, root, moe, tokenizer, log)
+    metrics = write_outputs(root, build, result, budget)
+    return log_results(log, metrics, result)
 
+
+def read_build(root: Path) -> dict:
+    build_json = root / BUILD / "build.json"
+    if not build_json.is_file():
+        raise FileNotFoundError(f"{build_json}: missing; run the moe_build stage first (crucible stage moe_build)")
+    try:
+        return json.loads(build_json.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{build_json}: not valid JSON ({exc}); rerun moe_build") from None
+
+
+def load_moe(folder: Path):
+    """(the built MoE on the run's device, in eval mode, its tokenizer); an error names the folder when
+    it holds no MoE layers."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from crucible.moe.mx_storage import save_quantized_moe
-    from crucible.moe.variants import default_rank_budget, quantize_variants
-    from tasks.data.moe_text import sequences
-
-    folder = root / BUILD
     from crucible.moe.dense import tie_embeddings
 
     moe = tie_embeddings(
@@ -100,10 +110,18 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     moe = moe.to(current().device)  # calibration, the variants and replay QAT run where the model is
     if not hasattr(moe.model.layers[0].mlp, "experts"):
         raise ValueError(f"{folder}: {type(moe).__name__} has no MoE layers (mlp.experts); rebuild with moe_build")
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    return moe, AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+def quantize(params: Params, root: Path, moe, tokenizer, log):
+    """(crucible.moe.variants' result, the rank budget): every MXFP4 variant on the calibration
+    sequences, scored on the held-out ones; replay QAT checkpointed for resume."""
+    from crucible.moe.variants import default_rank_budget, quantize_variants
+    from tasks.data.moe_text import sequences
+
+    p = params.moe
     seqs = sequences(tokenizer, p, params.pipeline.seed, parts=("calib", "eval"))
     budget = p.rank_budget if p.rank_budget is not None else default_rank_budget(moe, p.attention)
-    ckpt = checkpoint_dir(root)
     result = quantize_variants(
         moe,
         seqs["calib"],
@@ -117,10 +135,21 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
         batch_size=p.batch_size,
         mode=p.mode,
         progress=True,
-        checkpoint_dir=ckpt,
+        checkpoint_dir=checkpoint_dir(root),
         checkpoint_every=max(1, p.qat_steps // 4) if p.qat_steps else 0,
         log=lambda m, step: log.log_metrics({f"qat_{k}": v for k, v in m.items()}, step=step),
     )
+    return result, budget
+
+
+def write_outputs(root: Path, build: dict, result, budget: int) -> dict:
+    """The quantized MoE, its tables and figure, and metrics/moe.json, published together; the QAT
+    checkpoints go. Returns the metrics."""
+    import shutil
+
+    from crucible.moe.mx_storage import save_quantized_moe
+    from tasks.report.moe_plots import figure
+
     metrics = {k: v for k, v in result.metrics.items() if k != "seconds"}
     metrics.update(
         enabled=True,
@@ -132,8 +161,6 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
         },
     )
     tables = frames(result.metrics)
-    from tasks.report.moe_plots import figure
-
     files = {
         "model.safetensors": save_quantized_moe(result.model, metadata={"source": str(build.get("source"))}),
         "consistency.csv": tables["consistency"].to_csv(index=False).encode(),
@@ -144,10 +171,11 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     with AtomicOutputs() as out:
         _replace(root / HOME, out, files)
         out.json(metrics, root / METRICS)
-    if ckpt.is_dir():
-        import shutil
+    shutil.rmtree(checkpoint_dir(root), ignore_errors=True)
+    return metrics
 
-        shutil.rmtree(ckpt, ignore_errors=True)
+
+def log_results(log, metrics: dict, result) -> dict:
     flat = {f"perplexity_{k}": v for k, v in metrics["perplexity"].items()}
     flat.update(
         {
@@ -156,15 +184,10 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
             if "consistency_mean" in v
         }
     )
-    log.log_metrics(
-        {
-            **flat,
-            **{
-                "seconds_" + re.sub(r"[^A-Za-z0-9_]+", "_", k).strip("_"): v
-                for k, v in result.metrics["seconds"].items()
-            },
-        }
-    )
+    seconds = {
+        "seconds_" + re.sub(r"[^A-Za-z0-9_]+", "_", k).strip("_"): v for k, v in result.metrics["seconds"].items()
+    }
+    log.log_metrics({**flat, **seconds})
     return flat
 
 
