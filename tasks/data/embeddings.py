@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from tasks.runtime.io import read_safetensors
+from tasks.runtime.io import read_safetensors, rebuild_hint
 
 
 def ids_digest(ids) -> str:
@@ -19,7 +19,7 @@ def load_embeddings(root: Path, task: str, frames: dict) -> dict[str, torch.Tens
     """The task's embeddings, checked row for row against the tables they were computed from; a
     missing, truncated or non-finite file is an error naming it and the command that rebuilds it."""
     path = Path(root) / "data" / task / "embeddings.safetensors"
-    rebuild = f"rebuild it with `crucible stage embed --task {task}` (or `dvc repro embed@{task}`)"
+    rebuild = rebuild_hint("embed", task)
     tensors, meta = read_safetensors(path, "embeddings", rebuild)
     out = {}
     for name, df in frames.items():

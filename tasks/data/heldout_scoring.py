@@ -10,17 +10,17 @@ from pathlib import Path
 
 import pandas as pd
 
+from tasks.runtime.io import read_safetensors, read_stage_output, read_table, rebuild_hint
+
 
 def read_task_model(root: Path, task: str, base_model: str, base_hash: str | None = None) -> dict:
     """A task's fine-tune: paths, head tensors, classes, max_length, pooling; checks it was made from
     base_model (and, given `base_hash`, from a base of that content: models/base/manifest.json's hash)
     and that its files are readable and finite (each error names the file and the command that
     rebuilds it)."""
-    from tasks.runtime.io import read_safetensors
-
     folder = root / "data" / task / "finetune"
     paths = {name: folder / name for name in ("model.safetensors", "head.safetensors", "config.json")}
-    rebuild = f"rebuild it with `crucible stage finetune --task {task}` (or `dvc repro finetune@{task}`)"
+    rebuild = rebuild_hint("finetune", task)
     for path in paths.values():
         if not path.is_file():
             raise FileNotFoundError(f"{path}: missing; the merge stage needs every task's fine-tune ({rebuild})")
@@ -291,8 +291,6 @@ def probe_ids(scorer: Scorer) -> dict[str, list]:
 def read_features(path: Path, stage: str) -> tuple[dict, dict]:
     """(tensors, metadata with `variants`, `classes`, `tasks` decoded) of a FeatureStore file; each
     error names the file and the stage that makes it."""
-    from tasks.runtime.io import read_safetensors
-
     tensors, meta = read_safetensors(
         path,
         "features",
@@ -331,8 +329,6 @@ def _features_problem(tensors: dict, meta: dict) -> str | None:
 
 def read_tests(root: Path, params) -> dict[str, pd.DataFrame]:
     """Each task's clean test split, every row, in merge order."""
-    from tasks.runtime.io import read_table
-
     return {t: read_table(Path(root) / "data" / t / "test.parquet", "test") for t in params.merge_order()}
 
 
@@ -340,8 +336,6 @@ def read_probe_rows(root: Path, params) -> dict[str, pd.DataFrame]:
     """Per task the rows (text, label) that evaluate's fresh probe is fitted on: the clean reference,
     or labeled.parquet (reference + audited members + selected pseudo-labels), per
     `evaluate.probe_rows`, the first `evaluate.probe_limit` of them."""
-    from tasks.runtime.io import read_stage_output, read_table
-
     cfg = params.evaluate
     out = {}
     for t in params.merge_order():

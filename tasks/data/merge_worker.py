@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 SCRATCH_HINT = "a merge worker's scratch file; rerun `crucible stage merge`"
-_FINETUNE = "rebuild it with `crucible stage finetune` for its task"
 
 
 def _rss() -> int:
@@ -73,7 +72,7 @@ def merge_worker(spec: dict) -> dict:
 
     from crucible.device import make_deterministic, resolve_device
     from crucible.merge import make_merger, task_vector
-    from tasks.runtime.io import read_safetensors
+    from tasks.runtime.io import read_safetensors, rebuild_hint
 
     torch.set_grad_enabled(False)
     device = resolve_device(spec.get("device", "cpu"), what="merge worker device")
@@ -91,7 +90,8 @@ def merge_worker(spec: dict) -> dict:
             # finite=False: the parent checked each task model (read_task_model); task_vector checks
             # names, shapes and dtypes against theta_0
             theta_t = {
-                k: v.to(device) for k, v in read_safetensors(path, "task model", _FINETUNE, finite=False)[0].items()
+                k: v.to(device)
+                for k, v in read_safetensors(path, "task model", rebuild_hint("finetune"), finite=False)[0].items()
             }
             tau = task_vector(theta_t, theta_0, inplace=True, source=str(path), base_source=spec["theta0"])
             del theta_t

@@ -121,6 +121,13 @@ class OutputWriteError(OSError):
         )
 
 
+def rebuild_hint(stage: str, task: str | None = None) -> str:
+    """How a reader's error tells the user to remake a stage's output (one wording everywhere)."""
+    if task is None:
+        return f"rebuild it with `crucible stage {stage}` (or `dvc repro {stage}`)"
+    return f"rebuild it with `crucible stage {stage} --task {task}` (or `dvc repro {stage}@{task}`)"
+
+
 def json_safe(obj):
     """`obj` as strict JSON values, recursively: NaN and infinities -> None (e.g. the backward transfer
     of a single task), numpy scalars -> Python numbers, mapping keys -> str, tuples -> lists."""

@@ -45,7 +45,7 @@ import pandas as pd
 
 from tasks.report.page import build_report
 from tasks.runtime.declaration import Plot, StageSpec
-from tasks.runtime.io import AtomicOutputs, json_safe
+from tasks.runtime.io import AtomicOutputs, json_safe, rebuild_hint
 from tasks.runtime.params_schema import Params
 
 MERGE = Path("models") / "merge"
@@ -137,10 +137,6 @@ SPEC = StageSpec(
 # reading the features
 
 
-def _rerun(stage: str) -> str:
-    return f"rerun it with `crucible stage {stage}` (or `dvc repro {stage}`)"
-
-
 def read_inputs(root: Path, params: Params) -> dict:
     """Both stages' features, checked against each other and params; heads and configs."""
     from tasks.data.heldout_scoring import read_features
@@ -153,12 +149,12 @@ def read_inputs(root: Path, params: Params) -> dict:
         if meta["tasks"] != order:
             raise ValueError(
                 f"{root / path / 'features.safetensors'}: made for tasks {meta['tasks']}, but the "
-                f"arrival order is {order}; {_rerun(stage)}"
+                f"arrival order is {order}; {rebuild_hint(stage)}"
             )
     if not any(v["family"] == "merge" for v in merge_meta["variants"]):
         raise ValueError(
             f"{root / MERGE / 'features.safetensors'}: holds no merged variants because "
-            f"merge.evaluate is off; set merge.evaluate: true and {_rerun('merge')}"
+            f"merge.evaluate is off; set merge.evaluate: true and {rebuild_hint('merge')}"
         )
     for key, labels in merged.items():
         if key.startswith("labels/"):
@@ -167,22 +163,24 @@ def read_inputs(root: Path, params: Params) -> dict:
                 raise ValueError(
                     f"{root / QUANTIZE / 'features.safetensors'}: its rows for {key[7:]!r} differ from "
                     f"the merge stage's ({root / MERGE / 'features.safetensors'}); both must score the "
-                    f"same test and probe rows: {_rerun('quantize')}"
+                    f"same test and probe rows: {rebuild_hint('quantize')}"
                 )
     classes = merge_meta["classes"]
     missing = [t for t in order if not isinstance(classes, dict) or not classes.get(t)]
     if missing:
         raise ValueError(
             f"{root / MERGE / 'features.safetensors'}: metadata 'classes' has no classes for tasks "
-            f"{missing}; {_rerun('merge')}"
+            f"{missing}; {rebuild_hint('merge')}"
         )
     n = {t: len(classes[t]) for t in order}  # each task's head: (n_classes, hidden) and (n_classes,)
     shapes = {f"{t}.{k}": s for t in order for k, s in (("weight", (n[t], None)), ("bias", (n[t],)))}
     # the fine-tunes' own heads (every interface of every variant) and the deployed ones
-    heads, _ = read_safetensors(root / MERGE / "task_heads.safetensors", "task heads", _rerun("merge"), shapes=shapes)
+    heads, _ = read_safetensors(
+        root / MERGE / "task_heads.safetensors", "task heads", rebuild_hint("merge"), shapes=shapes
+    )
     deploy_heads = {
         kind: read_safetensors(
-            root / folder / "heads.safetensors", f"deployed heads ({kind})", _rerun(stage), shapes=shapes
+            root / folder / "heads.safetensors", f"deployed heads ({kind})", rebuild_hint(stage), shapes=shapes
         )[0]
         for kind, folder, stage in (("float", MERGE, "merge"), ("quantized", QUANTIZE, "quantize"))
     }
@@ -200,7 +198,7 @@ def read_inputs(root: Path, params: Params) -> dict:
     if merge_config.get("main") not in params.merge.methods:
         raise ValueError(
             f"{root / MERGE / 'config.json'}: field 'main' = {merge_config.get('main')!r} is not one of "
-            f"merge.methods ({', '.join(params.merge.methods)}); {_rerun('merge')}"
+            f"merge.methods ({', '.join(params.merge.methods)}); {rebuild_hint('merge')}"
         )
     return {
         "order": order,
@@ -218,9 +216,9 @@ def read_config(root: Path, folder: Path, stage: str) -> dict:
     try:
         return json.loads((root / folder / "config.json").read_text())
     except FileNotFoundError:
-        raise FileNotFoundError(f"{root / folder / 'config.json'}: missing; {_rerun(stage)}") from None
+        raise FileNotFoundError(f"{root / folder / 'config.json'}: missing; {rebuild_hint(stage)}") from None
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{root / folder / 'config.json'}: not valid JSON ({exc}); {_rerun(stage)}") from None
+        raise ValueError(f"{root / folder / 'config.json'}: not valid JSON ({exc}); {rebuild_hint(stage)}") from None
 
 
 def check_features(
@@ -235,7 +233,7 @@ def check_features(
     """What evaluate needs of a features file beyond its own consistency (read_features): every
     variant's test and probe features with the width of the task's head, and labels that are class
     indices of that head. Each error names the file, the tensor, what it holds and what was expected."""
-    fix = _rerun(stage)
+    fix = rebuild_hint(stage)
     for t, k in n_classes.items():
         for split in ("test", "probe"):
             name = f"labels/{t}/{split}"

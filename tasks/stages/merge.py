@@ -54,7 +54,7 @@ from tasks.data.merge_worker import SCRATCH_HINT, start_method
 from tasks.data.models import MANIFEST, base_model
 from tasks.runtime.declaration import Plot, StageSpec
 from tasks.runtime.device import current, runtime_config
-from tasks.runtime.io import AtomicOutputs, figure_png, json_safe
+from tasks.runtime.io import AtomicOutputs, figure_png, json_safe, read_safetensors, rebuild_hint
 from tasks.runtime.params_schema import Params
 from tasks.runtime.scratch import scratch
 from tasks.runtime.tracking import say
@@ -98,8 +98,6 @@ def _shapes(state: dict) -> dict:
 
 def read_merged_state(path: Path, what: str, theta_0: dict) -> dict:
     """A merged encoder a worker wrote: theta_0's tensor names and shapes, every value finite."""
-    from tasks.runtime.io import read_safetensors
-
     state, _ = read_safetensors(path, f"merged encoder of {what}", SCRATCH_HINT, shapes=_shapes(theta_0))
     return state
 
@@ -193,8 +191,6 @@ def reference_accuracy(store: FeatureStore, specs: list[dict], limit: int | None
     continual matrices' rows). Into the store go, on every test row, the base encoder's features on
     every task (variant `base`) and each fine-tune's on the tasks arrived up to it (variant
     `finetune:<task>`, for evaluate's swap-in-the-latest-fine-tune baseline and its comparisons)."""
-    from tasks.runtime.io import read_safetensors
-
     order = [s["task"] for s in specs]
     store.add("base", "base", "base", -1, order, state=store.scorer.theta_0)
     base = {t: store.accuracy("base", t, limit) for t in order}
@@ -204,7 +200,7 @@ def reference_accuracy(store: FeatureStore, specs: list[dict], limit: int | None
         state, _ = read_safetensors(
             spec["model"],
             f"fine-tuned encoder of task {t!r}",
-            f"rebuild it with `crucible stage finetune --task {t}`",
+            rebuild_hint("finetune", t),
             shapes=_shapes(store.scorer.theta_0),
         )
         store.add(f"finetune:{t}", "finetune", "finetune", j, order[: j + 1], state=state)

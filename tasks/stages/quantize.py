@@ -53,7 +53,7 @@ import pandas as pd
 from tasks.data.models import MANIFEST, base_model, resolve_model
 from tasks.runtime.declaration import Plot, StageSpec
 from tasks.runtime.device import runtime_config
-from tasks.runtime.io import AtomicOutputs, figure_png, read_table
+from tasks.runtime.io import AtomicOutputs, figure_png, read_table, rebuild_hint
 from tasks.runtime.params_schema import Params
 
 OUT = Path("models") / "quantize"
@@ -98,10 +98,6 @@ SPEC = StageSpec(
 # reading the merge stage's model
 
 
-def _rebuild_hint() -> str:
-    return "rebuild it with `crucible stage merge` (or `dvc repro merge`)"
-
-
 def read_merged(root: Path, base_model: str, base_hash: str | None = None) -> dict:
     """The merge stage's outputs: encoder state, heads, classes, max_length; each error names the
     file (and the tensor) and how to rebuild it."""
@@ -111,28 +107,30 @@ def read_merged(root: Path, base_model: str, base_hash: str | None = None) -> di
     paths = {n: folder / n for n in ("model.safetensors", "heads.safetensors", "config.json")}
     for path in paths.values():
         if not path.is_file():
-            raise FileNotFoundError(f"{path}: missing; the quantize stage reads the merged model: {_rebuild_hint()}")
+            raise FileNotFoundError(
+                f"{path}: missing; the quantize stage reads the merged model: {rebuild_hint('merge')}"
+            )
     try:
         config = json.loads(paths["config.json"].read_text())
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{paths['config.json']}: not valid JSON ({exc}); {_rebuild_hint()}") from None
+        raise ValueError(f"{paths['config.json']}: not valid JSON ({exc}); {rebuild_hint('merge')}") from None
     if config.get("base_model") != base_model:
         raise ValueError(
             f"{paths['config.json']}: field 'base_model' = {config.get('base_model')!r}, but model.name "
-            f"is {base_model!r}; {_rebuild_hint()}"
+            f"is {base_model!r}; {rebuild_hint('merge')}"
         )
     if base_hash is not None and config.get("base_model_hash") != base_hash:
         raise ValueError(
             f"{paths['config.json']}: field 'base_model_hash' = {config.get('base_model_hash')!r}, but the "
-            f"base model now hashes to {base_hash!r} (models/base/manifest.json); {_rebuild_hint()}"
+            f"base model now hashes to {base_hash!r} (models/base/manifest.json); {rebuild_hint('merge')}"
         )
     classes, max_length = config.get("classes") or {}, config.get("max_length") or {}
     # the encoder's names and shapes are checked against model.name's architecture when it loads
-    state, _ = read_safetensors(paths["model.safetensors"], "merged encoder", _rebuild_hint())
+    state, _ = read_safetensors(paths["model.safetensors"], "merged encoder", rebuild_hint("merge"))
     tensors, _ = read_safetensors(
         paths["heads.safetensors"],
         "task heads",
-        _rebuild_hint(),
+        rebuild_hint("merge"),
         shapes={
             f"{t}.{k}": shape
             for t, cls in classes.items()
@@ -253,7 +251,7 @@ def read_inputs(params: Params, root: Path) -> dict:
     missing = [t for t in order if t not in merged["classes"]]
     if missing:
         raise ValueError(
-            f"{merged['paths']['config.json']}: no head for tasks {missing} of pipeline.tasks; {_rebuild_hint()}"
+            f"{merged['paths']['config.json']}: no head for tasks {missing} of pipeline.tasks; {rebuild_hint('merge')}"
         )
     specs = [
         {
@@ -278,7 +276,7 @@ def read_inputs(params: Params, root: Path) -> dict:
     except RuntimeError as exc:
         raise ValueError(
             f"{merged['paths']['model.safetensors']}: does not fit the architecture of model.name "
-            f"{base.name!r}: {str(exc)[:400]}; {_rebuild_hint()}"
+            f"{base.name!r}: {str(exc)[:400]}; {rebuild_hint('merge')}"
         ) from None
     del merged["state"]  # loaded into the scorer's encoder: no second copy
     return {

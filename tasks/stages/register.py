@@ -50,7 +50,7 @@ from tasks.registry.gate import PREDICTIONS_ARTIFACT, champion_comparison, gate,
 from tasks.registry.registry import HASH_TAG, PYFUNC_CODE, apply_gate, ensure_registered_model, log_pyfunc, versions
 from tasks.runtime import lineage
 from tasks.runtime.declaration import StageSpec
-from tasks.runtime.io import AtomicOutputs, md5_file
+from tasks.runtime.io import AtomicOutputs, md5_file, rebuild_hint
 from tasks.runtime.params_schema import Params
 from tasks.runtime.tracking import REGISTERED  # metrics/registered.json
 
@@ -425,7 +425,3 @@ def summary(params: Params, model: dict, deployable: dict, version: dict, record
         "size_mb": {k: v / 2**20 for k, v in sizes.items()},
         "size_ratio_served_to_float": sizes["served"] / sizes["float"] if sizes["float"] else None,
     }
-
-
-def rebuild_hint(stage: str) -> str:
-    return f"rebuild it with `crucible stage {stage}` (or `dvc repro {stage}`)"

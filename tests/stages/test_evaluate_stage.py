@@ -417,7 +417,7 @@ def test_every_bad_feature_file_names_the_file_and_the_tensor(project, folder, c
         _edit_features(project, "quantize", change)
     with pytest.raises(
         ValueError,
-        match=rf"^{path}: {message}.*rerun it with `crucible stage {folder}`|"
+        match=rf"^{path}: {message}.*rebuild it with `crucible stage {folder}`|"
         rf"^{path}: {message}.*run the {folder} stage first",
     ):
         execute("evaluate", None, project)
