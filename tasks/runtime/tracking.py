@@ -25,11 +25,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from tasks.runtime.paths import REGISTERED
+
 WRITE_LOCK = threading.Lock()
 PARENT_ENV = "CRUCIBLE_PARENT_RUN_ID"
 DB_NAME = "mlflow.db"
 ARTIFACTS = "mlartifacts"
-REGISTERED = Path("metrics") / "registered.json"  # the register stage's record (tasks/stages/register.py)
 FAILURE_TAG = "crucible.failure"  # why a run or a logged model was ended by the next start
 SERVER_CHECK_S = 5.0  # seconds per attempt (two attempts) to reach a tracking server before a run starts
 

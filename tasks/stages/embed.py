@@ -18,11 +18,12 @@ from crucible.embed import embed_texts
 from crucible.progress import Progress
 from crucible.schema import validate_disjoint
 from tasks.data.embeddings import ids_digest
-from tasks.data.models import MANIFEST, base_model
+from tasks.data.models import base_model
 from tasks.runtime.declaration import StageSpec
 from tasks.runtime.device import current
 from tasks.runtime.io import AtomicOutputs, read_table
 from tasks.runtime.params_schema import Params
+from tasks.runtime.paths import BASE_MANIFEST
 
 TABLES = ("reference", "pool", "test")
 
@@ -31,7 +32,7 @@ SPEC = StageSpec(
     per_task=True,
     comment="Per task: frozen encoder embeddings of the reference, pool and test texts (cached apart, so "
     "a later stage's params do not re-embed).",
-    deps=(str(MANIFEST), *(f"data/{{task}}/{t}.parquet" for t in TABLES)),
+    deps=(str(BASE_MANIFEST), *(f"data/{{task}}/{t}.parquet" for t in TABLES)),
     params=("pipeline.seed", "ingest.allow_shared_ids", "model", "embed"),
     outs=("data/{task}/embeddings.safetensors",),
 )

@@ -47,11 +47,19 @@ from tasks.report.page import build_report
 from tasks.runtime.declaration import Plot, StageSpec
 from tasks.runtime.io import AtomicOutputs, json_safe, rebuild_hint
 from tasks.runtime.params_schema import Params
+from tasks.runtime.paths import (
+    EVALUATE_JSON,
+    MERGE,
+    METRICS,
+    MOE_BUILD,
+    MOE_JSON,
+    MOE_QUANTIZE,
+    PREDICTIONS,
+    QUANTIZE,
+    QUANTIZE_JSON,
+    REPORTS,
+)
 
-MERGE = Path("models") / "merge"
-QUANTIZE = Path("models") / "quantize"
-METRICS = Path("metrics")
-REPORTS = Path("reports")
 PLOTS = ("summary", "curves", "matrix", "curation")
 
 
@@ -108,17 +116,17 @@ SPEC = StageSpec(
             for n in ("features.safetensors", "heads.safetensors", "task_heads.safetensors", "config.json")
         ),
         *(str(QUANTIZE / n) for n in ("features.safetensors", "heads.safetensors", "config.json")),
-        "metrics/quantize.json",
-        "metrics/moe.json",
+        str(QUANTIZE_JSON),
+        str(MOE_JSON),
         str(MERGE / "accuracy.png"),
         str(QUANTIZE / "quantize.png"),
-        "models/moe/build",
-        "models/moe/quantize",  # its moe.png goes into the report
+        str(MOE_BUILD),
+        str(MOE_QUANTIZE),  # its moe.png goes into the report
         *(f"metrics/{{task}}/{s}.json" for s in ("ingest", "curate", "pseudolabel", "finetune")),
         # the frozen-base probe, the baseline of every comparison, and the test rows' ids
         *(f"data/{{task}}/{f}" for f in ("reference.parquet", "test.parquet", "embeddings.safetensors")),
     ),
-    outs=(str(METRICS / "predictions.parquet"),),
+    outs=(str(PREDICTIONS),),
     params=(
         "pipeline.seed",
         "pipeline.tasks",
@@ -128,7 +136,7 @@ SPEC = StageSpec(
         "register.model",
     ),
     uncached=(str(REPORTS / "index.html"), str(REPORTS / "plots")),
-    metrics=(str(METRICS / "evaluate.json"), str(METRICS / "variants.json")),
+    metrics=(str(EVALUATE_JSON), str(METRICS / "variants.json")),
     plots=(Plot(str(REPORTS / "figures")),),
 )
 
@@ -650,15 +658,15 @@ def report_inputs(params: Params, root: Path, data: dict, results: dict) -> dict
         **results["summaries"],
         "value": m["value"],
         "register_model": params.register.model,
-        "quantize": _read_json(root / METRICS / "quantize.json"),
-        "moe": _read_json(root / METRICS / "moe.json"),
+        "quantize": _read_json(root / QUANTIZE_JSON),
+        "moe": _read_json(root / MOE_JSON),
         "figures": {
             name: (root / path).read_bytes()
             for name, path in (
                 ("merge", MERGE / "accuracy.png"),
                 ("quantize", QUANTIZE / "quantize.png"),
-                ("moe", Path("models") / "moe" / "quantize" / "moe.png"),
-                ("moe_curve", Path("models") / "moe" / "build" / "curve.png"),
+                ("moe", MOE_QUANTIZE / "moe.png"),
+                ("moe_curve", MOE_BUILD / "curve.png"),
             )
             if (root / path).is_file()
         },
@@ -673,9 +681,9 @@ def report_inputs(params: Params, root: Path, data: dict, results: dict) -> dict
 
 def write_outputs(root: Path, results: dict, report: dict) -> None:
     with AtomicOutputs() as atomic:
-        atomic.json(results["metrics"], root / METRICS / "evaluate.json")
+        atomic.json(results["metrics"], root / EVALUATE_JSON)
         atomic.json(results["variants"], root / METRICS / "variants.json")
-        atomic.parquet(results["predictions"], root / METRICS / "predictions.parquet")
+        atomic.parquet(results["predictions"], root / PREDICTIONS)
         atomic.bytes(_csv(results["summary"]), root / REPORTS / "plots" / "summary.csv")
         atomic.bytes(_csv(results["curves"]), root / REPORTS / "plots" / "curves.csv")
         atomic.bytes(_csv(pd.DataFrame(results["matrix_rows"])), root / REPORTS / "plots" / "matrix.csv")
@@ -719,7 +727,7 @@ def log_results(log, root: Path, results: dict) -> None:
         handle.log_metrics(flat if handle is log else {f"evaluate.{k}": v for k, v in flat.items()})
         handle.log_artifact(root / REPORTS / "index.html", "report")
         handle.log_artifacts(root / REPORTS / "figures", "report/figures")
-        handle.log_artifact(root / METRICS / "evaluate.json", "report")
+        handle.log_artifact(root / EVALUATE_JSON, "report")
 
 
 def headline(results: dict) -> dict:

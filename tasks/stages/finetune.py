@@ -62,11 +62,12 @@ from crucible.seeding import derive_seed
 from crucible.serialize import safetensors_bytes
 from crucible.train import evaluate, train
 from tasks.data.classifier import examples, prepare, train_config
-from tasks.data.models import MANIFEST, base_model
+from tasks.data.models import base_model
 from tasks.runtime.declaration import StageSpec
 from tasks.runtime.device import runtime_config
 from tasks.runtime.io import AtomicOutputs, read_stage_output, read_table
 from tasks.runtime.params_schema import FinetuneParams, Params
+from tasks.runtime.paths import BASE_MANIFEST
 
 LABELED_COLUMNS = ("id", "text", "label", "source", "confidence", "weight", "split")
 
@@ -74,7 +75,7 @@ SPEC = StageSpec(
     name="finetune",
     per_task=True,
     comment="Per task: the base encoder and a linear head fine-tuned with GMixout on the labeled rows.",
-    deps=(str(MANIFEST), "data/{task}/labeled.parquet", "data/{task}/test.parquet"),
+    deps=(str(BASE_MANIFEST), "data/{task}/labeled.parquet", "data/{task}/test.parquet"),
     # the chosen method's own options only (finetune.gmixout under method: gmixout): another
     # method's options change nothing here
     params=(

@@ -51,16 +51,15 @@ import torch
 from tasks.data.head_refit import dev_ids, refit_heads
 from tasks.data.heldout_scoring import FeatureStore, Scorer, probe_ids, read_probe_rows, read_task_model, read_tests
 from tasks.data.merge_worker import SCRATCH_HINT, start_method
-from tasks.data.models import MANIFEST, base_model
+from tasks.data.models import base_model
 from tasks.runtime.declaration import Plot, StageSpec
 from tasks.runtime.device import current, runtime_config
 from tasks.runtime.io import AtomicOutputs, figure_png, json_safe, read_safetensors, rebuild_hint
 from tasks.runtime.params_schema import Params
+from tasks.runtime.paths import BASE_MANIFEST, MERGE, METRICS
 from tasks.runtime.scratch import scratch
 from tasks.runtime.tracking import say
 
-OUT = Path("models") / "merge"
-METRICS = Path("metrics")  # small files git can commit: `dvc metrics diff` / `dvc plots diff` against HEAD
 TIMING = ("merge_seconds", "add_seconds", "merged_seconds", "peak_rss_mb", "peak_rss_mb_by_arrival")
 
 
@@ -70,19 +69,21 @@ SPEC = StageSpec(
     comment="Once over all tasks: the fine-tunes merged in arrival order by every method, scored on each "
     "task's test rows and probe rows (the reference, or labeled rows: evaluate.probe_rows).",
     deps=(
-        str(MANIFEST),
+        str(BASE_MANIFEST),
         "data/{task}/finetune",
         "data/{task}/test.parquet",
         "data/{task}/reference.parquet",
         "data/{task}/labeled.parquet",
     ),
     params=("pipeline.seed", "pipeline.tasks", "model", "merge", "evaluate.probe_rows", "evaluate.probe_limit"),
-    outs=tuple(str(OUT / n) for n in ("model.safetensors", "heads.safetensors", "config.json", "features.safetensors")),
+    outs=tuple(
+        str(MERGE / n) for n in ("model.safetensors", "heads.safetensors", "config.json", "features.safetensors")
+    ),
     metrics=(str(METRICS / "merge.json"),),
     plots=(
         Plot(str(METRICS / "merge_accuracy.csv"), x="arrival", y="accuracy"),
         Plot(str(METRICS / "merge_ranks.csv")),
-        Plot(str(OUT / "accuracy.png")),
+        Plot(str(MERGE / "accuracy.png")),
     ),
 )
 
@@ -412,7 +413,7 @@ def write_outputs(params: Params, root: Path, inputs: dict, merged: dict, deploy
             "methods": summary,
         }
     )
-    out, classes = root / OUT, {"classes": json.dumps(config["classes"])}
+    out, classes = root / MERGE, {"classes": json.dumps(config["classes"])}
     meta = {"format": "pt", "base_model": base.name, "method": main, "order": json.dumps(order)}
     with AtomicOutputs() as atomic:
         atomic.bytes(safetensors_bytes(merged["final"], meta), out / "model.safetensors")
@@ -443,7 +444,7 @@ def log_results(log, root: Path, summary: dict, timing: dict) -> None:
             if k in entry and entry[k] == entry[k]:
                 flat[f"{method}.{k}"] = entry[k]
     log.log_metrics(flat)
-    log.log_artifact(root / OUT / "accuracy.png")
+    log.log_artifact(root / MERGE / "accuracy.png")
     log.log_artifact(root / METRICS / "merge.json")
 
 

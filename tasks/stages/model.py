@@ -19,10 +19,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tasks.data.models import MANIFEST, manifest
+from tasks.data.models import manifest
 from tasks.runtime.declaration import StageSpec
 from tasks.runtime.io import AtomicOutputs
 from tasks.runtime.params_schema import Params
+from tasks.runtime.paths import BASE_MANIFEST
 
 SPEC = StageSpec(
     name="model",
@@ -30,13 +31,13 @@ SPEC = StageSpec(
     comment="Once: the base model's files hashed into a manifest, the dependency of every stage that loads "
     "the model (crucible run reruns it each time; under plain DVC `dvc repro -f model`).",
     params=("model.name",),
-    outs=(str(MANIFEST),),
+    outs=(str(BASE_MANIFEST),),
 )
 
 
 def run(params: Params, task: str | None, root: Path, log) -> dict:
     found = manifest(params.model.name, root)
     with AtomicOutputs() as out:
-        out.bytes((json.dumps(found, indent=1, sort_keys=True) + "\n").encode(), Path(root) / MANIFEST)
+        out.bytes((json.dumps(found, indent=1, sort_keys=True) + "\n").encode(), Path(root) / BASE_MANIFEST)
     log.log_params({"model.hash": found["hash"]})
     return {"files": len(found["files"])}

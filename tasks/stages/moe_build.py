@@ -39,10 +39,10 @@ from tasks.runtime.declaration import StageSpec
 from tasks.runtime.device import current
 from tasks.runtime.io import AtomicOutputs, figure_png
 from tasks.runtime.params_schema import Params
+from tasks.runtime.paths import MOE_BUILD
 from tasks.runtime.scratch import scratch
 from tasks.runtime.stage import timed
 
-HOME = Path("models") / "moe" / "build"
 UNIT_TOL = 1e-3  # max |logit| difference of the all-experts MoE against the dense model (float32)
 
 SPEC = StageSpec(
@@ -71,7 +71,7 @@ SPEC = StageSpec(
         "moe.eval_sequences",
         "moe.batch_size",
     ),
-    outs=(str(HOME),),
+    outs=(str(MOE_BUILD),),
 )
 
 
@@ -86,7 +86,10 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     if not params.moe.enabled:
         with AtomicOutputs() as out:
             _replace_folder(
-                root / HOME, out, {}, {"enabled": False, "note": "moe.enabled is false: the MoE branch did not run"}
+                root / MOE_BUILD,
+                out,
+                {},
+                {"enabled": False, "note": "moe.enabled is false: the MoE branch did not run"},
             )
         return {"moe_enabled": 0}
     built = build(params, seconds)
@@ -255,7 +258,7 @@ def write_outputs(root: Path, built: dict, metrics: dict) -> None:
         (Path(tmp) / "curve.png").write_bytes(figure_png(curve_figure(metrics)))
         files = {f.name: f for f in Path(tmp).iterdir() if f.is_file()}
         with AtomicOutputs() as out:
-            _replace_folder(root / HOME, out, files, metrics)
+            _replace_folder(root / MOE_BUILD, out, files, metrics)
 
 
 def _replace_folder(folder: Path, out: AtomicOutputs, files: dict[str, Path], metrics: dict) -> None:

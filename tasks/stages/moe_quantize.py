@@ -43,10 +43,8 @@ from tasks.runtime.declaration import StageSpec
 from tasks.runtime.device import current
 from tasks.runtime.io import AtomicOutputs, figure_png
 from tasks.runtime.params_schema import Params
+from tasks.runtime.paths import MOE_BUILD, MOE_JSON, MOE_QUANTIZE
 
-BUILD = Path("models") / "moe" / "build"
-HOME = Path("models") / "moe" / "quantize"
-METRICS = Path("metrics") / "moe.json"
 FILES = ("model.safetensors", "consistency.csv", "drift.csv", "ranks.csv", "moe.png")
 
 SPEC = StageSpec(
@@ -54,10 +52,10 @@ SPEC = StageSpec(
     per_task=False,
     switch="moe.enabled",
     comment="The MoE in MXFP4 with uniform and load-aware compensation and routing replay QAT.",
-    deps=(str(BUILD),),
+    deps=(str(MOE_BUILD),),
     params=("pipeline.seed", "moe"),
-    outs=(str(HOME),),
-    metrics=(str(METRICS),),
+    outs=(str(MOE_QUANTIZE),),
+    metrics=(str(MOE_JSON),),
 )
 
 
@@ -73,21 +71,21 @@ def run(params: Params, task: str | None, root: Path, log) -> dict:
     if not params.moe.enabled:
         note = {"enabled": False, "note": "moe.enabled is false: the MoE branch did not run"}
         with AtomicOutputs() as out:
-            _replace(root / HOME, out, {"disabled.json": (json.dumps(note, indent=2) + "\n").encode()})
-            out.json(note, root / METRICS)
+            _replace(root / MOE_QUANTIZE, out, {"disabled.json": (json.dumps(note, indent=2) + "\n").encode()})
+            out.json(note, root / MOE_JSON)
         return {"moe_enabled": 0}
     if not build.get("enabled"):
         raise ValueError(
-            f"{root / BUILD / 'build.json'}: built with moe.enabled false; rerun moe_build (dvc repro moe_build)"
+            f"{root / MOE_BUILD / 'build.json'}: built with moe.enabled false; rerun moe_build (dvc repro moe_build)"
         )
-    moe, tokenizer = load_moe(root / BUILD)
+    moe, tokenizer = load_moe(root / MOE_BUILD)
     result, budget = quantize(params, root, moe, tokenizer, log)
     metrics = write_outputs(root, build, result, budget)
     return log_results(log, metrics, result)
 
 
 def read_build(root: Path) -> dict:
-    build_json = root / BUILD / "build.json"
+    build_json = root / MOE_BUILD / "build.json"
     if not build_json.is_file():
         raise FileNotFoundError(f"{build_json}: missing; run the moe_build stage first (crucible stage moe_build)")
     try:
@@ -169,8 +167,8 @@ def write_outputs(root: Path, build: dict, result, budget: int) -> dict:
         "moe.png": figure_png(figure(tables, metrics)),
     }
     with AtomicOutputs() as out:
-        _replace(root / HOME, out, files)
-        out.json(metrics, root / METRICS)
+        _replace(root / MOE_QUANTIZE, out, files)
+        out.json(metrics, root / MOE_JSON)
     shutil.rmtree(checkpoint_dir(root), ignore_errors=True)
     return metrics
 

@@ -39,11 +39,11 @@ import pandas as pd
 
 from crucible import pseudolabel as pl
 from tasks.data.audited import read_audited_task
-from tasks.data.models import MANIFEST
 from tasks.data.teachers import dev_mask, run_teacher
 from tasks.runtime.declaration import Plot, StageSpec
 from tasks.runtime.io import AtomicOutputs, read_stage_output, read_table
 from tasks.runtime.params_schema import Params
+from tasks.runtime.paths import BASE_MANIFEST
 from tasks.runtime.tracking import say
 
 CURATED_COLUMNS = ("id", "score", "audited", "m")
@@ -52,7 +52,7 @@ SPEC = StageSpec(
     name="pseudolabel",
     per_task=True,
     comment="Per task: pseudo-labels for the kept pool items, their quality estimated against the audit.",
-    deps=(str(MANIFEST),)
+    deps=(str(BASE_MANIFEST),)
     + tuple(
         f"data/{{task}}/{f}"
         for f in (

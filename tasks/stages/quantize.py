@@ -50,15 +50,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from tasks.data.models import MANIFEST, base_model, resolve_model
+from tasks.data.models import base_model, resolve_model
 from tasks.runtime.declaration import Plot, StageSpec
 from tasks.runtime.device import runtime_config
 from tasks.runtime.io import AtomicOutputs, figure_png, read_table, rebuild_hint
 from tasks.runtime.params_schema import Params
+from tasks.runtime.paths import BASE_MANIFEST, MERGE, METRICS, QUANTIZE, QUANTIZE_JSON
 
-OUT = Path("models") / "quantize"
-METRICS = Path("metrics")  # small files git can commit: `dvc metrics diff` / `dvc plots diff` against HEAD
-MERGE = Path("models") / "merge"
 VARIANTS = ("float", "mxfp4", "mxfp4_uniform", "mxfp4_load_aware")
 
 
@@ -68,7 +66,7 @@ SPEC = StageSpec(
     comment="Once: the merged encoder in MXFP4 with low-rank compensation; calibration texts from the "
     "tasks' reference sets, scoring on their test splits.",
     deps=(
-        str(MANIFEST),
+        str(BASE_MANIFEST),
         *(str(MERGE / n) for n in ("model.safetensors", "heads.safetensors", "config.json")),
         "data/{task}/reference.parquet",
         "data/{task}/test.parquet",
@@ -84,12 +82,14 @@ SPEC = StageSpec(
         "evaluate.probe_rows",
         "evaluate.probe_limit",
     ),
-    outs=tuple(str(OUT / n) for n in ("model.safetensors", "heads.safetensors", "config.json", "features.safetensors")),
-    metrics=(str(METRICS / "quantize.json"),),
+    outs=tuple(
+        str(QUANTIZE / n) for n in ("model.safetensors", "heads.safetensors", "config.json", "features.safetensors")
+    ),
+    metrics=(str(QUANTIZE_JSON),),
     plots=(
         Plot(str(METRICS / "quantize_ranks.csv"), x="matrix", y="rank_load_aware"),
         Plot(str(METRICS / "quantize_accuracy.csv"), x="accuracy", y="variant", template="bar_horizontal"),
-        Plot(str(OUT / "quantize.png")),
+        Plot(str(QUANTIZE / "quantize.png")),
     ),
 )
 
@@ -527,7 +527,7 @@ def write_outputs(params: Params, root: Path, inputs: dict, plan: dict, scored: 
         "refit": {t: r["refit"] for t, r in heads["refit"].items()},
         "runtime": runtime_config(),
     }
-    out = root / OUT
+    out = root / QUANTIZE
     with AtomicOutputs() as atomic:
         atomic.bytes(scored["data"], out / "model.safetensors")
         atomic.bytes(
@@ -535,7 +535,7 @@ def write_outputs(params: Params, root: Path, inputs: dict, plan: dict, scored: 
         )
         atomic.json(config, out / "config.json")
         atomic.bytes(inputs["store"].to_bytes(), out / "features.safetensors")
-        atomic.json(metrics, root / METRICS / "quantize.json")
+        atomic.json(metrics, root / QUANTIZE_JSON)
         atomic.bytes(pd.DataFrame(rank_rows).to_csv(index=False).encode(), root / METRICS / "quantize_ranks.csv")
         atomic.bytes(
             pd.DataFrame(acc_rows, columns=["variant", "task", "accuracy"]).to_csv(index=False).encode(),
@@ -555,8 +555,8 @@ def log_results(log, root: Path, metrics: dict) -> dict:
         **{f"relative_weighted_error.{k}": v for k, v in metrics["relative_weighted_error"].items()},
     }
     log.log_metrics(flat)
-    log.log_artifact(root / OUT / "quantize.png")
-    log.log_artifact(root / METRICS / "quantize.json")
+    log.log_artifact(root / QUANTIZE / "quantize.png")
+    log.log_artifact(root / QUANTIZE_JSON)
     return flat
 
 

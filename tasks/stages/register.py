@@ -45,19 +45,16 @@ from pathlib import Path
 import pandas as pd
 
 from crucible.seeding import derive_seed
-from tasks.data.models import MANIFEST
 from tasks.registry.gate import PREDICTIONS_ARTIFACT, champion_comparison, gate, rule
 from tasks.registry.registry import HASH_TAG, PYFUNC_CODE, apply_gate, ensure_registered_model, log_pyfunc, versions
 from tasks.runtime import lineage
 from tasks.runtime.declaration import StageSpec
 from tasks.runtime.io import AtomicOutputs, md5_file, rebuild_hint
 from tasks.runtime.params_schema import Params
-from tasks.runtime.tracking import REGISTERED  # metrics/registered.json
+from tasks.runtime.paths import BASE_MANIFEST, EVALUATE_JSON, MERGE, PREDICTIONS, QUANTIZE, REGISTERED
 
-SOURCES = {"quantized": Path("models") / "quantize", "float": Path("models") / "merge"}
+SOURCES = {"quantized": QUANTIZE, "float": MERGE}
 MODEL_FILES = ("model.safetensors", "heads.safetensors", "config.json")
-EVALUATE = Path("metrics") / "evaluate.json"
-PREDICTIONS = Path("metrics") / "predictions.parquet"
 
 
 SPEC = StageSpec(
@@ -67,9 +64,9 @@ SPEC = StageSpec(
     "the registry; the alias `champion` moves only through the gate. Not cached: the registry "
     "holds the model; a forced rerun of the same model registers nothing.",
     deps=(
-        str(MANIFEST),
+        str(BASE_MANIFEST),
         *(str(SOURCES[k] / n) for k in ("quantized", "float") for n in MODEL_FILES),
-        str(EVALUATE),
+        str(EVALUATE_JSON),
         str(PREDICTIONS),
         "data/{task}/test.parquet",
     ),
@@ -93,7 +90,7 @@ def model_hash(root: Path, kind: str) -> str:
 
 def read_deployable(root: Path, kind: str, tasks: list[str]) -> dict:
     """evaluate.json's test accuracy of the deployable model: {variant, accuracy, mean_accuracy, n_test}."""
-    path = Path(root) / EVALUATE
+    path = Path(root) / EVALUATE_JSON
     hint = "run the evaluate stage first (`crucible stage evaluate` or `dvc repro evaluate`)"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: missing; the register stage gates on its test accuracy: {hint}")
@@ -136,10 +133,12 @@ def read_value(root: Path, kind: str, tasks: list[str]) -> tuple[dict, pd.DataFr
     from tasks.runtime.io import read_stage_output, read_table
 
     hint = "run the evaluate stage first (`crucible stage evaluate` or `dvc repro evaluate`)"
-    value = json.loads((Path(root) / EVALUATE).read_text()).get("value") or {}
+    value = json.loads((Path(root) / EVALUATE_JSON).read_text()).get("value") or {}
     versus = (value.get("comparisons") or {}).get(f"{kind}_vs_probe")
     if not isinstance(versus, dict) or "mean" not in versus or any(t not in versus for t in tasks):
-        raise ValueError(f"{Path(root) / EVALUATE}: no 'value.comparisons.{kind}_vs_probe' for tasks {tasks}; {hint}")
+        raise ValueError(
+            f"{Path(root) / EVALUATE_JSON}: no 'value.comparisons.{kind}_vs_probe' for tasks {tasks}; {hint}"
+        )
     preds = read_stage_output(
         Path(root) / PREDICTIONS, "predictions", ("task", "id", "text_md5", "label", kind), "evaluate"
     )
@@ -364,7 +363,7 @@ def register_version(params: Params, root: Path, log, model: dict, deployable: d
         "crucible.size.float_bytes": sizes["float"],
         "crucible.size.pyfunc_bytes": sizes["pyfunc"],
         "crucible.stage_run_id": log.run_id,
-        **_metric_tags(deployable, json.loads((root / EVALUATE).read_text())),
+        **_metric_tags(deployable, json.loads((root / EVALUATE_JSON).read_text())),
         **lineage.lineage_tags(root, git_commit(root)),
     }
     with WRITE_LOCK:  # the tags go in with the version: one transaction, not one per tag
