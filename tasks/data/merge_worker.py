@@ -2,9 +2,8 @@
 (so that its time and peak memory are its own), writing the merged weights of each arrival to
 `<out_dir>/<j>.safetensors` and its records to `<out_dir>/result.json`.
 
-`start_method` starts it in the background and returns at once (the merge stage scores the previous
-method's arrivals meanwhile: a worker is mostly one core's SVDs and element-wise passes, scoring
-the other); `MethodRun.result()` waits for it. `run_method` does both.
+`start_method` starts it in the background and returns at once; `MethodRun.result()` waits for it
+(the merge stage runs one method at a time). `run_method` does both.
 """
 
 from __future__ import annotations
@@ -13,51 +12,9 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 SCRATCH_HINT = "a merge worker's scratch file; rerun `crucible stage merge`"
-
-
-def _rss() -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
-
-
-class _PeakSampler:
-    """Peak RSS over a window, sampled by a thread every 5 ms."""
-
-    def __init__(self):
-        import threading
-
-        self.peak, self.active, self.stop = 0, False, False
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self):
-        while not self.stop:
-            if self.active:
-                self.peak = max(self.peak, _rss())
-            time.sleep(0.005)
-
-    def window(self):
-        sampler = self
-
-        class _Window:
-            def __enter__(self):
-                sampler.peak, sampler.active = _rss(), True
-                return sampler
-
-            def __exit__(self, *exc):
-                sampler.active = False
-                sampler.peak = max(sampler.peak, _rss())
-
-        return _Window()
-
-    def close(self):
-        self.stop = True
-        self.thread.join()
 
 
 def merge_worker(spec: dict) -> dict:
@@ -73,6 +30,8 @@ def merge_worker(spec: dict) -> dict:
     from crucible.device import make_deterministic, resolve_device
     from crucible.merge import make_merger, task_vector
     from tasks.runtime.io import read_safetensors, rebuild_hint
+    from tasks.runtime.memory import PeakRSS
+    from tasks.runtime.timing import timed
 
     torch.set_grad_enabled(False)
     device = resolve_device(spec.get("device", "cpu"), what="merge worker device")
@@ -80,34 +39,33 @@ def merge_worker(spec: dict) -> dict:
     theta_0, _ = read_safetensors(spec["theta0"], "base encoder (theta_0)", SCRATCH_HINT)
     theta_0 = {k: v.to(device) for k, v in theta_0.items()}
     merger = make_merger(spec["method"], **spec["kwargs"])
-    sampler = _PeakSampler()
-    base = _rss()
+    base = PeakRSS.rss()
     records, ranks = [], []
     last = len(spec["models"]) - 1
     for j, path in enumerate(spec["models"]):
-        with sampler.window():
-            t0 = time.perf_counter()
-            # finite=False: the parent checked each task model (read_task_model); task_vector checks
-            # names, shapes and dtypes against theta_0
-            theta_t = {
-                k: v.to(device)
-                for k, v in read_safetensors(path, "task model", rebuild_hint("finetune"), finite=False)[0].items()
-            }
-            tau = task_vector(theta_t, theta_0, inplace=True, source=str(path), base_source=spec["theta0"])
-            del theta_t
-            t1 = time.perf_counter()
-            merger.add(tau, source=str(path))
-            del tau
-            t2 = time.perf_counter()
-            merged = merger.merged(theta_0, source=spec["theta0"])
-            t3 = time.perf_counter()
+        seconds = {}
+        with PeakRSS(every=0.005) as memory:
+            with timed(seconds, "load"):
+                # finite=False: the parent checked each task model (read_task_model); task_vector checks
+                # names, shapes and dtypes against theta_0
+                theta_t = {
+                    k: v.to(device)
+                    for k, v in read_safetensors(path, "task model", rebuild_hint("finetune"), finite=False)[0].items()
+                }
+                tau = task_vector(theta_t, theta_0, inplace=True, source=str(path), base_source=spec["theta0"])
+                del theta_t
+            with timed(seconds, "add"):
+                merger.add(tau, source=str(path))
+                del tau
+            with timed(seconds, "merged"):
+                merged = merger.merged(theta_0, source=spec["theta0"])
         records.append(
             {
                 "arrival": j,
-                "load_seconds": t1 - t0,
-                "add_seconds": t2 - t1,
-                "merged_seconds": t3 - t2,
-                "peak_rss_mb": (sampler.peak - base) / 2**20,
+                "load_seconds": seconds["load"],
+                "add_seconds": seconds["add"],
+                "merged_seconds": seconds["merged"],
+                "peak_rss_mb": (memory.peak - base) / 2**20,
                 "state_mb": merger.state_bytes() / 2**20,
             }
         )
@@ -121,7 +79,6 @@ def merge_worker(spec: dict) -> dict:
                 {k: v.cpu().contiguous() for k, v in merged.items()}, str(Path(spec["out_dir"]) / f"{j}.safetensors")
             )
         del merged
-    sampler.close()
     return {"records": records, "ranks": ranks}
 
 

@@ -16,7 +16,6 @@ describes the teacher (its kind, sizes, C, seconds).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +24,7 @@ import pandas as pd
 from crucible import pseudolabel as pl
 from crucible.seeding import derive_seed
 from tasks.runtime.params_schema import Params
+from tasks.runtime.timing import Clock
 
 
 @dataclass
@@ -55,7 +55,7 @@ def finetune_teacher(
 
     cfg = params.finetune
     seed = teacher_seed(params.pipeline.seed, task)
-    start = time.perf_counter()
+    clock = Clock()
     train_df, dev_df = reference[~dev], reference[dev]
     model, tokenizer, gm, max_length, lp = prepare(
         base_model(params, root), classes, cfg, seed, train_df, cfg.max_length
@@ -78,7 +78,7 @@ def finetune_teacher(
     calibration = pl.calibrate(dev_logits.numpy(), dev_set.labels.numpy())
     pool_ids = examples(tokenizer, pool.assign(label=classes[0]), classes, max_length, use_weights=False).input_ids
     pool_logits = predict(model, pool_ids, tcfg.eval_batch_size, tcfg.pad_id, tcfg.autocast_dtype)
-    info = {"steps": tcfg.max_steps, "n_fit": len(train_set), "seconds": time.perf_counter() - start}
+    info = {"steps": tcfg.max_steps, "n_fit": len(train_set), "seconds": clock.seconds()}
     if lp is not None:
         info["probe_C"] = lp.C
     return TeacherRun(pl.predict_logits(pool_logits.numpy(), calibration.temperature), calibration, info)
@@ -94,7 +94,7 @@ def model_teacher(
     from tasks.data.models import resolve_model
     from tasks.runtime.device import current
 
-    start = time.perf_counter()
+    clock = Clock()
     path = resolve_model(params.pseudolabel.teacher_model, root)
     model, tokenizer = load_base(path)
     model = model.to(current().device)
@@ -122,7 +122,7 @@ def model_teacher(
         teacher_seed(params.pipeline.seed, task),
         f"teacher {params.pseudolabel.teacher_model}",
     )
-    run.info.update(model=params.pseudolabel.teacher_model, dim=int(x.shape[1]), seconds=time.perf_counter() - start)
+    run.info.update(model=params.pseudolabel.teacher_model, dim=int(x.shape[1]), seconds=clock.seconds())
     return run
 
 

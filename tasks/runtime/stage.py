@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from tasks.runtime import quiet, tracking
 from tasks.runtime.declaration import inputs, output_dirs, outputs, params_keys
 from tasks.runtime.io import md5_file
 from tasks.runtime.lock import WorkspaceLock
+from tasks.runtime.memory import PeakRSS
 from tasks.runtime.params import load_params
 from tasks.runtime.params_access import declared_values, declared_view
 from tasks.runtime.params_schema import Params
@@ -88,59 +88,6 @@ def execute(
 
 
 _say = tracking.say  # `crucible: <message>` on stderr
-
-
-@contextmanager
-def timed(seconds: dict, key: str):
-    """Wall seconds of the block into seconds[key] (a stage's timings go to its MLflow run, never to a
-    DVC-tracked file: they change from run to run)."""
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        seconds[key] = time.perf_counter() - start
-
-
-class PeakRSS:
-    """The process's resident memory over a block, sampled every 20 ms by a thread:
-    `stage_peak_rss_mb` (the highest), `stage_rss_start_mb` and `stage_peak_rss_above_start_mb`.
-    Under `crucible stage` / `dvc repro` the process runs one stage; under the flow's threads it is
-    shared with the stages beside it, so the numbers bound this stage's from above. Children (the
-    merge workers) are not included: they log their own peaks."""
-
-    def __init__(self, every: float = 0.02):
-        import threading
-
-        self.every, self.start, self.peak = every, 0, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    @staticmethod
-    def _rss() -> int:
-        import psutil
-
-        return psutil.Process().memory_info().rss
-
-    def _sample(self) -> None:
-        while not self._stop.wait(self.every):
-            self.peak = max(self.peak, self._rss())
-
-    def __enter__(self) -> "PeakRSS":
-        self.start = self.peak = self._rss()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._rss())
-
-    def metrics(self) -> dict[str, float]:
-        return {
-            "stage_peak_rss_mb": self.peak / 2**20,
-            "stage_rss_start_mb": self.start / 2**20,
-            "stage_peak_rss_above_start_mb": (self.peak - self.start) / 2**20,
-        }
 
 
 def _execute(

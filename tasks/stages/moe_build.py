@@ -41,7 +41,7 @@ from tasks.runtime.io import AtomicOutputs, figure_png
 from tasks.runtime.params_schema import Params
 from tasks.runtime.paths import MOE_BUILD
 from tasks.runtime.scratch import scratch
-from tasks.runtime.stage import timed
+from tasks.runtime.timing import timed
 
 UNIT_TOL = 1e-3  # max |logit| difference of the all-experts MoE against the dense model (float32)
 
