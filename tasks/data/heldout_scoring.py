@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from tasks.data.models import read_model_folder
 from tasks.runtime.io import read_safetensors, read_stage_output, read_table, rebuild_hint
 
 
@@ -18,29 +19,15 @@ def read_task_model(root: Path, task: str, base_model: str, base_hash: str | Non
     base_model (and, given `base_hash`, from a base of that content: models/base/manifest.json's hash)
     and that its files are readable and finite (each error names the file and the command that
     rebuilds it)."""
-    folder = root / "data" / task / "finetune"
-    paths = {name: folder / name for name in ("model.safetensors", "head.safetensors", "config.json")}
     rebuild = rebuild_hint("finetune", task)
-    for path in paths.values():
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: missing; the merge stage needs every task's fine-tune ({rebuild})")
-    try:
-        config = json.loads(paths["config.json"].read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{paths['config.json']}: not valid JSON ({exc}); {rebuild}") from None
-    if config.get("base_model") != base_model:
-        raise ValueError(
-            f"{paths['config.json']}: field 'base_model' = {config.get('base_model')!r}, but "
-            f"model.name is {base_model!r}; every task model must be fine-tuned from the same base "
-            f"(rerun finetune@{task})"
-        )
-    if base_hash is not None and config.get("base_model_hash") != base_hash:
-        raise ValueError(
-            f"{paths['config.json']}: field 'base_model_hash' = {config.get('base_model_hash')!r}, but the "
-            f"base model {base_model!r} now hashes to {base_hash!r} (models/base/manifest.json): the "
-            f"fine-tune was made from other weights, and task vectors against another base cannot be "
-            f"merged; {rebuild}"
-        )
+    paths, config = read_model_folder(
+        root / "data" / task / "finetune",
+        ("model.safetensors", "head.safetensors", "config.json"),
+        base_model,
+        base_hash,
+        rebuild,
+        "the merge stage needs every task's fine-tune",
+    )
     read_safetensors(paths["model.safetensors"], f"fine-tuned encoder of task {task!r}", rebuild)
     what = f"head of task {task!r}"
     head, meta = read_safetensors(

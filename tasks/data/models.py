@@ -224,3 +224,33 @@ def base_model(params, root: Path | str, check: bool = True) -> BaseModel:
                 f"({', '.join(changed[:3])}); {REBUILD}, then rerun the stages that depend on it"
             )
     return BaseModel(cfg.name, resolve_model(cfg.name, root), recorded["hash"], cfg.dtype, cfg.pooling, cfg.max_length)
+
+
+def read_model_folder(
+    folder: Path, names: tuple[str, ...], base_model: str, base_hash: str | None, rebuild: str, needed_by: str
+) -> tuple[dict[str, Path], dict]:
+    """(paths, config.json) of a stage's model folder (a fine-tune, the merged model), checked: every
+    file of `names` there, config.json valid JSON and made from `base_model` (and, given `base_hash`,
+    from a base of that content: models/base/manifest.json's hash). Each error names the file and
+    `rebuild`, the command that remakes it; `needed_by` says who reads it."""
+    folder = Path(folder)
+    paths = {name: folder / name for name in names}
+    for path in paths.values():
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: missing; {needed_by} ({rebuild})")
+    try:
+        config = json.loads(paths["config.json"].read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{paths['config.json']}: not valid JSON ({exc}); {rebuild}") from None
+    if config.get("base_model") != base_model:
+        raise ValueError(
+            f"{paths['config.json']}: field 'base_model' = {config.get('base_model')!r}, but model.name is "
+            f"{base_model!r}: every model must come from the same base; {rebuild}"
+        )
+    if base_hash is not None and config.get("base_model_hash") != base_hash:
+        raise ValueError(
+            f"{paths['config.json']}: field 'base_model_hash' = {config.get('base_model_hash')!r}, but the base "
+            f"model {base_model!r} now hashes to {base_hash!r} ({BASE_MANIFEST}): it was made from other weights, "
+            f"and models of another base cannot be combined; {rebuild}"
+        )
+    return paths, config

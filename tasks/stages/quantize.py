@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from tasks.data.models import base_model, resolve_model
+from tasks.data.models import base_model, read_model_folder, resolve_model
 from tasks.runtime.declaration import Plot, StageSpec
 from tasks.runtime.device import runtime_config
 from tasks.runtime.io import AtomicOutputs, figure_png, read_table, rebuild_hint
@@ -103,27 +103,14 @@ def read_merged(root: Path, base_model: str, base_hash: str | None = None) -> di
     file (and the tensor) and how to rebuild it."""
     from tasks.runtime.io import read_safetensors
 
-    folder = root / MERGE
-    paths = {n: folder / n for n in ("model.safetensors", "heads.safetensors", "config.json")}
-    for path in paths.values():
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"{path}: missing; the quantize stage reads the merged model: {rebuild_hint('merge')}"
-            )
-    try:
-        config = json.loads(paths["config.json"].read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{paths['config.json']}: not valid JSON ({exc}); {rebuild_hint('merge')}") from None
-    if config.get("base_model") != base_model:
-        raise ValueError(
-            f"{paths['config.json']}: field 'base_model' = {config.get('base_model')!r}, but model.name "
-            f"is {base_model!r}; {rebuild_hint('merge')}"
-        )
-    if base_hash is not None and config.get("base_model_hash") != base_hash:
-        raise ValueError(
-            f"{paths['config.json']}: field 'base_model_hash' = {config.get('base_model_hash')!r}, but the "
-            f"base model now hashes to {base_hash!r} (models/base/manifest.json); {rebuild_hint('merge')}"
-        )
+    paths, config = read_model_folder(
+        root / MERGE,
+        ("model.safetensors", "heads.safetensors", "config.json"),
+        base_model,
+        base_hash,
+        rebuild_hint("merge"),
+        "the quantize stage reads the merged model",
+    )
     classes, max_length = config.get("classes") or {}, config.get("max_length") or {}
     # the encoder's names and shapes are checked against model.name's architecture when it loads
     state, _ = read_safetensors(paths["model.safetensors"], "merged encoder", rebuild_hint("merge"))
