@@ -85,6 +85,7 @@ def main() -> None:
     from crucible.moe.lm import perplexity, token_sequences
     from crucible.moe.recover import recover
     from crucible.moe.refit import refit_down
+    from tasks.data.models import smollm2_gguf_path
     from tasks.data.moe_text import lm_texts
 
     points = []
@@ -92,7 +93,7 @@ def main() -> None:
         share, e, k = spec.split(":")
         points.append((float(share), int(e), int(k)))
     t_start = time.perf_counter()
-    dense, tokenizer = load_dense()
+    dense, tokenizer = load_dense(smollm2_gguf_path())
     pool, held_texts = lm_texts(args.corpora.split(","), args.eval_share)
     calib = token_sequences(tokenizer, pool, args.seq_len, args.calib, seed=1000 + args.seed)
     held = token_sequences(tokenizer, held_texts, args.seq_len, args.eval, seed=0)

@@ -66,8 +66,8 @@ def cmd_predict(args) -> int:
 
 
 def cmd_lineage(args) -> int:
+    from tasks.registry import lineage
     from tasks.registry.serving import version_summary
-    from tasks.runtime import lineage
     from tasks.runtime.params import ParamsError
     from tasks.runtime.tracking import git_commit
 

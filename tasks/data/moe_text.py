@@ -64,7 +64,8 @@ def sequences(tokenizer, p: MoeParams, seed: int, parts: tuple[str, ...] = PARTS
 
 def source_model(p: MoeParams):
     """(dense model, tokenizer, a description of where it came from) for `moe.model`."""
-    from crucible.moe.dense import load_dense, smollm2_gguf_path
+    from crucible.moe.dense import load_dense
+    from tasks.data.models import smollm2_gguf_path
 
     if p.model == "smollm2":
         path = smollm2_gguf_path()

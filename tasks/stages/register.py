@@ -27,7 +27,7 @@ frozen-base probe), metrics/predictions.parquet (every test row's prediction) an
    intervals are the tags `crucible.gate.rule` and `crucible.gate.record`. Aliases only: registry
    stages are deprecated in MLflow 3.
 4. Tags on the version: model hash, kind, variant, sizes, the gate's decision, reason, rule and
-   intervals, the evaluate metrics, and lineage (tasks.runtime.lineage: git commit, dvc.lock md5 of
+   intervals, the evaluate metrics, and lineage (tasks.registry.lineage: git commit, dvc.lock md5 of
    every upstream artifact, the params of each stage). `crucible lineage <version|alias>` resolves them.
 
 Output: metrics/registered.json (name, version, aliases, model hash, gate decision, reason, checks
@@ -45,9 +45,9 @@ from pathlib import Path
 import pandas as pd
 
 from crucible.seeding import derive_seed
+from tasks.registry import lineage
 from tasks.registry.gate import PREDICTIONS_ARTIFACT, champion_comparison, gate, rule
 from tasks.registry.registry import HASH_TAG, PYFUNC_CODE, apply_gate, ensure_registered_model, log_pyfunc, versions
-from tasks.runtime import lineage
 from tasks.runtime.declaration import StageSpec
 from tasks.runtime.io import AtomicOutputs, md5_file, rebuild_hint
 from tasks.runtime.params_schema import Params

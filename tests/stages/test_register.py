@@ -421,7 +421,7 @@ def test_bad_input_is_a_clear_invalid_parameter_error(champion, frame, message):
 
 def test_lineage_tags_equal_dvc_lock(ws, capsys):
     from flows.cli import build_parser
-    from tasks.runtime import lineage
+    from tasks.registry import lineage
 
     lock = yaml.safe_load((ws / "dvc.lock").read_text())["stages"]
     mv = client_of(ws).get_model_version("crucible-classifier", "1")
@@ -464,7 +464,7 @@ def test_lineage_tags_equal_dvc_lock(ws, capsys):
 
 
 def test_dir_hash_is_dvcs(ws):
-    from tasks.runtime.lineage import dir_md5
+    from tasks.registry.lineage import dir_md5
 
     lock = yaml.safe_load((ws / "dvc.lock").read_text())["stages"]
     dirs = {o["path"]: o["md5"] for s in lock.values() for o in s.get("outs", []) if o["md5"].endswith(".dir")}

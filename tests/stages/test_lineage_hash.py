@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tasks.registry.lineage import MD5, compare, dir_md5, disk_md5, dvc_dir_hasher, tag_key
 from tasks.runtime.io import md5_file
-from tasks.runtime.lineage import MD5, compare, dir_md5, disk_md5, dvc_dir_hasher, tag_key
 
 DVC = Path(sys.executable).with_name("dvc")
 MAKE = (
