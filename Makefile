@@ -8,20 +8,10 @@ STAMP  := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 PROFILE ?=
 
-# Keep every tool's state inside the project and every phone-home off.
-export PREFECT_HOME := $(CURDIR)/.prefect
-export PREFECT_SERVER_ANALYTICS_ENABLED := false
-export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 180
-export DVC_NO_ANALYTICS := 1
-export MLFLOW_DISABLE_TELEMETRY := true
-export DO_NOT_TRACK := 1
-export HF_HUB_OFFLINE := 1
-export TRANSFORMERS_OFFLINE := 1
-export TOKENIZERS_PARALLELISM := false
-# a tracking server that does not answer fails a run in under 30 s (tasks/runtime/env.py); yours win
-export MLFLOW_HTTP_REQUEST_MAX_RETRIES ?= 2
-export MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR ?= 1
-export MLFLOW_HTTP_REQUEST_TIMEOUT ?= 8
+# Every tool's state inside the project and every phone-home off: the `crucible` command and the
+# tests set those defaults themselves; other commands run under them through WITH_DEFAULTS (the one
+# list is in tasks/runtime/env.py).
+WITH_DEFAULTS := $(BIN)/python -m tasks.runtime.env
 # stage commands in dvc.yaml (`crucible stage ...`) come from the project virtualenv
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
@@ -61,7 +51,7 @@ run: install
 
 # The same stages under DVC alone.
 dvc-repro: install
-	$(BIN)/dvc repro
+	$(WITH_DEFAULTS) $(BIN)/dvc repro
 
 # ruff (pyproject.toml [tool.ruff]): lint and format check; `make test` runs it first.
 lint: install $(TEST_STAMP)
@@ -101,4 +91,4 @@ clean-env:
 
 # The prepared GPU check (benchmarks/gpu_check.py): one table; exits 2 on a machine without a CUDA GPU.
 gpu-check: install
-	$(BIN)/python benchmarks/gpu_check.py
+	$(WITH_DEFAULTS) $(BIN)/python benchmarks/gpu_check.py

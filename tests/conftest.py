@@ -9,22 +9,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 BIN = Path(sys.executable).parent
 
-# the same process defaults the `crucible` command applies; tests never phone home
-for key, value in {
-    "DVC_NO_ANALYTICS": "1",
-    "MLFLOW_DISABLE_TELEMETRY": "true",
-    "DO_NOT_TRACK": "1",
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "GIT_PYTHON_REFRESH": "quiet",
-    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
-    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
-    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-    "MLFLOW_HTTP_REQUEST_TIMEOUT": "8",
-}.items():
-    os.environ.setdefault(key, value)
+# the same process defaults the `crucible` command applies (tasks/runtime/env.py); tests never phone home
+from tasks.runtime.env import apply_defaults  # noqa: E402
+
+apply_defaults()
 os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
 
 

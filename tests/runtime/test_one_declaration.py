@@ -42,3 +42,11 @@ def test_the_write_lock_is_public_and_single():
     assert not occurrences(r"\b_WRITE_LOCK\b")
     locks = occurrences(r"^WRITE_LOCK = ")
     assert len(locks) == 1 and locks[0].startswith("tasks/runtime/tracking.py"), locks
+
+
+def test_the_environment_defaults_are_written_once():
+    from tasks.runtime.env import DEFAULTS
+
+    for path in (ROOT / "Makefile", ROOT / "tests" / "conftest.py", ROOT / "flows" / "cli.py"):
+        text = path.read_text()
+        assert not [k for k in DEFAULTS if k in text], f"{path.name} repeats tasks/runtime/env.py's defaults"
