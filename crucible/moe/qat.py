@@ -39,6 +39,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from crucible.device import model_device
+from crucible.moe.loop import optimizer_step, resume, train_only
 from crucible.moe.mx_experts import MXExperts, round_adapters
 from crucible.moe.routing import Routes, check_routes, forward_batch, moe_layers, replay
 from crucible.progress import Progress
@@ -131,8 +132,6 @@ def replay_qat(
     (including the steps of earlier, resumed runs). `log(metrics, step)` is called after each step.
     ValueError for bad arguments, routes that do not fit, no adapter to train (compensate_moe first:
     an adapter of rank 0 has nothing to train), or a checkpoint written with other settings."""
-    from crucible.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-
     batches = list(batches)
     _check(steps, lr, loss, temperature, checkpoint_every, batches, routes, qmodel)
     params = adapter_parameters(qmodel, train_attention)
@@ -153,95 +152,56 @@ def replay_qat(
         "batches": len(batches),
         "adapters": {k: list(p.shape) for k, p in params.items()},
     }
-    flags = {p: p.requires_grad for p in qmodel.parameters()}
-    float_flags = {p: p.requires_grad for p in float_model.parameters()}
-    modes = (qmodel.training, float_model.training)
     optimizer = torch.optim.AdamW(list(params.values()), lr=lr, weight_decay=weight_decay)
-    step, history = 0, []
-    latest = latest_checkpoint(checkpoint_dir) if checkpoint_dir is not None else None
-    if latest is not None:
-        ckpt = load_checkpoint(latest)
-        if int(ckpt["step"]) > steps:
-            raise ValueError(
-                f"{latest}: the checkpoint is at step {int(ckpt['step'])}, past steps={steps}; "
-                f"pass steps >= {int(ckpt['step'])} or another checkpoint_dir"
-            )
-        if ckpt["settings"] != settings:
-            diff = {k: (ckpt["settings"].get(k), v) for k, v in settings.items() if ckpt["settings"].get(k) != v}
-            raise ValueError(f"{latest}: the checkpoint was written with other settings (checkpoint, this run): {diff}")
-        with torch.no_grad():
-            for k, p in params.items():
-                p.copy_(ckpt["adapters"][k])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        step, history = int(ckpt["step"]), list(ckpt["history"])
+    step, history = resume(checkpoint_dir, settings, steps, params, optimizer, "adapters")
     targets: dict[int, object] = {}
     bar = Progress(total=steps, initial=min(step, steps), desc="replay-qat", unit="step", disable=not progress)
     try:
-        for p in qmodel.parameters():
-            p.requires_grad_(False)
-        for p in float_model.parameters():
-            p.requires_grad_(False)
-        for p in params.values():
-            p.requires_grad_(True)
-        qmodel.eval()
-        float_model.eval()
-        while step < steps:
-            b = batch_order(step, len(batches), seed, shuffle)
-            batch, mask = batches[b], _mask(batches[b])
-            mask = None if mask is None else mask.to(model_device(qmodel))
-            if b not in targets:
-                with torch.no_grad():
-                    out = forward_batch(float_model, batch, output_hidden_states=loss == "hidden")
-                    targets[b] = (
-                        torch.log_softmax(out.logits.float() / temperature, dim=-1)
-                        if loss == "kl"
-                        else tuple(h.detach() for h in out.hidden_states[1:])
-                    )
-            with replay(qmodel, routes.batch(b)):
-                out = forward_batch(qmodel, batch, output_hidden_states=loss == "hidden")
-            if loss == "kl":
-                logq = torch.log_softmax(out.logits.float() / temperature, dim=-1)
-                per_token = F.kl_div(logq, targets[b], log_target=True, reduction="none").sum(-1)
-                value = _masked_mean(per_token, mask) * temperature**2
-            else:
-                terms = [
-                    _masked_mean((h.float() - r.float()).pow(2).sum(-1), mask)
-                    / _masked_mean(r.float().pow(2).sum(-1), mask)
-                    for h, r in zip(out.hidden_states[1:], targets[b])
-                ]
-                value = torch.stack(terms).mean()
-            if not torch.isfinite(value):
-                raise ValueError(f"replay_qat: the loss is {float(value)} at step {step + 1} (batch {b})")
-            optimizer.zero_grad(set_to_none=True)
-            value.backward()
-            if max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(list(params.values()), max_grad_norm)
-            optimizer.step()
-            step += 1
-            history.append({"step": step, "loss": float(value.detach()), "batch": b})
-            bar.update(1)
-            bar.set_postfix(loss=f"{history[-1]['loss']:.4g}")
-            if checkpoint_dir is not None and ((checkpoint_every and step % checkpoint_every == 0) or step == steps):
-                save_checkpoint(
-                    checkpoint_dir,
-                    step,
-                    {
-                        "step": step,
-                        "settings": settings,
-                        "history": history,
-                        "optimizer": optimizer.state_dict(),
-                        "adapters": {k: p.detach() for k, p in params.items()},
-                    },
+        with train_only(params, qmodel, float_model):
+            while step < steps:
+                b = batch_order(step, len(batches), seed, shuffle)
+                batch, mask = batches[b], _mask(batches[b])
+                mask = None if mask is None else mask.to(model_device(qmodel))
+                if b not in targets:
+                    with torch.no_grad():
+                        out = forward_batch(float_model, batch, output_hidden_states=loss == "hidden")
+                        targets[b] = (
+                            torch.log_softmax(out.logits.float() / temperature, dim=-1)
+                            if loss == "kl"
+                            else tuple(h.detach() for h in out.hidden_states[1:])
+                        )
+                with replay(qmodel, routes.batch(b)):
+                    out = forward_batch(qmodel, batch, output_hidden_states=loss == "hidden")
+                if loss == "kl":
+                    logq = torch.log_softmax(out.logits.float() / temperature, dim=-1)
+                    per_token = F.kl_div(logq, targets[b], log_target=True, reduction="none").sum(-1)
+                    value = _masked_mean(per_token, mask) * temperature**2
+                else:
+                    terms = [
+                        _masked_mean((h.float() - r.float()).pow(2).sum(-1), mask)
+                        / _masked_mean(r.float().pow(2).sum(-1), mask)
+                        for h, r in zip(out.hidden_states[1:], targets[b])
+                    ]
+                    value = torch.stack(terms).mean()
+                if not torch.isfinite(value):
+                    raise ValueError(f"replay_qat: the loss is {float(value)} at step {step + 1} (batch {b})")
+                step = optimizer_step(
+                    value,
+                    optimizer,
+                    params,
+                    step=step,
+                    batch=b,
+                    history=history,
+                    steps=steps,
+                    settings=settings,
+                    key="adapters",
+                    checkpoint_dir=checkpoint_dir,
+                    checkpoint_every=checkpoint_every,
+                    max_grad_norm=max_grad_norm,
+                    bar=bar,
+                    log=log,
                 )
-            if log is not None:
-                log(dict(history[-1]), step)
     finally:
         bar.close()
-        for p, f in flags.items():
-            p.requires_grad_(f)
-        for p, f in float_flags.items():
-            p.requires_grad_(f)
-        qmodel.train(modes[0])
-        float_model.train(modes[1])
     round_adapters(qmodel)
     return history

@@ -48,6 +48,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from crucible.device import model_device
+from crucible.moe.loop import optimizer_step, resume, train_only
 from crucible.moe.qat import _mask, _masked_mean, batch_order
 from crucible.moe.routing import forward_batch, moe_layers
 from crucible.progress import Progress
@@ -132,8 +133,6 @@ def recover(
 ) -> list[dict]:
     """Distil `dense` into `moe`'s routers (and, with train="experts", its experts) for `steps`
     AdamW steps in total; see the module docstring."""
-    from crucible.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-
     batches = list(batches)
     _check(moe, dense, batches, steps, lr, temperature, checkpoint_every, cache_bytes)
     params = trainable_parameters(moe, train)
@@ -147,83 +146,45 @@ def recover(
         "start": _digest(params),
     }
     optimizer = torch.optim.AdamW(list(params.values()), lr=lr, weight_decay=0.0)
-    step, history = 0, []
-    latest = latest_checkpoint(checkpoint_dir) if checkpoint_dir is not None else None
-    if latest is not None:
-        ckpt = load_checkpoint(latest)
-        if ckpt["settings"] != settings:
-            diff = {k: (ckpt["settings"].get(k), v) for k, v in settings.items() if ckpt["settings"].get(k) != v}
-            raise ValueError(f"{latest}: the checkpoint was written with other settings (checkpoint, this run): {diff}")
-        if int(ckpt["step"]) > steps:
-            raise ValueError(
-                f"{latest}: the checkpoint is at step {int(ckpt['step'])}, past steps={steps}; "
-                f"pass steps >= {int(ckpt['step'])} or another checkpoint_dir"
-            )
-        with torch.no_grad():
-            for k, p in params.items():
-                p.copy_(ckpt["params"][k])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        step, history = int(ckpt["step"]), list(ckpt["history"])
-    flags = {p: p.requires_grad for p in moe.parameters()}
-    dense_flags = {p: p.requires_grad for p in dense.parameters()}
-    modes = (moe.training, dense.training)
+    step, history = resume(checkpoint_dir, settings, steps, params, optimizer, "params")
     targets: dict[int, torch.Tensor] = {}
     cached = 0  # bytes held in targets
     bar = Progress(
         total=steps, initial=min(step, steps), desc=f"moe recovery ({train})", unit="step", disable=not progress
     )
     try:
-        for p in moe.parameters():
-            p.requires_grad_(False)
-        for p in dense.parameters():
-            p.requires_grad_(False)
-        for p in params.values():
-            p.requires_grad_(True)
-        moe.eval()
-        dense.eval()
-        while step < steps:
-            b = batch_order(step, len(batches), seed, True)
-            batch, mask = batches[b], _mask(batches[b])
-            mask = None if mask is None else mask.to(model_device(moe))
-            target = targets.get(b)
-            if target is None:
-                with torch.no_grad():
-                    target = torch.log_softmax(forward_batch(dense, batch).logits.float() / temperature, dim=-1)
-                size = target.numel() * target.element_size()
-                if cached + size <= cache_bytes:
-                    targets[b], cached = target, cached + size
-            logq = torch.log_softmax(forward_batch(moe, batch).logits.float() / temperature, dim=-1)
-            per_token = F.kl_div(logq, target.to(logq.device), log_target=True, reduction="none").sum(-1)
-            value = _masked_mean(per_token, mask) * temperature**2
-            if not torch.isfinite(value):
-                raise ValueError(f"recover: the loss is {float(value)} at step {step + 1} (batch {b})")
-            optimizer.zero_grad(set_to_none=True)
-            value.backward()
-            optimizer.step()
-            step += 1
-            history.append({"step": step, "loss": float(value.detach()), "batch": b})
-            bar.update(1)
-            bar.set_postfix(loss=f"{history[-1]['loss']:.4g}")
-            if checkpoint_dir is not None and ((checkpoint_every and step % checkpoint_every == 0) or step == steps):
-                save_checkpoint(
-                    checkpoint_dir,
-                    step,
-                    {
-                        "step": step,
-                        "settings": settings,
-                        "history": history,
-                        "optimizer": optimizer.state_dict(),
-                        "params": {k: p.detach() for k, p in params.items()},
-                    },
+        with train_only(params, moe, dense):
+            while step < steps:
+                b = batch_order(step, len(batches), seed, True)
+                batch, mask = batches[b], _mask(batches[b])
+                mask = None if mask is None else mask.to(model_device(moe))
+                target = targets.get(b)
+                if target is None:
+                    with torch.no_grad():
+                        target = torch.log_softmax(forward_batch(dense, batch).logits.float() / temperature, dim=-1)
+                    size = target.numel() * target.element_size()
+                    if cached + size <= cache_bytes:
+                        targets[b], cached = target, cached + size
+                logq = torch.log_softmax(forward_batch(moe, batch).logits.float() / temperature, dim=-1)
+                per_token = F.kl_div(logq, target.to(logq.device), log_target=True, reduction="none").sum(-1)
+                value = _masked_mean(per_token, mask) * temperature**2
+                if not torch.isfinite(value):
+                    raise ValueError(f"recover: the loss is {float(value)} at step {step + 1} (batch {b})")
+                step = optimizer_step(
+                    value,
+                    optimizer,
+                    params,
+                    step=step,
+                    batch=b,
+                    history=history,
+                    steps=steps,
+                    settings=settings,
+                    key="params",
+                    checkpoint_dir=checkpoint_dir,
+                    checkpoint_every=checkpoint_every,
+                    bar=bar,
+                    log=log,
                 )
-            if log is not None:
-                log(dict(history[-1]), step)
     finally:
         bar.close()
-        for p, f in flags.items():
-            p.requires_grad_(f)
-        for p, f in dense_flags.items():
-            p.requires_grad_(f)
-        moe.train(modes[0])
-        dense.train(modes[1])
     return history
