@@ -247,7 +247,7 @@ class PseudolabelParams(_Section):
     confident labels are kept and weighted; the audit estimates their quality."""
 
     teacher: Literal["probe", "finetune", "model"] = Field(
-        "finetune",
+        "probe",
         description="probe: logistic regression on the base model's frozen embeddings of the reference | "
         "finetune: the base model fine-tuned on the reference by the finetune recipe (self-training: round "
         "one's student labels the pool for round two) | model: a probe on a larger model's frozen features "
@@ -329,7 +329,7 @@ class FinetuneParams(_Section):
             "searched in the model's nn.Linear module names to wrap (mixout methods)"
         ),
     )
-    lr: float = Field(5e-5, gt=0.0, le=1.0, description="peak learning rate of the encoder")
+    lr: float = Field(1e-4, gt=0.0, le=1.0, description="peak learning rate of the encoder")
 
     @field_validator("modules")
     @classmethod
@@ -416,7 +416,7 @@ class MergeParams(_Section):
         "task's test split (with that task's head)",
     )
     eval_limit: int | None = Field(
-        200,
+        100,
         ge=1,
         description="test rows per task (the first N; null = all) on which every method is scored after every "
         "arrival (the continual matrices); the base model, the fine-tunes and the final merged model are "
