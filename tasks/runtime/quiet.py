@@ -26,6 +26,9 @@ What is silenced, and why it carries no information here:
 - transformers' "Loading weights" bar on every model load (offline: nothing is downloaded):
   HF_HUB_DISABLE_PROGRESS_BARS=1, huggingface_hub's switch, which transformers follows. The stages
   show their own progress (crucible/progress.py).
+- transformers' "Converting and de-quantizing GGUF tensors" bar (the one-time conversion of the
+  packaged SmolLM2 GGUF): a plain tqdm bar that no switch of transformers reaches; `without_bar`
+  disables that module's tqdm for the duration of the call, nothing else.
 
 Environment switches are defaults: a value the user set wins. No Python warning is filtered: MLflow's
 "Add type hints to the `predict` method" was ours to fix (tasks/registry/pyfunc.py annotates
@@ -35,10 +38,13 @@ which no filter of ours would outrank.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import logging
 import os
 import re
 import sys
+from contextlib import contextmanager
 
 ENV = {
     "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
@@ -94,3 +100,20 @@ def install() -> None:
             sys.modules["transformers.utils.logging"].disable_progress_bar()
         elif "huggingface_hub.utils" in sys.modules:
             sys.modules["huggingface_hub.utils"].disable_progress_bars()
+
+
+@contextmanager
+def without_bar(module_name: str):
+    """Within the block, the tqdm bars that module `module_name` draws through its own `tqdm` name
+    are disabled (a bar with no switch of its library's own); everything else is untouched. Not for
+    code that another thread runs at the same time."""
+    if not enabled():
+        yield
+        return
+    module = importlib.import_module(module_name)
+    original = module.tqdm
+    module.tqdm = functools.partial(original, disable=True)
+    try:
+        yield
+    finally:
+        module.tqdm = original

@@ -144,3 +144,26 @@ def test_a_stage_under_crucible_says_one_line_and_nothing_of_the_libraries(finet
     assert len(lines) == 1 and re.fullmatch(r"finetune@rotten: \d+/\d+ step in .+ loss=\S+ ex_s=\S+", lines[0]), (
         proc.stderr
     )
+
+
+BAR_MODULE = "from tqdm.auto import tqdm\n\n\ndef work():\n    return sum(tqdm(range(3), desc='DRAWN BAR'))\n"
+
+
+def test_without_bar_silences_that_modules_bar_only(tmp_path):
+    """transformers' GGUF conversion draws a plain tqdm bar no switch of its own reaches: within
+    `quiet.without_bar(module)` that module's bars are off, and the module works as before; another
+    module's bar still shows, and CRUCIBLE_QUIET=0 shows it too."""
+    (tmp_path / "barmod.py").write_text(BAR_MODULE)
+    (tmp_path / "othermod.py").write_text(BAR_MODULE.replace("DRAWN BAR", "OTHER BAR"))
+    code = (
+        f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import barmod, othermod\n"
+        "from tasks.runtime import quiet\n"
+        "with quiet.without_bar('barmod'):\n"
+        "    print(barmod.work(), othermod.work())\n"
+        "import functools; print(isinstance(barmod.tqdm, functools.partial))\n"
+    )
+    quiet_run, loud = run(code), run(code, {"CRUCIBLE_QUIET": "0"})
+    assert quiet_run.returncode == 0 and loud.returncode == 0, quiet_run.stderr + loud.stderr
+    assert quiet_run.stdout.split() == ["3", "3", "False"]  # the result unchanged; tqdm restored after
+    assert "DRAWN BAR" not in quiet_run.stderr and "OTHER BAR" in quiet_run.stderr, quiet_run.stderr
+    assert "DRAWN BAR" in loud.stderr, loud.stderr
