@@ -199,14 +199,40 @@ def _cmd_dag(args) -> int:
 
 
 def _cmd_run(args) -> int:
+    from tasks.runtime.lock import WorkspaceLock, WorkspaceLocked
+    from tasks.runtime.params import ParamsError, load_params
+    from tasks.runtime.tracking import say
+
+    source = Path(args.root).resolve()
+    root = Path(args.workspace or source / "build" / Path(args.profile).stem).resolve() if args.profile else source
+    try:  # the lock's timeout: the params this run will have (the profile's, rendered, nothing written)
+        timeout = load_params(source / "params.yaml", args.profile).pipeline.lock_timeout
+    except (ParamsError, OSError, ValueError) as exc:
+        print(f"error: {describe(exc)}", file=sys.stderr)
+        return 2
+    # the workspace is held before anything in it is written (its params.yaml, code and dvc.yaml),
+    # so a run that waits changes nothing of the run it waits for; the flow runs under this lock
+    lock = WorkspaceLock(root, "flow", timeout, require_dvc_idle=(root / ".dvc").is_dir(), on_wait=say, on_stale=say)
+    try:
+        lock.acquire()
+    except WorkspaceLocked as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
+    try:
+        return _run_locked(args, source, root, lock.token)
+    finally:
+        lock.release()
+
+
+def _run_locked(args, source: Path, root: Path, token: str) -> int:
+    """`crucible run` once it holds the workspace `root` (a profile's scratch copy of `source`)."""
     from tasks.runtime.params import ParamsError, load_params
 
-    root = Path(args.root).resolve()
     try:
         if args.profile:
             from tasks.runtime.workspace import make_workspace
 
-            root = make_workspace(root, args.workspace or root / "build" / Path(args.profile).stem, args.profile)
+            make_workspace(source, root, args.profile)
             apply_defaults(root)
             print(f"profile {args.profile}: running in {root}")
         params = load_params(root / "params.yaml")
@@ -231,7 +257,7 @@ def _cmd_run(args) -> int:
     with RunLog(root) as runlog:
         try:
             check_store(root)  # an unreachable server or a corrupt mlflow.db: say so before the flow starts
-            results = run_pipeline(root, args.stage or None)
+            results = run_pipeline(root, args.stage or None, lock_token=token)
         except WorkspaceLocked as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 3

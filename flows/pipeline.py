@@ -109,9 +109,10 @@ def task_runner(params: Params):
 
 
 @flow(name="crucible-pipeline")
-def pipeline(root: str = ".", stages: list[str] | None = None) -> dict:
+def pipeline(root: str = ".", stages: list[str] | None = None, lock_token: str | None = None) -> dict:
     """Run the pipeline in project `root` (optionally only the listed stages). Returns, per stage
-    id, 'skipped' or the stage's result (paths, hashes, metrics)."""
+    id, 'skipped' or the stage's result (paths, hashes, metrics). `lock_token`: the token of the
+    workspace lock that the caller (`crucible run`) already holds; without it the flow takes the lock."""
     quiet.install()  # a deployment's flow run starts in a process of Prefect's, not through `crucible`
     logger = get_run_logger()
     root_path = Path(root).resolve()
@@ -127,7 +128,13 @@ def pipeline(root: str = ".", stages: list[str] | None = None) -> dict:
         logger.warning(message)
 
     lock = WorkspaceLock(
-        root_path, "flow", params.pipeline.lock_timeout, require_dvc_idle=use_dvc, on_wait=tell, on_stale=tell
+        root_path,
+        "flow",
+        params.pipeline.lock_timeout,
+        token=lock_token,
+        require_dvc_idle=use_dvc,
+        on_wait=tell,
+        on_stale=tell,
     )
     with lock:
         return _run(root_path, params, stages, use_dvc, lock.token, logger)
@@ -247,10 +254,11 @@ def _first_done(futures: list):
     return next(iter(as_completed(futures)))
 
 
-def run_pipeline(root: Path | str = ".", stages: list[str] | None = None) -> dict:
-    """The flow with the task runner that the project's params choose."""
+def run_pipeline(root: Path | str = ".", stages: list[str] | None = None, lock_token: str | None = None) -> dict:
+    """The flow with the task runner that the project's params choose (`lock_token`: see pipeline)."""
     params = load_params(Path(root) / "params.yaml")
-    return pipeline.with_options(task_runner=task_runner(params))(root=str(root), stages=stages)
+    flow_run = pipeline.with_options(task_runner=task_runner(params))
+    return flow_run(root=str(root), stages=stages, lock_token=lock_token)
 
 
 def summary_table(results: dict, seconds: float, root: Path, params: Params) -> str:

@@ -175,6 +175,42 @@ def test_crucible_run_says_who_holds_the_workspace_and_how_long_it_waits(tmp_pat
     assert "gave up after waiting 2 s (pipeline.lock_timeout)" in out.stderr
 
 
+def test_a_waiting_profile_run_changes_nothing_in_the_workspace_it_waits_for(tmp_path, project_root):
+    """A second `crucible run --profile X` on a workspace another run holds takes the lock before it
+    writes anything: its params (here another quantize rank), dvc.yaml and code are not copied in
+    while the holder runs; it gives up after pipeline.lock_timeout with exit 3."""
+    from tasks.runtime.workspace import make_workspace
+
+    root = make_workspace(project_root, tmp_path / "ws", "tiny")
+    profile = tmp_path / "other.yaml"
+    profile.write_text("extends: tiny\npipeline: {lock_timeout: 2}\nquantize: {rank_per_matrix: 4}\n")
+    watched = [root / "params.yaml", root / "dvc.yaml", root / "tasks" / "stages" / "quantize.py"]
+    (root / "tasks" / "stages" / "quantize.py").write_text("# the holder's code\n")
+    before = {p: p.read_bytes() for p in watched}
+    proc = _hold_in_child(root, "flow")
+    try:
+        out = subprocess.run(
+            [
+                str(Path(sys.executable).with_name("crucible")),
+                "run",
+                "--profile",
+                str(profile),
+                "--workspace",
+                str(root),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=project_root,
+            env={**os.environ, "PREFECT_HOME": str(tmp_path / ".prefect")},
+        )
+    finally:
+        _kill(proc)
+    assert out.returncode == 3, out.stderr[-3000:]
+    assert "gave up after waiting 2 s (pipeline.lock_timeout)" in out.stderr, out.stderr[-3000:]
+    assert {p: p.read_bytes() for p in watched} == before
+
+
 def holder_text(root: Path, pid: int) -> str:
     """How the lock describes the child of _hold_in_child that held `root` (its record stays after it died)."""
     record = json.loads((root / LOCK_FILE).read_text())
