@@ -59,7 +59,7 @@ lint: install $(TEST_STAMP)
 	$(BIN)/ruff format --check .
 
 test: install $(TEST_STAMP) lint
-	$(BIN)/python -m pytest -q --durations=15 -m "not determinism and not operations and not long"
+	$(BIN)/python -m pytest -q --durations=15 -m "not determinism and not operations"
 
 test-fast: install $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
@@ -69,10 +69,9 @@ test-determinism: install $(TEST_STAMP)
 
 # The long end-to-end checks kept out of `make test`: determinism (threads, Dask, dvc repro; dvc repro
 # and the flow agree, a report-only change reruns only its stages) and operations (a Prefect server
-# with the deployments; concurrent runs) and long (a covered path once more on another model family or
-# signal).
+# with the deployments; concurrent runs).
 test-long: install $(TEST_STAMP)
-	$(BIN)/python -m pytest -q -m "determinism or operations or long"
+	$(BIN)/python -m pytest -q -m "determinism or operations"
 
 ui: install
 	$(BIN)/crucible ui

@@ -2,8 +2,7 @@
 family (saved as a local folder, tests/support/tiny_models.py) named in `model.name`, through the
 model stage, finetune (two tasks), merge, quantize, evaluate and register, and the registered
 champion loaded in a fresh process. Families: DeBERTa-v2 (attention dropout of its own), ModernBERT
-(blocks at `layers.N`) and Llama (a decoder: no pad token, last-token pooling); `make test` runs Llama,
-`make test-long` the other two. Every family goes
+(blocks at `layers.N`) and Llama (a decoder: no pad token, last-token pooling). Every family goes
 through the same steps at library level in tests/library/test_model_families.py."""
 
 from __future__ import annotations
@@ -67,10 +66,7 @@ def tables(task: str, seed: int) -> dict[str, pd.DataFrame]:
     return {"reference": reference, "labeled": labeled, "test": test, "pool": pool}
 
 
-@pytest.mark.parametrize(
-    "family",
-    [pytest.param("deberta-v2", marks=pytest.mark.long), pytest.param("modernbert", marks=pytest.mark.long), "llama"],
-)
+@pytest.mark.parametrize("family", ["deberta-v2", "modernbert", "llama"])
 def test_stages_end_to_end_on_a_local_model_folder(family, tmp_path, project_root):
     from tasks.runtime.workspace import make_workspace
 
