@@ -58,8 +58,10 @@ lint: install $(TEST_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# TEST_WORKERS test processes (pytest-xdist), each test file on one of them; TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: install $(TEST_STAMP) lint
-	$(BIN)/python -m pytest -q --durations=15 -m "not determinism and not operations"
+	$(BIN)/python -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile -m "not determinism and not operations"
 
 test-fast: install $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
