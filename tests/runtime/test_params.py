@@ -191,7 +191,7 @@ def test_an_int_still_fills_a_float_field(tmp_path):
 
 
 def test_a_task_set_to_null_is_dropped(tmp_path, project_root):
-    """A profile runs fewer tasks than the one it extends with `task: null` (profiles/smollm2.yaml)."""
+    """A profile runs fewer tasks than the one it extends with `task: null`."""
     import yaml
 
     from tasks.runtime.params import load_params
