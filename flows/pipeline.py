@@ -5,7 +5,7 @@
 
 The flow follows the DAG that the stages' declarations give (tasks/runtime/declaration.py): a run
 of a stage (per task where the stage is) starts as soon as the runs whose outputs it reads are
-done, so embed@bbc does not wait for ingest@debates and the MoE branch runs beside the classifier
+done, so embed@bbc does not wait for ingest@trec and the MoE branch runs beside the classifier
 chain; runs go to the task runner that params choose (threads here; Dask or Ray clusters through
 prefect-dask / prefect-ray). Before a run the flow asks DVC whether it is up to date and skips it
 if so; after it the flow records it with `dvc commit`, so that afterwards `dvc status` is clean

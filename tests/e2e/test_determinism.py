@@ -42,7 +42,7 @@ def test_threads_dask_and_dvc_repro_give_byte_identical_artifacts(tmp_path, proj
 
     first = make_workspace(project_root, tmp_path / "flow1", "tiny")
     params = yaml.safe_load((first / "params.yaml").read_text())
-    params["pipeline"]["tasks"] = {k: params["pipeline"]["tasks"][k] for k in ("bbc", "debates")}
+    params["pipeline"]["tasks"] = {k: params["pipeline"]["tasks"][k] for k in ("bbc", "rotten")}
     params["merge"]["methods"] = {k: params["merge"]["methods"][k] for k in ("gs3r", "task_arithmetic")}
     text = yaml.safe_dump(params, sort_keys=False)
     roots = {"flow1": first, "flow2": tmp_path / "flow2", "dvc": tmp_path / "dvc"}
