@@ -369,6 +369,13 @@ class FinetuneParams(_Section):
         """The keys every method reads (all but `method` and the methods' own sections)."""
         return tuple(k for k in cls.model_fields if k not in ("method", *METHOD_OPTIONS))
 
+    @classmethod
+    def recipe_keys(cls) -> tuple[str, ...]:
+        """The params keys a fine-tune by this recipe depends on: the method, the chosen method's own
+        options (a DVC template, `finetune.${finetune.method}`) and the common keys; another method's
+        options are not among them (the finetune stage, and the pseudolabel stage's finetune teacher)."""
+        return ("finetune.method", "finetune.${finetune.method}", *(f"finetune.{k}" for k in cls.common_fields()))
+
     def resolved(self) -> dict:
         """What determines the fine-tune, flat: the common keys and the chosen method's options."""
         return {

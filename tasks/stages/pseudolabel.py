@@ -42,7 +42,7 @@ from tasks.data.audited import read_audited_task
 from tasks.data.teachers import dev_mask, run_teacher
 from tasks.runtime.declaration import Plot, StageSpec
 from tasks.runtime.io import AtomicOutputs, read_stage_output, read_table
-from tasks.runtime.params_schema import Params
+from tasks.runtime.params_schema import FinetuneParams, Params
 from tasks.runtime.paths import BASE_MANIFEST
 from tasks.runtime.tracking import say
 
@@ -64,8 +64,9 @@ SPEC = StageSpec(
             "embeddings.safetensors",
         )
     ),
-    # teacher: finetune trains the base model by the finetune recipe: its params are read too
-    params=("pipeline.seed", "pseudolabel", "model", "embed", "finetune"),
+    # teacher: finetune trains the base model by the finetune recipe: its keys are read too (not
+    # another method's options)
+    params=("pipeline.seed", "pseudolabel", "model", "embed", *FinetuneParams.recipe_keys()),
     outs=("data/{task}/labeled.parquet",),
     metrics=("metrics/{task}/pseudolabel.json",),
     plots=(
