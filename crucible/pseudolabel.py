@@ -6,9 +6,9 @@ a larger model's probe: `predict_logits`). The teacher is fitted on the referenc
 and never sees its dev rows (`dev_split`), on which its probabilities are calibrated by temperature
 scaling (Guo et al. 2017, "On Calibration of Modern Neural Networks"): one scalar T > 0 minimising
 the negative log-likelihood of softmax(logits / T) (`calibrate`). A probe fitted on a few hundred
-items of a 384-d embedding separates them and is over-confident; T > 1 softens it, which matters
-because the confidence is used three times below: to select, as a training weight, and as the proxy
-for "the pseudo-label is right" in the design-corrected estimates.
+items of an embedding with hundreds of dimensions separates them and is over-confident; T > 1
+softens it, which matters because the confidence is used three times below: to select, as a
+training weight, and as the proxy for "the pseudo-label is right" in the design-corrected estimates.
 
 Selection keeps an item by confidence alone: the most confident items whose calibrated expected
 accuracy reaches a target (`select_by_target`), a threshold, or the `quota` most confident items per

@@ -78,6 +78,7 @@ def optimizer_step(
     steps: int,
     settings: dict,
     key: str,
+    name: str,
     checkpoint_dir: Path | str | None = None,
     checkpoint_every: int = 0,
     max_grad_norm: float | None = None,
@@ -86,7 +87,10 @@ def optimizer_step(
 ) -> int:
     """One step on the loss `value`: backward, optional clipping, the optimizer's step; the step's
     record appended to `history`, the progress bar moved, a checkpoint written every
-    `checkpoint_every` steps and at the last, `log` called. Returns the new step count."""
+    `checkpoint_every` steps and at the last, `log` called. Returns the new step count. A loss that
+    is not finite stops the loop `name` before anything is updated (a ValueError naming the step)."""
+    if not torch.isfinite(value):
+        raise ValueError(f"{name}: the loss is {float(value)} at step {step + 1} (batch {batch})")
     optimizer.zero_grad(set_to_none=True)
     value.backward()
     if max_grad_norm is not None:

@@ -183,8 +183,6 @@ def replay_qat(
                         for h, r in zip(out.hidden_states[1:], targets[b])
                     ]
                     value = torch.stack(terms).mean()
-                if not torch.isfinite(value):
-                    raise ValueError(f"replay_qat: the loss is {float(value)} at step {step + 1} (batch {b})")
                 step = optimizer_step(
                     value,
                     optimizer,
@@ -195,6 +193,7 @@ def replay_qat(
                     steps=steps,
                     settings=settings,
                     key="adapters",
+                    name="replay_qat",
                     checkpoint_dir=checkpoint_dir,
                     checkpoint_every=checkpoint_every,
                     max_grad_norm=max_grad_norm,

@@ -168,8 +168,6 @@ def recover(
                 logq = torch.log_softmax(forward_batch(moe, batch).logits.float() / temperature, dim=-1)
                 per_token = F.kl_div(logq, target.to(logq.device), log_target=True, reduction="none").sum(-1)
                 value = _masked_mean(per_token, mask) * temperature**2
-                if not torch.isfinite(value):
-                    raise ValueError(f"recover: the loss is {float(value)} at step {step + 1} (batch {b})")
                 step = optimizer_step(
                     value,
                     optimizer,
@@ -180,6 +178,7 @@ def recover(
                     steps=steps,
                     settings=settings,
                     key="params",
+                    name="recover",
                     checkpoint_dir=checkpoint_dir,
                     checkpoint_every=checkpoint_every,
                     bar=bar,

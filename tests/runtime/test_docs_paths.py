@@ -20,7 +20,7 @@ def named_paths(text: str) -> set[str]:
     for code, link in TOKEN.findall(text):
         path = (code or link).rstrip(".,:;")
         if any(c in path for c in "<>{}*$|") or "://" in path:
-            continue  # a pattern, a placeholder or a URL
+            continue  # not a literal path: a path template (<task>, {task}, *), or a URL
         if path.startswith(TOP) or path in FILES:
             out.add(path.split("::")[0].split("#")[0])
     return out
