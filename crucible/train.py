@@ -220,6 +220,29 @@ def batch_indices(n: int, batch_size: int, seed: int, step: int) -> torch.Tensor
 
 
 @torch.no_grad()
+def _by_length(model: EncoderClassifier, ids, batch_size: int, pad_id: int, autocast_dtype, forward) -> torch.Tensor:
+    """`forward(input_ids, mask)` over `ids` in batches of similar length (little padding) on the
+    model's device, in eval mode (the training flag restored); rows back in input order, float32 on
+    the CPU."""
+    was_training = model.training
+    model.eval()
+    device = model_device(model)
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    out = None
+    try:
+        for start in range(0, len(ids), batch_size):
+            idx = order[start : start + batch_size]
+            input_ids, mask = collate([ids[i] for i in idx], pad_id)
+            with autocast(device, autocast_dtype):
+                rows = forward(input_ids.to(device), mask.to(device))
+            if out is None:
+                out = torch.empty(len(ids), rows.shape[1])
+            out[torch.tensor(idx)] = rows.float().cpu()
+    finally:
+        model.train(was_training)
+    return out
+
+
 def predict(
     model: EncoderClassifier,
     ids: Sequence[Sequence[int]],
@@ -229,24 +252,9 @@ def predict(
 ) -> torch.Tensor:
     """Logits (n, n_classes), float32 on the CPU, in eval mode (no dropout, no mixing); batches run
     on the model's device; restores the training flag."""
-    was_training = model.training
-    model.eval()
-    device = model_device(model)
-    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # little padding per batch
-    out = None
-    for start in range(0, len(ids), batch_size):
-        idx = order[start : start + batch_size]
-        input_ids, mask = collate([ids[i] for i in idx], pad_id)
-        with autocast(device, autocast_dtype):
-            logits = model(input_ids.to(device), mask.to(device))
-        if out is None:
-            out = torch.empty(len(ids), logits.shape[1])
-        out[torch.tensor(idx)] = logits.float().cpu()
-    model.train(was_training)
-    return out
+    return _by_length(model, ids, batch_size, pad_id, autocast_dtype, model)
 
 
-@torch.no_grad()
 def pooled_features(
     model: EncoderClassifier,
     ids: Sequence[Sequence[int]],
@@ -256,19 +264,10 @@ def pooled_features(
 ) -> torch.Tensor:
     """The encoder's pooled features (n, hidden), float32 on the CPU: what the head sees, before
     dropout (eval mode; batches on the model's device; restores the training flag)."""
-    was_training = model.training
-    model.eval()
-    device = model_device(model)
-    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
-    out = torch.empty(len(ids), model.head.in_features)
-    for start in range(0, len(ids), batch_size):
-        idx = order[start : start + batch_size]
-        input_ids, mask = collate([ids[i] for i in idx], pad_id)
-        with autocast(device, autocast_dtype):
-            features = encode(model.encoder, input_ids.to(device), mask.to(device), model.pooling)
-        out[torch.tensor(idx)] = features.float().cpu()
-    model.train(was_training)
-    return out
+    out = _by_length(
+        model, ids, batch_size, pad_id, autocast_dtype, lambda i, m: encode(model.encoder, i, m, model.pooling)
+    )
+    return torch.empty(0, model.head.in_features) if out is None else out
 
 
 def evaluate(
