@@ -302,6 +302,19 @@ def read_model(params: Params, root: Path) -> dict:
     return {"kind": kind, "source": source, "config": config, "tasks": tasks}
 
 
+def _outcome(mv, new: bool, note: str, h: str, sizes: dict, lost: str | None) -> dict:
+    """register_version's result: the model version, whether it is new, the line to say (with the
+    lost-registry warning), the model hash, the sizes."""
+    return {
+        "mv": mv,
+        "new": new,
+        "note": note + (f"; warning: {lost}" if lost else ""),
+        "hash": h,
+        "sizes": sizes,
+        "lost": lost,
+    }
+
+
 def register_version(params: Params, root: Path, log, model: dict, deployable: dict, preds: pd.DataFrame) -> dict:
     """The registered version of this model: the one that carries its hash already, or a new one (the
     pyfunc logged, its predictions beside it, the version created with its tags in one call)."""
@@ -326,14 +339,7 @@ def register_version(params: Params, root: Path, log, model: dict, deployable: d
         mv = same[-1]
         note = f"model hash {h} is already registered as version {mv.version} of {name!r}: nothing new registered"
         sizes["pyfunc"] = int(mv.tags.get("crucible.size.pyfunc_bytes", 0))
-        return {
-            "mv": mv,
-            "new": False,
-            "note": note + (f"; warning: {lost}" if lost else ""),
-            "hash": h,
-            "sizes": sizes,
-            "lost": lost,
-        }
+        return _outcome(mv, False, note, h, sizes, lost)
     example = example_rows(root, model["tasks"])
     extra = {"batch_size": params.register.batch_size, "variant": deployable["variant"], "model_hash": h}
     base_dir = base_model(params, root).path
@@ -377,14 +383,7 @@ def register_version(params: Params, root: Path, log, model: dict, deployable: d
             f"accuracy {deployable['mean_accuracy']:.4f}",
         )
     note = f"registered version {mv.version} of {name!r} (model hash {h})"
-    return {
-        "mv": mv,
-        "new": True,
-        "note": note + (f"; warning: {lost}" if lost else ""),
-        "hash": h,
-        "sizes": sizes,
-        "lost": lost,
-    }
+    return _outcome(mv, True, note, h, sizes, lost)
 
 
 def hold(params: Params) -> str | None:
