@@ -255,7 +255,12 @@ def _first_done(futures: list):
 
 
 def run_pipeline(root: Path | str = ".", stages: list[str] | None = None, lock_token: str | None = None) -> dict:
-    """The flow with the task runner that the project's params choose (`lock_token`: see pipeline)."""
+    """The flow with the task runner that the project's params choose (`lock_token`: see pipeline).
+    Without PREFECT_API_URL Prefect starts a temporary API server; it dies with this process, even
+    a SIGKILLed one (flows/children.py)."""
+    from flows.children import guard_prefect_server
+
+    guard_prefect_server()
     params = load_params(Path(root) / "params.yaml")
     flow_run = pipeline.with_options(task_runner=task_runner(params))
     return flow_run(root=str(root), stages=stages, lock_token=lock_token)

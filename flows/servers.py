@@ -4,12 +4,14 @@ registered model over HTTP). Every server binds 127.0.0.1 unless told otherwise.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from flows.children import spawn, stop_group
 from flows.registry_cli import message, registered
 
 
@@ -22,8 +24,8 @@ def cmd_ui(args) -> int:
     except TrackingStoreError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    procs = [
-        subprocess.Popen(
+    procs = [  # each in its own process group, watched: a killed `crucible ui` leaves no server behind
+        spawn(
             [
                 sys.executable,
                 "-m",
@@ -39,7 +41,7 @@ def cmd_ui(args) -> int:
                 str(args.mlflow_port),
             ]
         ),
-        subprocess.Popen(
+        spawn(
             [
                 str(Path(sys.executable).with_name("prefect")),
                 "server",
@@ -63,14 +65,14 @@ def cmd_ui(args) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        for p in procs:
+        for p in procs:  # as Ctrl-C would: the whole group (the MLflow UI runs its server in a child)
             if p.poll() is None:
-                p.send_signal(signal.SIGINT)
+                try:
+                    os.killpg(p.pid, signal.SIGINT)
+                except ProcessLookupError:
+                    pass
         for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+            stop_group(p, None, timeout=10)
     return 0
 
 
@@ -87,10 +89,8 @@ def _prefect_answers(api: str) -> bool:
 def cmd_deploy(args) -> int:
     """A Prefect server on 127.0.0.1 (unless PREFECT_API_URL names one, or one already answers on
     the port) and a process serving prefect.yaml's deployments; Ctrl-C stops both."""
-    import os
-
     from flows.deploy import flow_name, load_spec
-    from tasks.registry.serving import stop_server, wait_until_serving
+    from tasks.registry.serving import wait_until_serving
 
     root = Path(args.root).resolve()
     try:
@@ -112,7 +112,7 @@ def cmd_deploy(args) -> int:
             log = root / ".prefect" / "server.log"
             log.parent.mkdir(parents=True, exist_ok=True)
             with open(log, "ab") as out:
-                server = subprocess.Popen(
+                server = spawn(
                     [
                         str(Path(sys.executable).with_name("prefect")),
                         "server",
@@ -125,14 +125,11 @@ def cmd_deploy(args) -> int:
                     env=env,
                     stdout=out,
                     stderr=subprocess.STDOUT,
-                    start_new_session=True,
                 )
             procs.append(server)
             print(f"starting a Prefect server on {args.host}:{args.port} (log: {log}) ...", flush=True)
             wait_until_serving(api, server, args.timeout, log, path="/health")
-        serving = subprocess.Popen(
-            [sys.executable, "-m", "flows.deploy", "--root", str(root)], cwd=root, env=env, start_new_session=True
-        )
+        serving = spawn([sys.executable, "-m", "flows.deploy", "--root", str(root)], cwd=root, env=env)
         procs.append(serving)
         ui = api.removesuffix("/api")
         print(
@@ -163,14 +160,7 @@ def cmd_deploy(args) -> int:
         return 0
     finally:
         for p in reversed(procs):  # the serving process first (it pauses its schedules), then the server
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGINT)  # as Ctrl-C: Prefect's serve shuts down cleanly
-                    p.wait(timeout=20)
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    pass
-            if p.poll() is None:
-                stop_server(p, timeout=20)
+            stop_group(p, signal.SIGINT, timeout=20)  # as Ctrl-C: Prefect's serve shuts down cleanly
 
 
 def cmd_serve(args) -> int:
