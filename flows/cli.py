@@ -48,6 +48,27 @@ def preflight(params, root: Path) -> None:
             )
 
 
+def check_added_tasks(params, source: Path, profile: str | None) -> None:
+    """A profile that names its tasks without `!override` adds them to the tasks it inherits: under
+    source: files, when an inherited task has no input folder, say that (raises ParamsError), not
+    which folder of a task the user never named is missing."""
+    from tasks.runtime.params import ParamsError, profile_path, tasks_added
+
+    found = tasks_added(source / "params.yaml", profile) if profile else None
+    if found is None or params.ingest.source != "files":
+        return
+    where, own, inherited = found
+    folder = source / params.ingest.files_dir
+    missing = [t for t in inherited if not (folder / t).is_dir()]
+    if missing:
+        raise ParamsError(
+            f"{profile_path(profile)}: pipeline.tasks adds {', '.join(own)} to the tasks of {where} "
+            f"({', '.join(inherited)}) instead of replacing them, and {folder} has no folder for "
+            f"{', '.join(missing)}; to run only the profile's tasks, write `tasks: !override` under pipeline "
+            "in the profile (as profiles/files.yaml does)"
+        )
+
+
 def _cmd_params(args) -> int:
     import yaml
 
@@ -92,6 +113,7 @@ def _cmd_data(args) -> int:
         return 0
     try:
         params = load_params(root / "params.yaml", args.profile)
+        check_added_tasks(params, root, args.profile)
         if params.ingest.source != "files":
             print(
                 f"ingest.source is 'demo': the {len(params.pipeline.tasks)} tasks are built from packaged "
@@ -206,7 +228,9 @@ def _cmd_run(args) -> int:
     source = Path(args.root).resolve()
     root = Path(args.workspace or source / "build" / Path(args.profile).stem).resolve() if args.profile else source
     try:  # the lock's timeout: the params this run will have (the profile's, rendered, nothing written)
-        timeout = load_params(source / "params.yaml", args.profile).pipeline.lock_timeout
+        params = load_params(source / "params.yaml", args.profile)
+        check_added_tasks(params, source, args.profile)  # before a scratch workspace is made for it
+        timeout = params.pipeline.lock_timeout
     except (ParamsError, OSError, ValueError) as exc:
         print(f"error: {describe(exc)}", file=sys.stderr)
         return 2

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from flows.children import spawn, stop_group
-from flows.registry_cli import message, registered
+from flows.registry_cli import check_device, message, registered
 
 
 def cmd_ui(args) -> int:
@@ -184,9 +184,10 @@ def cmd_serve(args) -> int:
 
     root = Path(args.root).resolve()
     try:
+        check_device()  # the server's workers load the model there: a device that is not there, now
         name, _, mv = registered(root, args.alias)
         limits = serve_limits(load_params(root / "params.yaml"))
-    except (ParamsError, KeyError, TrackingStoreError) as exc:
+    except (ParamsError, KeyError, ValueError, TrackingStoreError) as exc:
         print(f"error: {message(exc)}", file=sys.stderr)
         return 2
     with socket.socket() as sock:

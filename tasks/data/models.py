@@ -225,7 +225,12 @@ def base_model(params, root: Path | str, check: bool = True) -> BaseModel:
     if not path.is_file():  # a stage run outside DVC before the model stage: hash the files now
         found = manifest(cfg.name, root)
         return BaseModel(cfg.name, resolve_model(cfg.name, root), found["hash"], cfg.dtype, cfg.pooling, cfg.max_length)
-    recorded = json.loads(path.read_text())
+    try:
+        recorded = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not a manifest (not valid JSON: {exc}); {REBUILD}") from None
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("hash"), str):
+        raise ValueError(f"{path}: not a manifest (no 'hash' of the model's files); {REBUILD}")
     if recorded.get("name") != cfg.name:
         raise ValueError(
             f"{path}: written for model {recorded.get('name')!r}, but model.name is {cfg.name!r}; {REBUILD}"

@@ -119,9 +119,14 @@ _UniqueKeyLoader.add_constructor("!override", _construct_override)
 
 def _read_yaml(path: Path) -> dict:
     try:
-        text = path.read_text()
+        text = path.read_bytes().decode("utf-8")
     except FileNotFoundError:
         raise ParamsError(f"{path}: params file not found") from None
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[: exc.start].count(b"\n") + 1
+        raise ParamsError(
+            f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} on line {line}); save it as UTF-8"
+        ) from None
     try:
         data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
@@ -179,6 +184,26 @@ def read_profile(profile: str, _seen: tuple[Path, ...] = ()) -> dict:
     if not isinstance(base, str):
         raise ParamsError(f"{path}: 'extends' names one profile (a string), got {base!r}")
     return deep_merge(read_profile(base, (*_seen, path)), data)
+
+
+def tasks_added(path: Path | str, profile: str) -> tuple[str, list[str], list[str]] | None:
+    """(where the inherited tasks come from, the tasks the profile names, the inherited tasks) when
+    `profile` gives `pipeline.tasks` as a plain mapping, which adds to the tasks it inherits (from
+    params.yaml, or the profile it extends) instead of replacing them as `!override` does; None
+    otherwise. A profile meant to run its own tasks then also runs the inherited ones."""
+    data = _read_yaml(profile_path(profile))
+    pipeline = data.get("pipeline")
+    own = pipeline.get("tasks") if isinstance(pipeline, dict) else None
+    if not isinstance(own, dict) or isinstance(own, Override):
+        return None
+    base = data.get("extends")
+    if isinstance(base, str):
+        inherited, where = render_params(path, base), f"profile {base}"
+    else:
+        inherited, where = _plain(_read_yaml(Path(path))), Path(path).name
+    tasks = (inherited.get("pipeline") or {}).get("tasks") or {}
+    extra = [t for t in tasks if t not in own]
+    return (where, [t for t, v in own.items() if v is not None], extra) if extra else None
 
 
 def render_params(path: Path | str = "params.yaml", profile: str | None = None) -> dict:
