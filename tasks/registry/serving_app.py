@@ -14,6 +14,8 @@ Limits, each refused with a message naming the limit and its param, nothing trun
   it (before tokenizing): HTTP 400 with error code INVALID_PARAMETER_VALUE, like every other bad
   input, naming the row of a text that is too long;
 - connections and requests in flight (`serve.max_concurrency`): uvicorn's --limit-concurrency, 503.
+Malformed requests get 400 with a message too: an /invocations body without a Content-Type the app
+reads, or JSON nested deeper than MAX_JSON_DEPTH (refused before it is parsed).
 
 This module imports neither crucible nor the rest of `tasks`: the model is loaded with the library
 code it was logged with (its `code_paths`), as `mlflow models serve` would load it.
@@ -23,15 +25,65 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 MODEL_ENV = "CRUCIBLE_SERVE_MODEL"
 LIMITS_ENV = "CRUCIBLE_SERVE_LIMITS"
 ANNOUNCE_ENV = "CRUCIBLE_SERVE_URL"  # where the server answers: each worker says `ready: <url>` once it does
 LIMITS = ("max_rows", "max_chars", "max_body_bytes", "max_concurrency")
+# the body types MLflow's app reads (utf-8 only); anything else is refused before the body is read
+CONTENT_TYPES = ("application/json", "text/csv", "application/vnd.apache.parquet")
+MAX_JSON_DEPTH = 16  # levels of [ and { in a JSON body; /invocations needs 4 (dataframe_split's rows)
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)  # an unterminated one runs to the end
+_NOT_BRACKET = bytes(sorted(set(range(256)) - set(b"[]{}")))
+_STEP = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # +1 / -1 as int8
 
 
 def _json_error(status: int, code: str, message: str) -> tuple[int, bytes]:
     return status, json.dumps({"error_code": code, "message": message}).encode()
+
+
+async def send_json(send, status: int, body: bytes) -> None:
+    """An ASGI answer with this JSON body, closing the connection (the shape of MLflow's errors)."""
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+def json_depth(body: bytes) -> int:
+    """How deep `[` and `{` nest in a JSON text (those inside strings not counted), found without
+    parsing it: a parser recurses once per level."""
+    import numpy as np
+
+    brackets = _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKET)
+    if not brackets:
+        return 0
+    return int(np.cumsum(np.frombuffer(brackets.translate(_STEP), dtype=np.int8), dtype=np.int64).max())
+
+
+def content_type_problem(value: bytes | None) -> tuple[str | None, str | None]:
+    """(the media type MLflow's app is to see, None) for a Content-Type it reads; (None, what is
+    wrong) for a missing one, another media type or a charset other than utf-8."""
+    accepted = f"send one of: {', '.join(CONTENT_TYPES)} (utf-8)"
+    if not value or not value.strip():
+        return None, f"the request has no Content-Type header; {accepted}"
+    mime, *rest = [part.strip() for part in value.decode("latin-1").split(";")]
+    if mime.lower() not in CONTENT_TYPES:
+        return None, f"Content-Type {mime[:80]!r} is not read here; {accepted}"
+    for part in rest:
+        key, _, val = part.partition("=")
+        if key.strip().lower() != "charset" or val.strip().strip('"').lower() != "utf-8":
+            return None, f"Content-Type parameter {part[:80]!r} is not read here; {accepted}"
+    return mime.lower(), None
 
 
 def json_rows(body: bytes) -> tuple[int, list] | None:
@@ -39,7 +91,7 @@ def json_rows(body: bytes) -> tuple[int, list] | None:
     dataframe_records, instances, inputs); None when it is not one (MLflow then says what is wrong)."""
     try:
         doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
     if not isinstance(doc, dict):
         return None
@@ -79,11 +131,19 @@ def limit_problem(n: int, texts, max_rows: int, max_chars: int) -> str | None:
 
 class RequestLimits:
     """ASGI middleware: a POST body larger than `max_bytes` is answered 413 (JSON, the shape of
-    MLflow's errors) without reading it, or as soon as the bytes read pass the limit; a JSON
-    /invocations body over the row or character limit is answered 400 before MLflow parses it into a
-    table (other content types are checked on the parsed table: LimitedModel)."""
+    MLflow's errors) without reading it, or as soon as the bytes read pass the limit. At /invocations
+    a Content-Type MLflow's app does not read is answered 400 before the body is read; a JSON body
+    nested deeper than MAX_JSON_DEPTH, or over the row or character limit, 400 before anything parses
+    it into a table (other content types are checked on the parsed table: LimitedModel)."""
 
-    def __init__(self, app, max_bytes: int, max_rows: int, max_chars: int, param: str = "serve.max_body_bytes"):
+    def __init__(
+        self,
+        app,
+        max_bytes: int,
+        max_rows: int,
+        max_chars: int,
+        param: str = "serve.max_body_bytes",
+    ):
         self.app, self.max_bytes, self.param = app, int(max_bytes), param
         self.max_rows, self.max_chars = int(max_rows), int(max_chars)
 
@@ -95,52 +155,64 @@ class RequestLimits:
             f"or shorter texts per request",
         )
 
-    async def _answer(self, send, status: int, body: bytes) -> None:
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"connection", b"close"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None:
-            try:
-                size = int(declared)
-            except ValueError:
-                return await self._answer(
-                    send, *_json_error(400, "BAD_REQUEST", f"Content-Length {declared[:40]!r} is not a number")
-                )
-            if size > self.max_bytes:
-                return await self._answer(send, *self._too_large(f"of {size} bytes (Content-Length)"))
+    async def _read(self, receive) -> tuple[bytes | None, tuple[int, bytes] | None]:
+        """(the body, None), (None, the answer to give instead) or (None, None) if the client left."""
         chunks, total = [], 0
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return
+                return None, None
             chunk = message.get("body", b"")
             total += len(chunk)
             if total > self.max_bytes:
-                return await self._answer(send, *self._too_large(f"of more than {self.max_bytes} bytes"))
+                return None, self._too_large(f"of more than {self.max_bytes} bytes")
             chunks.append(chunk)
             if not message.get("more_body"):
-                break
-        body, replayed = b"".join(chunks), False
-        kind = dict(scope.get("headers") or []).get(b"content-type", b"").split(b";")[0].strip()
-        if scope.get("path", "").rstrip("/").endswith("/invocations") and kind == b"application/json":
-            found = json_rows(body)
-            problem = found and limit_problem(found[0], found[1], self.max_rows, self.max_chars)
+                return b"".join(chunks), None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        if declared is not None:
+            try:
+                size = int(declared)
+            except ValueError:
+                return await send_json(
+                    send, *_json_error(400, "BAD_REQUEST", f"Content-Length {declared[:40]!r} is not a number")
+                )
+            if size > self.max_bytes:
+                return await send_json(send, *self._too_large(f"of {size} bytes (Content-Length)"))
+        kind = None
+        if scope.get("path", "").rstrip("/").endswith("/invocations"):
+            kind, problem = content_type_problem(headers.get(b"content-type"))
             if problem:
-                return await self._answer(send, *_json_error(400, "INVALID_PARAMETER_VALUE", problem))
+                return await send_json(send, *_json_error(400, "BAD_REQUEST", problem))
+            # MLflow's app compares the media type exactly: it sees the one it reads
+            scope = {
+                **scope,
+                "headers": [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+                + [(b"content-type", kind.encode())],
+            }
+        body, answer = await self._read(receive)
+        if answer:
+            return await send_json(send, *answer)
+        if body is None:
+            return
+        if kind == "application/json":
+            depth = json_depth(body)
+            problem = (
+                f"request JSON is nested {depth} levels deep; the limit is {MAX_JSON_DEPTH} levels (an "
+                f"/invocations body needs 4)"
+                if depth > MAX_JSON_DEPTH
+                else None
+            )
+            found = None if problem else json_rows(body)
+            problem = problem or (found and limit_problem(found[0], found[1], self.max_rows, self.max_chars))
+            if problem:
+                return await send_json(send, *_json_error(400, "INVALID_PARAMETER_VALUE", problem))
+        replayed = False
 
         async def replay():
             nonlocal replayed

@@ -253,3 +253,51 @@ def test_the_limits_read_every_json_layout_mlflow_takes(doc, rows, texts):
         assert "(serve.max_rows)" in limit_problem(found[0], found[1], rows - 1, 3) if rows > 1 else True
         assert "(serve.max_chars)" in (limit_problem(found[0], found[1], rows, 0) or "")
     assert json_rows(b"not json") is None
+
+
+def post_raw(port: int, body: bytes, headers: dict) -> tuple[int, bytes]:
+    """POST /invocations with exactly these headers (http.client adds no Content-Type of its own)."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request("POST", "/invocations", body=body, headers={"Content-Length": str(len(body)), **headers})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def test_a_missing_or_unsupported_content_type_and_deep_json_get_400_not_500(server):
+    """No Content-Type, one the server does not read, JSON nested 1000 levels deep: HTTP 400 with a
+    JSON message (naming the nesting limit), no 500, no traceback in the server's log."""
+    from tasks.registry.serving import invocation_body
+
+    base, log, _ = server
+    port = int(base.rsplit(":", 1)[1])
+    good = json.dumps(invocation_body([("a great film", "rotten")])).encode()
+    for headers in ({}, {"Content-Type": "text/plain"}, {"Content-Type": "application/json; charset=latin-1"}):
+        status, raw = post_raw(port, good, headers)
+        assert status == 400, (headers, status, raw)
+        message = json.loads(raw)["message"]
+        assert "Content-Type" in message and "application/json" in message, message
+    deep = b'{"dataframe_split": ' + b"[" * 1000 + b"]" * 1000 + b"}"
+    status, raw = post_raw(port, deep, {"Content-Type": "application/json"})
+    assert status == 400, (status, raw[:300])
+    body = json.loads(raw)
+    assert body["error_code"] == "INVALID_PARAMETER_VALUE" and "nested" in body["message"], body
+    from tasks.registry.serving_app import MAX_JSON_DEPTH
+
+    assert f"the limit is {MAX_JSON_DEPTH} levels" in body["message"]
+    assert post(f"{base}/invocations", invocation_body([("a great film", "rotten")]))[0] == 200
+    assert "Traceback" not in log.read_text()
+
+
+def test_json_depth_skips_brackets_inside_strings():
+    from tasks.registry.serving_app import json_depth
+
+    assert json_depth(b'{"a": [[1, 2], [3]]}') == 3
+    assert json_depth(b'{"a": "[[[[[[{{{{", "b": "\\"[[["}') == 1
+    assert json_depth(b"[" * 5000) == 5000
+    assert json_depth(b'["unterminated \\" [[[[') == 1
+    assert json_depth(b"") == 0
