@@ -221,7 +221,8 @@ def cmd_serve(args) -> int:
     print(
         f"limits per request: {limits['max_rows']} rows (serve.max_rows), {limits['max_chars']} characters per "
         f"text (serve.max_chars), {limits['max_body_bytes']} bytes of body (serve.max_body_bytes); "
-        f"{limits['max_concurrency']} in flight per worker (serve.max_concurrency)"
+        f"{limits['max_concurrency']} connections and requests in flight per worker (serve.max_concurrency), "
+        f"{limits['client_timeout']} s to send a request's headers, then its body (serve.client_timeout)"
     )
     print("try:")
     print(f"  {curl_example(args.host, args.port, tasks[0])}")

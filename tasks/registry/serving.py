@@ -117,29 +117,16 @@ def serve_limits(params) -> dict:
 
 def serve_command(model_dir: Path, host: str, port: int, limits: dict, workers: int = 1) -> tuple[list[str], dict]:
     """uvicorn running tasks.registry.serving_app (MLflow's scoring app for the model folder
-    `model_dir`, behind the request limits of params' serve section) in this environment, and its
-    process environment (each worker prints `ready: http://host:port` once it answers)."""
+    `model_dir`, behind the request and connection limits of params' serve section:
+    tasks/registry/serving_http.py) in this environment, and its process environment (each worker
+    prints `ready: http://host:port` once it answers)."""
     import json
     import os
 
-    from tasks.registry import serving_app
+    from tasks.registry import serving_app, serving_http
 
     code_root = str(Path(serving_app.__file__).resolve().parents[2])  # where `tasks` imports from
-    cmd = [
-        sys.executable,
-        "-m",
-        "uvicorn",
-        "--factory",
-        f"{serving_app.__name__}:create_app",
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--workers",
-        str(workers),
-        "--limit-concurrency",
-        str(limits["max_concurrency"]),
-    ]
+    cmd = [sys.executable, "-m", serving_http.__name__, "--host", host, "--port", str(port), "--workers", str(workers)]
     path = os.pathsep.join([code_root, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])
     return cmd, {
         **os.environ,

@@ -3,7 +3,7 @@
 version, behind the request limits of params' `serve` section.
 
     CRUCIBLE_SERVE_MODEL=<model folder> CRUCIBLE_SERVE_LIMITS='{"max_rows": 256, ...}' \\
-        python -m uvicorn --factory tasks.registry.serving_app:create_app --host 127.0.0.1 --port 5001
+        python -m tasks.registry.serving_http --host 127.0.0.1 --port 5001  # uvicorn, + connection limits
 
 Limits, each refused with a message naming the limit and its param, nothing truncated:
 - the body (`serve.max_body_bytes`): a declared Content-Length over the limit is answered 413 before
@@ -13,7 +13,9 @@ Limits, each refused with a message naming the limit and its param, nothing trun
   turns it into a table, any other (CSV, parquet) on the parsed table, always before the model sees
   it (before tokenizing): HTTP 400 with error code INVALID_PARAMETER_VALUE, like every other bad
   input, naming the row of a text that is too long;
-- connections and requests in flight (`serve.max_concurrency`): uvicorn's --limit-concurrency, 503.
+- connections and requests in flight (`serve.max_concurrency`): 503; a connection has
+  `serve.client_timeout` seconds to send a request's headers (tasks/registry/serving_http.py), then
+  as many for its body (here): 408, so idle or slow clients cannot hold the slots.
 Malformed requests get 400 with a message too: an /invocations body without a Content-Type the app
 reads, or JSON nested deeper than MAX_JSON_DEPTH (refused before it is parsed).
 
@@ -23,6 +25,7 @@ code it was logged with (its `code_paths`), as `mlflow models serve` would load 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -30,7 +33,7 @@ import re
 MODEL_ENV = "CRUCIBLE_SERVE_MODEL"
 LIMITS_ENV = "CRUCIBLE_SERVE_LIMITS"
 ANNOUNCE_ENV = "CRUCIBLE_SERVE_URL"  # where the server answers: each worker says `ready: <url>` once it does
-LIMITS = ("max_rows", "max_chars", "max_body_bytes", "max_concurrency")
+LIMITS = ("max_rows", "max_chars", "max_body_bytes", "max_concurrency", "client_timeout")
 # the body types MLflow's app reads (utf-8 only); anything else is refused before the body is read
 CONTENT_TYPES = ("application/json", "text/csv", "application/vnd.apache.parquet")
 MAX_JSON_DEPTH = 16  # levels of [ and { in a JSON body; /invocations needs 4 (dataframe_split's rows)
@@ -131,10 +134,11 @@ def limit_problem(n: int, texts, max_rows: int, max_chars: int) -> str | None:
 
 class RequestLimits:
     """ASGI middleware: a POST body larger than `max_bytes` is answered 413 (JSON, the shape of
-    MLflow's errors) without reading it, or as soon as the bytes read pass the limit. At /invocations
-    a Content-Type MLflow's app does not read is answered 400 before the body is read; a JSON body
-    nested deeper than MAX_JSON_DEPTH, or over the row or character limit, 400 before anything parses
-    it into a table (other content types are checked on the parsed table: LimitedModel)."""
+    MLflow's errors) without reading it, or as soon as the bytes read pass the limit; one that has not
+    all come within `timeout` seconds, 408. At /invocations a Content-Type MLflow's app does not read
+    is answered 400 before the body is read; a JSON body nested deeper than MAX_JSON_DEPTH, or over
+    the row or character limit, 400 before anything parses it into a table (other content types are
+    checked on the parsed table: LimitedModel)."""
 
     def __init__(
         self,
@@ -142,10 +146,11 @@ class RequestLimits:
         max_bytes: int,
         max_rows: int,
         max_chars: int,
+        timeout: float = 5,
         param: str = "serve.max_body_bytes",
     ):
         self.app, self.max_bytes, self.param = app, int(max_bytes), param
-        self.max_rows, self.max_chars = int(max_rows), int(max_chars)
+        self.max_rows, self.max_chars, self.timeout = int(max_rows), int(max_chars), timeout
 
     def _too_large(self, size: str) -> tuple[int, bytes]:
         return _json_error(
@@ -158,17 +163,26 @@ class RequestLimits:
     async def _read(self, receive) -> tuple[bytes | None, tuple[int, bytes] | None]:
         """(the body, None), (None, the answer to give instead) or (None, None) if the client left."""
         chunks, total = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None, None
-            chunk = message.get("body", b"")
-            total += len(chunk)
-            if total > self.max_bytes:
-                return None, self._too_large(f"of more than {self.max_bytes} bytes")
-            chunks.append(chunk)
-            if not message.get("more_body"):
-                return b"".join(chunks), None
+        try:
+            async with asyncio.timeout(self.timeout):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return None, None
+                    chunk = message.get("body", b"")
+                    total += len(chunk)
+                    if total > self.max_bytes:
+                        return None, self._too_large(f"of more than {self.max_bytes} bytes")
+                    chunks.append(chunk)
+                    if not message.get("more_body"):
+                        return b"".join(chunks), None
+        except TimeoutError:
+            return None, _json_error(
+                408,
+                "REQUEST_TIMEOUT",
+                f"request body incomplete after {self.timeout:g} s ({total} bytes came); the limit is "
+                f"{self.timeout:g} s (serve.client_timeout). Send the whole request at once",
+            )
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
@@ -311,4 +325,6 @@ def create_app():
     app = scoring_server.init(LimitedModel(model, limits["max_rows"], limits["max_chars"]))
     if os.environ.get(ANNOUNCE_ENV):
         threading.Thread(target=announce, args=(os.environ[ANNOUNCE_ENV],), daemon=True).start()
-    return RequestLimits(app, limits["max_body_bytes"], limits["max_rows"], limits["max_chars"])
+    return RequestLimits(
+        app, limits["max_body_bytes"], limits["max_rows"], limits["max_chars"], limits["client_timeout"]
+    )

@@ -607,7 +607,22 @@ class ServeParams(_Section):
         32,
         ge=1,
         le=10_000,
-        description=("connections and requests in flight per worker process; more: HTTP 503 at once"),
+        description=(
+            "connections and requests in flight per worker process; more: HTTP 503 at once, naming "
+            "serve.max_concurrency"
+        ),
+    )
+    # without it a client that connects and sends nothing (or a byte now and then) holds one of the
+    # max_concurrency slots for good: 32 idle sockets would refuse every other request with 503
+    client_timeout: int = Field(
+        5,
+        ge=1,
+        le=600,
+        description=(
+            "seconds a connection has to send a request's headers (from when it opens, or its last "
+            "answer ends), and then its body; an idle or slow one is closed (HTTP 408 when part of a "
+            "request came), so it holds no serve.max_concurrency slot longer"
+        ),
     )
 
 

@@ -81,7 +81,7 @@ def test_served_model_answers_like_the_in_process_one(ws, server):
     import psutil
 
     server = psutil.Process(proc.pid)  # one process: crucible serve became the server
-    assert server.children(recursive=True) == [] and "uvicorn" in " ".join(server.cmdline())
+    assert server.children(recursive=True) == [] and "tasks.registry.serving_http" in server.cmdline()
     for _ in range(20):  # the worker says when it answers
         if f"ready: {base}" in log.read_text():
             break
