@@ -163,6 +163,28 @@ def cmd_deploy(args) -> int:
             stop_group(p, signal.SIGINT, timeout=20)  # as Ctrl-C: Prefect's serve shuts down cleanly
 
 
+def exposure_warning(host: str) -> str | None:
+    """What binding `host` means when it is not a loopback address (it, or every address its name
+    resolves to, in 127.0.0.0/8 or ::1); None for one that is."""
+    import ipaddress
+    import socket
+
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except (OSError, UnicodeError):
+        addresses = set()
+    try:
+        if addresses and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses):
+            return None
+    except ValueError:
+        pass
+    return (
+        f"WARNING: --host {host} is not a loopback address: the server exposes the model to the network, "
+        f"with no authentication and no TLS; anyone who can reach its port can call it. Leave out --host "
+        f"(127.0.0.1) unless a proxy or firewall in front of it decides who can"
+    )
+
+
 def cmd_serve(args) -> int:
     """The registered version (alias or number) over HTTP: its files copied from the workspace's
     registry into a scratch folder of this process (.crucible/tmp/serve-<pid>@<host>-*), then this
@@ -182,6 +204,9 @@ def cmd_serve(args) -> int:
     from tasks.runtime.scratch import SCRATCH, owner_tag, sweep
     from tasks.runtime.tracking import TrackingStoreError
 
+    warning = exposure_warning(args.host)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     root = Path(args.root).resolve()
     try:
         check_device()  # the server's workers load the model there: a device that is not there, now

@@ -301,3 +301,20 @@ def test_json_depth_skips_brackets_inside_strings():
     assert json_depth(b"[" * 5000) == 5000
     assert json_depth(b'["unterminated \\" [[[[') == 1
     assert json_depth(b"") == 0
+
+
+def test_a_non_loopback_host_is_warned_about(tmp_path, capsys):
+    """`crucible serve --host 0.0.0.0` says on stderr that it exposes the model to the network, with
+    no authentication; 127.0.0.1, ::1 and localhost say nothing."""
+    from flows.cli import build_parser
+    from flows.servers import exposure_warning
+
+    for host in ("127.0.0.1", "::1", "localhost", "127.0.0.2"):
+        assert exposure_warning(host) is None, host
+    for host in ("0.0.0.0", "::", "192.168.1.10"):
+        warning = exposure_warning(host)
+        assert warning and "network" in warning and "no authentication" in warning and host in warning
+    args = build_parser().parse_args(["serve", "--root", str(tmp_path), "--host", "0.0.0.0"])
+    args.func(args)  # no workspace here: it stops with an error, after the warning
+    err = capsys.readouterr().err
+    assert "no authentication" in err and err.index("no authentication") < err.index("error:")
