@@ -23,8 +23,8 @@ import re
 from pathlib import Path
 
 from tasks.runtime.io import md5_file
+from tasks.runtime.lockcheck import LOCK, read_lock
 
-LOCK = "dvc.lock"
 MD5 = "crucible.lineage.md5."
 PARAMS = "crucible.lineage.params."
 COMMIT = "crucible.lineage.git_commit"
@@ -49,23 +49,6 @@ def params_key(stage_id: str) -> str:
 def params_value(params) -> str:
     text = json.dumps(params, sort_keys=True, separators=(",", ":"), default=str)
     return text if len(text) <= MAX_VALUE else "md5:" + hashlib.md5(text.encode()).hexdigest()
-
-
-def read_lock(root: Path) -> dict | None:
-    """dvc.lock's stages ({stage id: entry}), or None if there is no dvc.lock."""
-    import yaml
-
-    path = Path(root) / LOCK
-    if not path.is_file():
-        return None
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: not valid YAML ({exc})") from None
-    stages = data.get("stages")
-    if not isinstance(stages, dict):
-        raise ValueError(f"{path}: no 'stages' mapping; not a dvc.lock file")
-    return stages
 
 
 def _stage_params(entry: dict):

@@ -23,12 +23,26 @@ import pandas as pd
 from crucible.schema import validate_table
 from crucible.serialize import read_safetensors  # noqa: F401 (the stages' safetensors reader, below)
 
+_MD5_CACHE: dict[tuple, str] = {}  # (path, device, inode, size, mtime, ctime) -> md5
+
 
 def md5_file(path: Path | str) -> str:
+    """The md5 of a file's bytes (what DVC records for a file). Each file is read once per process:
+    the hash is kept under the file's path, inode, size and times, which any rewrite changes, so the
+    stage runner's input check, its lineage tags and a later stage in the same process share it."""
+    st = os.stat(path)
+    key = (os.path.abspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if key in _MD5_CACHE:
+        return _MD5_CACHE[key]
     h = hashlib.md5()
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             h.update(chunk)
+    after = os.stat(path)
+    if (after.st_ino, after.st_size, after.st_mtime_ns, after.st_ctime_ns) == key[2:]:  # not changed while read
+        if len(_MD5_CACHE) > 100_000:
+            _MD5_CACHE.clear()
+        _MD5_CACHE[key] = h.hexdigest()
     return h.hexdigest()
 
 

@@ -5,9 +5,12 @@ A stage module (tasks/stages/) exposes
                                               (tasks/runtime/declaration.py)
     run(params, task, root, log) -> dict      does the work; returns its metrics
 `execute()` wraps any of them: loads params through the typed loader, hands the stage a view of
-the params that holds only what it declares, opens the stage's MLflow run, logs the declared
-params, tags it with its lineage (git commit, md5 of every input and output), and returns paths
-and hashes, never tensors, so Prefect results stay small.
+the params that holds only what it declares, checks that every input an earlier stage wrote is still
+what that stage wrote (tasks/runtime/lockcheck.py: dvc.lock, or the producer's record of its last
+run; else the stage stops naming the file and the stage to rerun), opens the stage's MLflow run,
+logs the declared params, tags it with its lineage (git commit, md5 of every input and output),
+records its outputs' md5 for the stages that read them, and returns paths and hashes, never
+tensors, so Prefect results stay small.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tasks.runtime import device as runtime_device
-from tasks.runtime import quiet, tracking
+from tasks.runtime import lockcheck, quiet, tracking
 from tasks.runtime.declaration import inputs, output_dirs, outputs, params_keys
 from tasks.runtime.io import md5_file
 from tasks.runtime.lock import WorkspaceLock
@@ -101,15 +104,18 @@ def _execute(
     # Every path is resolved against `root` explicitly: no chdir, which would race between
     # Prefect's worker threads.
     start = time.perf_counter()
+    # the inputs, hashed once: each must be what its producer wrote (dvc.lock, or the producer's own
+    # record of its last run) before the stage reads it; the same hashes are the lineage tags
+    read = {p.as_posix(): md5_file(root / p) for p in inputs(spec, task, root, list(params.pipeline.tasks))}
+    lockcheck.check(root, spec.sid(task), read)
     with tracking.stage_run(root, params.tracking.experiment, spec.name, task, parent_run_id) as log:
         log.log_params(declared_values(params, keys))
-        log.set_tags(
-            {f"crucible.input.{p}": md5_file(root / p) for p in inputs(spec, task, root, list(params.pipeline.tasks))}
-        )
+        log.set_tags({f"crucible.input.{p}": h for p, h in read.items()})
         log.set_tags(runtime.tags())
         with PeakRSS() as rss, runtime_device.using(runtime):
             metrics = module.run(declared_view(params, keys, spec.name), task, root, log)
         written = {str(p): md5_file(root / p) for p in outputs(spec, task, root)}
+        lockcheck.record(root, spec.sid(task), written)
         log.set_tags({f"crucible.output.{p}": h for p, h in written.items()})
         seconds = time.perf_counter() - start
         log.log_metrics({**metrics, "stage_seconds": seconds, **rss.metrics()})

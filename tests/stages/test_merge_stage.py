@@ -324,3 +324,37 @@ def test_missing_finetune_names_the_file_and_the_fix(tmp_path, project_root):
         execute("merge", None, root)
     assert not (root / "models" / "merge").exists()
     assert not [p for n in METRIC_FILES for p in [root / "metrics" / n] if p.exists()]
+
+
+def test_a_finetune_changed_after_its_run_is_refused_before_merge_reads_it(merged_project, capsys):
+    """A valid fine-tune file with one weight set to 1e30 after finetune@bbc ran and DVC recorded it:
+    merge stops before reading it, exit 2 with one line naming the file, its md5 and dvc.lock's, and
+    the command that rebuilds it; merge's outputs stay."""
+    from support.workspaces import _dvc
+
+    from flows.cli import build_parser
+
+    root, _ = merged_project
+    execute("model", None, root)  # finetune@bbc's dependency, the base model's manifest
+    (root / "metrics" / "bbc").mkdir(parents=True, exist_ok=True)
+    (root / "metrics" / "bbc" / "finetune.json").write_text("{}\n")
+    _dvc(root, "commit", "--force", "finetune@bbc")  # dvc.lock: finetune@bbc's folder as it wrote it
+    path = root / "data" / "bbc" / "finetune" / "model.safetensors"
+    saved, before = path.read_bytes(), output_hashes(root)
+    state = load_file(str(path))
+    state["pooler.dense.weight"][0, 0] = 1e30  # still a valid safetensors file
+    save_file(state, str(path))
+    changed = md5_file(path)
+    try:
+        capsys.readouterr()
+        args = build_parser().parse_args(["stage", "merge", "--root", str(root)])
+        code = args.func(args)
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    finally:
+        path.write_bytes(saved)
+        (root / "dvc.lock").unlink()
+    assert code == 2 and len(errors) == 1, errors
+    assert errors[0].startswith(f"error: stage merge: {path}: md5 {changed} is not what stage finetune@bbc wrote")
+    assert "(dvc.lock records " in errors[0]
+    assert errors[0].endswith("rebuild it with `crucible stage finetune --task bbc` (or `dvc repro finetune@bbc`)")
+    assert output_hashes(root) == before

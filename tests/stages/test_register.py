@@ -20,6 +20,7 @@ import pytest
 import yaml
 from support.workspaces import (
     _dvc,
+    as_written_by,
     base_workspace,
     copy_workspace,
     registered_workspace,
@@ -68,6 +69,7 @@ def _bump_heads(root: Path, delta: float) -> None:
     save_file(
         {k: (v + delta if k.endswith(".bias") else v).contiguous() for k, v in heads.items()}, str(path), metadata=meta
     )
+    as_written_by(root, "quantize", "models/quantize/heads.safetensors")  # as a rerun of quantize would
 
 
 def test_gate_never_moves_champion_to_a_worse_model(tmp_path_factory):
@@ -271,6 +273,7 @@ def test_a_model_no_better_than_the_probe_is_a_challenger_with_the_reason(tmp_pa
 def test_a_broken_model_config_names_the_file(tmp_path_factory):
     root = copy_workspace(base_workspace(tmp_path_factory), tmp_path_factory, "badconfig")
     (root / "models" / "quantize" / "config.json").write_text('{"classes": ')
+    as_written_by(root, "quantize", "models/quantize/config.json")  # quantize's own output: read_model's check
     with pytest.raises(ValueError, match=r"models/quantize/config\.json: not valid JSON .*crucible stage quantize"):
         execute("register", None, root)
     assert not (root / "metrics" / "registered.json").exists()
