@@ -15,9 +15,12 @@ frozen-base probe), metrics/predictions.parquet (every test row's prediction) an
    says so (registered.json `new_version: false`, and the log) and only re-applies the gate to
    that version (gate params may have changed).
 2. Otherwise the pyfunc (tasks.registry.pyfunc.MultiTaskClassifier: text + task in, label + probabilities
-   out; weights, heads, tokenizer, crucible's code and pinned requirements inside) is logged as an
-   MLflow model of this stage's run and registered as a new version; its test predictions go to the
-   run too (gate/predictions.parquet), so a later version is compared with it row by row.
+   out; weights, heads, tokenizer, crucible's code and pinned requirements inside) is saved and checked
+   (tasks/registry/verify.py: its files are what their stage recorded, and it loads and predicts in a
+   fresh process as serving will; else exit 2 naming the file, and no version or alias changes),
+   logged as an MLflow model of this stage's run and registered as a new version; its test
+   predictions go to the run too (gate/predictions.parquet), so a later version is compared with it
+   row by row.
 3. The gate (tasks/registry/gate.py): with the 95 % intervals of paired comparisons on every test
    row, no task significantly below the frozen-base probe, the task mean significantly above it
    (`register.require_gain`), the task mean not significantly below the current champion's on the
@@ -48,6 +51,7 @@ from crucible.seeding import derive_seed
 from tasks.registry import lineage
 from tasks.registry.gate import PREDICTIONS_ARTIFACT, champion_comparison, gate, rule
 from tasks.registry.registry import HASH_TAG, PYFUNC_CODE, apply_gate, ensure_registered_model, log_pyfunc, versions
+from tasks.registry.verify import verify_pyfunc
 from tasks.runtime.declaration import StageSpec
 from tasks.runtime.io import AtomicOutputs, md5_file, rebuild_hint
 from tasks.runtime.params_schema import Params
@@ -299,7 +303,7 @@ def read_model(params: Params, root: Path) -> dict:
     tasks = [t for t in (config.get("order") or config.get("classes") or {}) if t in (config.get("classes") or {})]
     if not tasks:
         raise ValueError(f"{source / 'config.json'}: no 'classes' per task; {rebuild_hint(stage)}")
-    return {"kind": kind, "source": source, "config": config, "tasks": tasks}
+    return {"kind": kind, "source": source, "stage": stage, "config": config, "tasks": tasks}
 
 
 def _outcome(mv, new: bool, note: str, h: str, sizes: dict, lost: str | None) -> dict:
@@ -349,8 +353,12 @@ def register_version(params: Params, root: Path, log, model: dict, deployable: d
             client,
             log.run_id,
             dest,
-            lambda path, mlflow_model: save_multitask_model(
-                path, source, kind, base_dir, example, extra, mlflow_model=mlflow_model
+            lambda path, mlflow_model: verify_pyfunc(
+                root,
+                save_multitask_model(path, source, kind, base_dir, example, extra, mlflow_model=mlflow_model),
+                source,
+                model["stage"],
+                example,
             ),
         )
         sizes["pyfunc"] = _tree_size(dest)

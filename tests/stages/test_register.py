@@ -564,3 +564,82 @@ def test_a_register_killed_while_it_logs_the_model_leaves_nothing_half_made(tmp_
     got = registered(root)
     assert got["version"] == 1 and got["new_version"]
     assert client.get_model_version("crucible-classifier", "1").model_id != model_id
+
+
+# ---------------------------------------------------------------------------------------------------
+# a broken model is never registered
+
+
+def _full_copy(ws: Path, tmp_path_factory, name: str) -> Path:
+    """A copy of the registered workspace, artifacts and all (its champion, version 1, loads there)."""
+    import shutil
+
+    dest = tmp_path_factory.mktemp(name) / "ws"
+    shutil.copytree(ws, dest, symlinks=True)
+    return dest
+
+
+def _register_cli(root: Path, capsys) -> tuple[int, list[str]]:
+    """`crucible stage register` in `root`: its exit status and its `error:` lines."""
+    from flows.cli import build_parser
+
+    capsys.readouterr()
+    args = build_parser().parse_args(["stage", "register", "--root", str(root)])
+    code = args.func(args)
+    return code, [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+
+
+def _registry(root: Path) -> list[tuple[str, list[str]]]:
+    client = client_of(root)
+    return [(str(v.version), sorted(client.get_model_version(v.name, v.version).aliases)) for v in _versions(client)]
+
+
+def _versions(client) -> list:
+    from tasks.registry.registry import versions
+
+    return versions(client, "crucible-classifier")
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def test_a_truncated_model_that_dvc_lock_knows_is_refused_and_nothing_is_registered(ws, tmp_path_factory, capsys):
+    """models/quantize/model.safetensors cut in half after quantize ran (dvc.lock holds its md5): register
+    exits 2 with one line naming the file, both hashes and the stage to rerun, before it writes
+    anything: no version is created, no alias moves, registered.json stays."""
+    root = _full_copy(ws, tmp_path_factory, "truncated")
+    before, summary = _registry(root), (root / "metrics" / "registered.json").read_bytes()
+    assert before == [("1", ["champion"])]
+    _truncate(root / "models" / "quantize" / "model.safetensors")
+    code, errors = _register_cli(root, capsys)
+    assert code == 2 and len(errors) == 1, errors
+    model = root / "models" / "quantize" / "model.safetensors"
+    assert errors[0].startswith(f"error: stage register: {model}: md5 ")
+    assert " is not what stage quantize wrote (dvc.lock records " in errors[0]
+    assert errors[0].endswith("rebuild it with `crucible stage quantize` (or `dvc repro quantize`)")
+    assert _registry(root) == before and (root / "metrics" / "registered.json").read_bytes() == summary
+
+
+def test_a_truncated_model_with_no_record_to_check_fails_to_load_and_nothing_is_registered(
+    ws, tmp_path_factory, capsys
+):
+    """No dvc.lock and no record of quantize's run (nothing to compare the hash with): the model that
+    register is about to log is loaded in a fresh process, as serving would, fails, and the stage
+    exits 2 naming the file; no version is created and no alias moves."""
+    import shutil
+
+    from tasks.runtime.lockcheck import RECORDS
+
+    root = _full_copy(ws, tmp_path_factory, "unloadable")
+    (root / "dvc.lock").unlink()
+    shutil.rmtree(root / RECORDS)
+    before = _registry(root)
+    model = root / "models" / "quantize" / "model.safetensors"
+    _truncate(model)
+    code, errors = _register_cli(root, capsys)
+    assert code == 2 and len(errors) == 1, errors
+    assert errors[0].startswith(f"error: stage register: {model}: ") and "not a readable safetensors file" in errors[0]
+    assert "does not load and predict in a fresh process as serving would, so nothing was registered" in errors[0]
+    assert errors[0].endswith("rebuild it with `crucible stage quantize` (or `dvc repro quantize`)")
+    assert _registry(root) == before == [("1", ["champion"])]
