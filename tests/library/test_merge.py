@@ -409,16 +409,11 @@ def test_task_vector_in_place_reuses_the_incoming_tensors():
 
 
 def test_svd_falls_back_when_lapack_does_not_converge(monkeypatch):
-    """Real float32 task vectors made LAPACK's SVD fail to converge: retry in float64, and for the
-    separation residual use the Gram matrix's eigendecomposition; same spans as a working SVD."""
-    from crucible.merge import gs3r as g
+    """Real float32 task vectors made LAPACK's SVD fail to converge: retry in float64."""
     from crucible.merge.base import thin_svd
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(30, 6, generator=gen)
-    held = torch.linalg.qr(torch.randn(30, 3, generator=gen))[0]
-    basis = torch.linalg.qr(torch.cat([held[:, :2], torch.randn(30, 4, generator=gen)], 1))[0]
-    expected = g._orthonormal_residual(basis, held, 1e-4)
     real_svd = torch.linalg.svd
 
     def float32_fails(a, *args, **kw):
@@ -431,12 +426,45 @@ def test_svd_falls_back_when_lapack_does_not_converge(monkeypatch):
     assert u.dtype == torch.float32
     torch.testing.assert_close(u @ torch.diag(s) @ vh, x, atol=1e-5, rtol=1e-5)
 
-    def always_fails(a, *args, **kw):
-        raise torch.linalg.LinAlgError("did not converge")
 
-    monkeypatch.setattr(torch.linalg, "svd", always_fails)
+def test_separation_residual_matches_an_svd_of_the_residual():
+    """The residual basis from the Gram matrix's eigendecomposition: orthonormal, orthogonal to the
+    held basis, the held directions dropped, the span an SVD of the projected basis gives."""
+    from crucible.merge import gs3r as g
+
+    gen = torch.Generator().manual_seed(0)
+    held = torch.linalg.qr(torch.randn(30, 3, generator=gen))[0]
+    basis = torch.linalg.qr(torch.cat([held[:, :2], torch.randn(30, 4, generator=gen)], 1))[0]
     got = g._orthonormal_residual(basis, held, 1e-4)
+    x = basis.double() - held.double() @ (held.double().T @ basis.double())
+    u, s, _ = torch.linalg.svd(x, full_matrices=False)
+    expected = u[:, s > 1e-4].float()
     assert got.shape == expected.shape == (30, 4)  # the 2 held directions are dropped
     torch.testing.assert_close(got.T @ got, torch.eye(4), atol=1e-5, rtol=0)
     assert float((held.T @ got).abs().max()) < 1e-5
     torch.testing.assert_close(got @ got.T, expected @ expected.T, atol=1e-5, rtol=0)  # same span
+
+
+def test_top_singular_matches_the_svd():
+    """GS3R's top-energy triplets from the Gram matrix: the SVD's values, spans and energy rank, for
+    a tall and a wide matrix; exactly low-rank input takes no noise direction at energy 1."""
+    from crucible.merge.base import energy_rank
+    from crucible.merge.gs3r import top_singular
+
+    gen = torch.Generator().manual_seed(0)
+    for shape in ((40, 12), (12, 40)):
+        x = torch.randn(*shape, generator=gen) * torch.logspace(0, -2, shape[1])
+        p, s, q = top_singular(x, 0.9)
+        u, sv, vh = torch.linalg.svd(x.double(), full_matrices=False)
+        k = energy_rank(sv, 0.9)
+        assert p.shape == (shape[0], k) and q.shape == (shape[1], k) and s.shape == (k,)
+        torch.testing.assert_close(s.double(), sv[:k], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(p.T @ p, torch.eye(k), atol=1e-5, rtol=0)
+        torch.testing.assert_close((p @ p.T).double(), u[:, :k] @ u[:, :k].T, atol=1e-4, rtol=0)
+        torch.testing.assert_close((q @ q.T).double(), vh[:k].T @ vh[:k], atol=1e-4, rtol=0)
+    low = torch.randn(20, 3, generator=gen, dtype=F64) @ torch.randn(3, 15, generator=gen, dtype=F64)
+    p, s, q = top_singular(low, 1.0)
+    assert s.numel() == 3
+    torch.testing.assert_close(p @ torch.diag(s) @ q.T, low)
+    with pytest.raises(ValueError, match="NaN"):
+        top_singular(torch.full((3, 2), float("nan")), 0.9)
