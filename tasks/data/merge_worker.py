@@ -79,7 +79,10 @@ def merge_worker(spec: dict) -> dict:
                 {k: v.cpu().contiguous() for k, v in merged.items()}, str(Path(spec["out_dir"]) / f"{j}.safetensors")
             )
         del merged
-    return {"records": records, "ranks": ranks}
+    held = {}  # components each arrival holds per matrix at the end (GS3R): where the rank budget went
+    if hasattr(merger, "ranks_by_task"):
+        held = {k: {str(t): n for t, n in v.items()} for k, v in merger.ranks_by_task().items()}
+    return {"records": records, "ranks": ranks, "held_by_arrival": held}
 
 
 def _worker_main() -> None:

@@ -162,6 +162,12 @@ def merge_method(
         last = [r for r in result["ranks"] if r["arrival"] == len(specs) - 1]
         entry["rank_mean"] = float(np.mean([r["rank"] for r in last]))
         entry["rank_max"] = int(max(r["rank"] for r in last))
+        budget = {r["param"]: r["budget"] for r in last}
+        held = result.get("held_by_arrival") or {}
+        if held:  # where the rank budget went: per arrival, its share of each matrix's budget, averaged
+            entry["budget_share_by_arrival"] = [
+                float(np.mean([held[k].get(str(j), 0) / budget[k] for k in held])) for j in range(len(specs))
+            ]
     rows = []
     if store is not None:
         R = np.full((len(specs), len(specs)), np.nan)
