@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from tasks.runtime.params_schema import Params
+from tasks.runtime.params_schema import CORPORA, Params
 
 PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
 
@@ -75,6 +75,21 @@ def format_validation_error(err: ValidationError, source: str) -> str:
             shown = repr(value) if not isinstance(value, dict) else "{...}"
             lines.append(f"{source}: {where} = {shown}: {e['msg']}")
     return "\n".join(lines)
+
+
+SCHEMA = "schema"  # `extends: schema`: a profile that starts from the schema's defaults, not from params.yaml
+
+
+class _FromSchema(dict):
+    """A profile's overrides whose chain starts at `extends: schema` (profiles/demo.yaml, and the
+    profiles that extend it): rendered onto the schema's defaults; params.yaml is not read."""
+
+
+def schema_defaults() -> dict:
+    """Every key at the schema's default, and no tasks (pipeline.tasks has no default)."""
+    data = Params.model_validate({"pipeline": {"tasks": {"task": {"corpus": CORPORA[0]}}}}).model_dump()
+    data["pipeline"]["tasks"] = {}
+    return data
 
 
 class Override(dict):
@@ -144,8 +159,9 @@ def deep_merge(base: dict, override: dict) -> dict:
     for key, value in override.items():
         merge = isinstance(value, dict) and not isinstance(value, Override) and isinstance(out.get(key), dict)
         out[key] = deep_merge(out[key], value) if merge else value
-    # merged into a marked mapping (a profile extending one that replaces): still replaces further down
-    return Override(out) if isinstance(base, Override) else out
+    # merged into a marked mapping (a profile extending one that replaces): still replaces further down;
+    # a profile extending one that starts from the schema starts from it too
+    return type(base)(out) if isinstance(base, (Override, _FromSchema)) else out
 
 
 def _plain(data):
@@ -172,7 +188,9 @@ def profile_path(profile: str) -> Path:
 
 def read_profile(profile: str, _seen: tuple[Path, ...] = ()) -> dict:
     """A profile's overrides. `extends: NAME` at its top builds on another profile (whose own
-    overrides apply first); the chain may not loop."""
+    overrides apply first); the chain may not loop. `extends: schema` builds on the schema's
+    defaults instead of params.yaml (profiles/demo.yaml: the demo as shipped, whatever a project's
+    own params.yaml says)."""
     path = profile_path(profile).resolve()
     if path in _seen:
         chain = " -> ".join(p.stem for p in (*_seen, path))
@@ -181,6 +199,8 @@ def read_profile(profile: str, _seen: tuple[Path, ...] = ()) -> dict:
     base = data.pop("extends", None)
     if base is None:
         return data
+    if base == SCHEMA:
+        return _FromSchema(deep_merge(schema_defaults(), data))
     if not isinstance(base, str):
         raise ParamsError(f"{path}: 'extends' names one profile (a string), got {base!r}")
     return deep_merge(read_profile(base, (*_seen, path)), data)
@@ -207,10 +227,16 @@ def tasks_added(path: Path | str, profile: str) -> tuple[str, list[str], list[st
 
 
 def render_params(path: Path | str = "params.yaml", profile: str | None = None) -> dict:
-    """The raw params mapping of `path`, with the profile's overrides merged on top."""
-    data = _read_yaml(Path(path))
+    """The raw params mapping of `path`, with the profile's overrides merged on top (a profile that
+    starts from the schema, `extends: schema` at the root of its chain, does not read `path`)."""
+    overrides = read_profile(profile) if profile else None
+    if isinstance(overrides, _FromSchema):
+        data = dict(overrides)
+    else:
+        data = _read_yaml(Path(path))
+        if profile:
+            data = deep_merge(data, overrides)
     if profile:
-        data = deep_merge(data, read_profile(profile))
         if isinstance(data.get("pipeline"), dict) and "tasks" in data["pipeline"]:
             # `task: null` drops the task: DVC's foreach (which reads this file) must not see it either
             from tasks.runtime.params_schema import _drop_nulls

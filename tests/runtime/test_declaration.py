@@ -1,5 +1,8 @@
 """One declaration per stage (tasks/stages/*.py SPEC): dvc.yaml and the flow's DAG come from it, a
-stage reads only the params it declares, and params.yaml holds the schema's defaults."""
+stage reads only the params it declares, and params.yaml holds the schema's defaults.
+
+The tests read the demo's params from the demo profile (profiles/demo.yaml: the schema's defaults and
+the four demo tasks), not from params.yaml, which a project of its own changes."""
 
 from __future__ import annotations
 
@@ -11,17 +14,25 @@ import pytest
 import yaml
 
 from tasks.runtime.declaration import StageSpec, code_deps, instances, overlaps, params_keys, upstream
-from tasks.runtime.params import ParamsError, load_params, read_profile, render_params, validate_params
+from tasks.runtime.params import (
+    ParamsError,
+    deep_merge,
+    load_params,
+    read_profile,
+    render_params,
+    validate_params,
+)
 from tasks.runtime.params_access import UndeclaredParam, declared_values, declared_view
-from tasks.runtime.params_schema import FinetuneParams, Params
-from tasks.stages import NAMES, dvc_yaml, spec, specs
+from tasks.runtime.params_schema import FinetuneParams
+from tasks.stages import NAMES, dvc_yaml, project_dvc_yaml, spec, specs
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = ["bbc", "rotten", "tweets", "trec"]
 
 
 def test_dvc_yaml_is_generated_from_the_declarations():
-    assert (ROOT / "dvc.yaml").read_text() == dvc_yaml(TASKS), "dvc.yaml is stale: run `crucible dag write`"
+    """The committed dvc.yaml is the declarations' for params.yaml's tasks (the demo's, or a project's own)."""
+    assert (ROOT / "dvc.yaml").read_text() == project_dvc_yaml(ROOT), "dvc.yaml is stale: run `crucible dag write`"
 
 
 def test_stages_over_all_tasks_depend_on_exactly_the_files_they_read():
@@ -52,9 +63,9 @@ def test_stages_over_all_tasks_depend_on_exactly_the_files_they_read():
 
 def test_dag_check_fails_on_a_stale_dvc_yaml(tmp_path):
     """The CLI check that CI and users run: a hand edit of dvc.yaml is reported, exit 1."""
-    text = (ROOT / "dvc.yaml").read_text().replace("- data/${key}/test.parquet\n", "", 1)
+    text = dvc_yaml(TASKS).replace("- data/${key}/test.parquet\n", "", 1)
     (tmp_path / "dvc.yaml").write_text(text)
-    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(render_params(ROOT / "params.yaml", "demo"), sort_keys=False))
     proc = subprocess.run(
         [sys.executable, "-m", "flows.cli", "dag", "check", "--root", str(tmp_path)],
         capture_output=True,
@@ -134,7 +145,7 @@ def test_declarations_that_write_one_path_twice_or_loop_are_refused():
 
 
 def params():
-    return load_params(ROOT / "params.yaml")
+    return load_params(ROOT / "params.yaml", "demo")
 
 
 def test_reading_an_undeclared_param_names_it_and_the_declaration():
@@ -166,7 +177,7 @@ def test_finetune_depends_on_the_chosen_methods_options_only():
     p = params()
     keys = params_keys(spec("finetune"), "bbc", p)
     assert "finetune.gmixout" in keys and "finetune.mixout" not in keys and "finetune.plain" not in keys
-    data = yaml.safe_load((ROOT / "params.yaml").read_text())
+    data = render_params(ROOT / "params.yaml", "demo")
     data["finetune"]["method"] = "plain"
     plain = validate_params(data, "test")
     keys = params_keys(spec("finetune"), "bbc", plain)
@@ -213,13 +224,16 @@ def _diff(a, b, path=""):
 
 
 def test_params_yaml_equals_the_schema_defaults():
-    """Every key of params.yaml is at the schema's default and none is missing, so deleting a key
-    from params.yaml changes nothing. pipeline.tasks has no default: the four demo tasks."""
+    """As shipped, params.yaml is the demo profile spelled out: every key at the schema's default and
+    none missing, so deleting a key changes nothing (pipeline.tasks has no default: the four demo
+    tasks). A project of its own sets its tasks and settings there (docs/stages.md, your own data):
+    then it only has to be valid."""
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
-    defaults = Params.model_validate({"pipeline": {"tasks": raw["pipeline"]["tasks"]}}).model_dump(exclude_none=False)
-    tasks = {t: {k: v for k, v in spec_.items() if v is not None} for t, spec_ in defaults["pipeline"]["tasks"].items()}
-    defaults["pipeline"]["tasks"] = tasks
-    assert _diff(raw, defaults) == []
+    demo = render_params(ROOT / "params.yaml", "demo")
+    if (raw.get("pipeline") or {}).get("tasks") != demo["pipeline"]["tasks"]:
+        load_params(ROOT / "params.yaml")
+        pytest.skip("params.yaml holds this project's own tasks: it is valid; the defaults check is the demo's")
+    assert _diff(raw, demo) == []
 
 
 def test_the_defaults_check_catches_a_drifted_default():
@@ -240,7 +254,7 @@ def test_every_profile_validates(profile):
 def test_a_profile_extends_another_and_states_only_what_it_changes():
     moe = read_profile("moe")
     tiny = read_profile("tiny")
-    assert moe == {**tiny, "moe": {"enabled": True}}
+    assert moe == deep_merge(tiny, {"moe": {"enabled": True}})
     assert "pipeline" not in yaml.safe_load((ROOT / "profiles" / "moe.yaml").read_text())
     assert render_params(ROOT / "params.yaml", "moe")["finetune"]["max_steps"] == tiny["finetune"]["max_steps"]
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from tasks.runtime.declaration import expand
+from tasks.runtime.params import render_params
 from tasks.stages import dvc_yaml, specs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,7 +61,7 @@ def write_metrics(root: Path, accuracy: float) -> None:
 def project(tmp_path: Path) -> Path:
     root = tmp_path / "proj"
     root.mkdir()
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params = render_params(ROOT / "params.yaml", "demo")  # the demo's, whatever this project's params.yaml says
     params["pipeline"]["tasks"] = {t: params["pipeline"]["tasks"][t] for t in TASKS}
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     (root / "dvc.yaml").write_text(dvc_yaml(TASKS))

@@ -28,11 +28,13 @@ def write_profile(path: Path, body: str) -> Path:
 
 
 def test_override_replaces_the_inherited_task_list(project_root, tmp_path):
-    merged = write_profile(tmp_path / "merged.yaml", "pipeline:\n  tasks:\n    spam: {corpus: bbc_news}\n")
-    replaced = write_profile(
-        tmp_path / "replaced.yaml", "pipeline:\n  tasks: !override\n    spam: {corpus: bbc_news}\n"
+    merged = write_profile(
+        tmp_path / "merged.yaml", "extends: demo\npipeline:\n  tasks:\n    spam: {corpus: bbc_news}\n"
     )
-    # without the marker a profile adds to params.yaml's four demo tasks; with it, spam is the only one
+    replaced = write_profile(
+        tmp_path / "replaced.yaml", "extends: demo\npipeline:\n  tasks: !override\n    spam: {corpus: bbc_news}\n"
+    )
+    # without the marker a profile adds to the four demo tasks it inherits; with it, spam is the only one
     assert list(load_params(project_root / "params.yaml", str(merged)).pipeline.tasks) == [
         "bbc",
         "rotten",
@@ -123,3 +125,31 @@ def test_a_failed_run_is_one_error_line_with_the_traceback_in_a_log(tiny_project
     log = Path(proc.stderr.strip().splitlines()[-1].split(": ", 1)[1])
     assert log.parent == tiny_project / ".crucible" / "logs"
     assert "Traceback (most recent call last)" in log.read_text() and "FileNotFoundError" in log.read_text()
+
+
+def test_making_the_project_your_own_keeps_the_demo_profiles_and_carries_files_settings(
+    project_root, own_project, capsys
+):
+    """The steps of docs/stages.md (your own data, 6.): params.yaml rendered from your profile holds
+    your tasks and every setting of profiles/files.yaml, not only ingest.source; and the demo, the
+    profiles built on it and the tests' params (profiles/demo.yaml) stay the demo's, whatever that
+    params.yaml says (before, tiny ran the demo tasks beside yours, under source: files)."""
+    from flows.cli import build_parser
+
+    assert "crucible params render --profile mine -o params.yaml" in (project_root / "docs" / "stages.md").read_text()
+    own, mine = own_project / "params.yaml", own_project / "mine.yaml"
+    own.write_text((project_root / "params.yaml").read_text())
+    wanted = render_params(own, str(mine))
+    args = build_parser().parse_args(["params", "render", str(own), "--profile", str(mine), "-o", str(own)])
+    assert args.func(args) == 0, capsys.readouterr().err
+    assert render_params(own) == wanted  # every key of the profile run, files.yaml's settings included
+    params = load_params(own)
+    assert list(params.pipeline.tasks) == ["sport", "reviews"] and params.ingest.source == "files"
+    assert (params.finetune.epochs, params.finetune.head_lr, params.quantize.calibration_per_task) == (3.0, 0.01, 32)
+    assert list(params.merge.methods) == ["gs3r", "task_arithmetic"]
+    # the demo and the profiles on it do not read this params.yaml
+    for profile in ("demo", "tiny", "smollm2", "moe"):
+        assert render_params(own, profile) == render_params(project_root / "params.yaml", profile), profile
+    demo = load_params(own, "demo")
+    assert list(demo.pipeline.tasks) == ["bbc", "rotten", "tweets", "trec"] and demo.ingest.source == "demo"
+    assert load_params(own, "tiny").finetune.head_lr == demo.finetune.head_lr != params.finetune.head_lr
