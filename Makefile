@@ -37,6 +37,7 @@ endif
 	$(PIP) install -q -r requirements/base.txt -c requirements/lock.txt -c requirements/torch.txt
 	$(PIP) install -q --no-deps -r requirements/data-nodeps.txt
 	$(PIP) install -q --no-deps -e .
+	$(BIN)/python -m tasks.runtime.dvc_plots .
 	touch $(STAMP)
 
 # What only the tests need (requirements/test.txt), on top of the runtime install.

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from tasks.runtime.dvc_plots import TEMPLATE, use_template
 from tasks.runtime.params import render_params, validate_params
 
 # dvc.yaml as the project has it: `crucible run` rewrites it for the profile's tasks where they differ
@@ -60,4 +61,6 @@ def make_workspace(
         _run([str(dvc) if dvc.exists() else "dvc", "config", "core.analytics", "false"], dest)
     if (source / ".dvc" / "plots").is_dir():  # the plot templates that dvc.yaml's views name
         shutil.copytree(source / ".dvc" / "plots", dest / ".dvc" / "plots", dirs_exist_ok=True)
+    if (dest / ".dvc" / TEMPLATE).is_file():  # the page of `dvc plots show` with vega inlined (dvc_plots.py)
+        use_template(dest / ".dvc")
     return dest
