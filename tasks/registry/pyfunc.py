@@ -275,8 +275,21 @@ class MultiTaskClassifier(mlflow.pyfunc.PythonModel):
 
 
 def pip_requirements() -> list[str]:
-    names = ("torch", "transformers", "safetensors", "tokenizers", "pandas", "numpy", "mlflow", "tqdm")
+    """What the logged model needs, pinned to the versions installed here. MLflow is whichever
+    distribution provides it: `mlflow`, or `mlflow-skinny` on a serving install without the UI
+    (both install the `mlflow` package; asking only for `mlflow` failed under skinny)."""
+    names = ("torch", "transformers", "safetensors", "tokenizers", "pandas", "numpy", _mlflow_distribution(), "tqdm")
     return [f"{n}=={metadata.version(n).split('+')[0]}" for n in names]
+
+
+def _mlflow_distribution() -> str:
+    for name in ("mlflow", "mlflow-skinny"):
+        try:
+            metadata.version(name)
+            return name
+        except metadata.PackageNotFoundError:
+            continue
+    raise RuntimeError("neither mlflow nor mlflow-skinny is installed: pip install mlflow-skinny")
 
 
 def _copy_library(dest: Path) -> Path:
