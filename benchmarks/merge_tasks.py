@@ -10,6 +10,9 @@ fine-tunes; `--root .` is the default profile's workspace) and writes nothing th
 stage's own code (tasks.stages.merge.merge_method: one fresh worker process per method and order,
 its seconds and peak RSS its own; each arrival's merged model scored with each task's own head).
 
+Methods: the workspace's merge.methods (`--methods` a subset; `--kwargs gs3r='{"energy": 0.9}'`
+replaces one method's options).
+
 Orders: the workspace's arrival order, its reverse, then seeded shuffles (seed 0), `--orders` in all;
 or exactly the ones given by `--order-list`.
 
@@ -22,8 +25,8 @@ Per method, mean and sample standard deviation over the orders ("spread") of:
   the first 1, 4 and 8 arrivals (the worker's own, sampled every 5 ms), and the bytes of its state.
 Then GS3R against OPCM: per order the difference of final average accuracy with its 95% paired
 bootstrap interval (rows resampled within each task), and the spread of each over orders. `--plot`
-draws the average accuracy over the arrived tasks after each arrival (mean over orders, band = the
-range over orders) per method.
+draws the accuracy after each arrival normalised by the fine-tunes (mean over the arrived tasks;
+mean over orders, band +- one sd) per method.
 
 Sweep (`--sweep`): GS3R's energy and rank budget (and `--scales`) over the workspace's order, each
 final merged model scored on the reference's dev rows (labeled.parquet split == dev, never trained
@@ -57,7 +60,7 @@ from tasks.data.merge_worker import run_method  # noqa: E402
 from tasks.data.models import base_model  # noqa: E402
 from tasks.runtime.io import read_table  # noqa: E402
 from tasks.runtime.params import load_params  # noqa: E402
-from tasks.stages.merge import merge_method, reference_accuracy  # noqa: E402
+from tasks.stages.merge import merge_method  # noqa: E402
 
 MARKS = (1, 4, 8)
 
@@ -102,10 +105,29 @@ def outcomes(store: FeatureStore, name: str, task: str) -> np.ndarray:
     return (store.scorer.head_logits(task, x).argmax(1) == y).numpy()
 
 
+def reference(store: FeatureStore, specs: dict, limit: int | None) -> tuple[dict, dict, dict]:
+    """(base encoder, own fine-tune on every test row, own fine-tune on the first `limit`) accuracy per
+    task, each task's fine-tune scored on its own task only (the stage also scores it on the tasks
+    before it, for evaluate; nothing here needs that)."""
+    from tasks.runtime.io import read_safetensors
+
+    tasks = list(specs)
+    store.add("base", "base", "base", -1, tasks, state=store.scorer.theta_0)
+    for j, t in enumerate(tasks):
+        state, _ = read_safetensors(specs[t]["model"], f"fine-tune of {t}")
+        store.add(f"finetune:{t}", "finetune", "finetune", j, [t], state=state)
+    base = {t: store.accuracy("base", t) for t in tasks}
+    return (
+        base,
+        {t: store.accuracy(f"finetune:{t}", t) for t in tasks},
+        {t: store.accuracy(f"finetune:{t}", t, limit) for t in tasks},
+    )
+
+
 def accuracy_part(args, root: Path) -> dict:
     params, specs, scorer = workspace(root, "test")
     tasks = list(specs)
-    methods = pick_methods(params, args.methods)
+    methods = pick_methods(params, args.methods, args.kwargs)
     if args.order_list:
         orders = [o.split(",") for o in args.order_list.split(";")]
         for order in orders:
@@ -114,9 +136,7 @@ def accuracy_part(args, root: Path) -> dict:
     else:
         orders = default_orders(tasks, args.orders)
     store = FeatureStore(scorer)  # features stay in memory (this script writes no stage outputs)
-    _, ft_limit = reference_accuracy(store, [specs[t] for t in tasks], args.eval_limit or None)
-    base = {t: store.accuracy("base", t) for t in tasks}
-    finetuned = {t: store.accuracy(f"finetune:{t}", t) for t in tasks}
+    base, finetuned, ft_limit = reference(store, specs, args.eval_limit or None)
     n_test = {t: len(scorer.labels(t)) for t in tasks}
     print("## tasks, test rows, base encoder with each fine-tune's head, own fine-tune (all test rows)")
     for t in tasks:
@@ -158,6 +178,10 @@ def accuracy_part(args, root: Path) -> dict:
                     "bwt": entry["bwt"],
                     "per_task": final,
                     "curve": entry["accuracy_curve"],
+                    "normalised_curve": [
+                        float(np.mean([entry["R"][j][i] / ft_limit[order[i]] for i in range(j + 1)]))
+                        for j in range(len(order))
+                    ],
                     "seconds_by_arrival": secs,
                     "peak_rss_mb_by_arrival": entry["peak_rss_mb_by_arrival"],
                     "state_mb": entry["state_mb"],
@@ -207,7 +231,7 @@ def accuracy_part(args, root: Path) -> dict:
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2, default=float))
     if args.plot:
-        plot_curves(results, list(methods), tasks, finetuned, args.plot)
+        plot_curves(results, list(methods), tasks, args.plot)
     return out
 
 
@@ -269,7 +293,10 @@ def versus(outs: dict, df: pd.DataFrame, orders: list, tasks: list[str], a: str,
     return {"per_order": per_order, "mean": mean, "spread": sd, "beats": bool(beats), "text": "\n".join(lines)}
 
 
-def plot_curves(results: list[dict], methods: list[str], tasks: list[str], finetuned: dict, path: str) -> None:
+def plot_curves(results: list[dict], methods: list[str], tasks: list[str], path: str) -> None:
+    """Accuracy after each arrival, normalised by each arrived task's own fine-tune (mean over the
+    arrived tasks): the raw average mostly shows which task came first. Mean over orders, band
+    +- one standard deviation over orders."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -278,13 +305,14 @@ def plot_curves(results: list[dict], methods: list[str], tasks: list[str], finet
     fig, ax = plt.subplots(figsize=(7, 4.5))
     x = np.arange(1, len(tasks) + 1)
     for i, m in enumerate(methods):
-        c = np.array([r["curve"] for r in results if r["method"] == m])
-        ax.plot(x, c.mean(0), marker="o", ms=3, label=m, color=plt.cm.tab10(i % 10))
-        ax.fill_between(x, c.min(0), c.max(0), alpha=0.15, color=plt.cm.tab10(i % 10))
-    ax.axhline(np.mean(list(finetuned.values())), ls="--", color="grey", lw=1, label="own fine-tunes (mean)")
+        c = np.array([r["normalised_curve"] for r in results if r["method"] == m])
+        mean, sd = c.mean(0), (c.std(0, ddof=1) if len(c) > 1 else np.zeros(len(x)))
+        ax.plot(x, mean, marker="o", ms=3, label=m, color=plt.cm.tab10(i % 10))
+        ax.fill_between(x, mean - sd, mean + sd, alpha=0.15, color=plt.cm.tab10(i % 10))
+    ax.axhline(1.0, ls="--", color="grey", lw=1, label="own fine-tunes")
     ax.set_xlabel("tasks arrived")
-    ax.set_ylabel("average accuracy over the arrived tasks")
-    ax.set_title(f"continual merging, {len(tasks)} tasks, mean over orders (band: range)")
+    ax.set_ylabel("accuracy / own fine-tune, mean over arrived tasks")
+    ax.set_title(f"continual merging, {len(tasks)} tasks: mean over orders (band: +-1 sd)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -296,7 +324,7 @@ def sweep_part(args, root: Path) -> None:
     params, specs, scorer = workspace(root, "dev")
     tasks = list(specs)
     store = FeatureStore(scorer)
-    _, ft = reference_accuracy(store, [specs[t] for t in tasks])
+    _, ft, _ = reference(store, specs, None)
     n_dev = {t: len(scorer.labels(t)) for t in tasks}
     print(f"## dev rows per task: {n_dev}; own fine-tunes on dev: mean {np.mean(list(ft.values())):.3f}")
     base_kwargs = dict(params.merge.methods.get("gs3r") or {})
@@ -338,8 +366,18 @@ def sweep_part(args, root: Path) -> None:
                 p.unlink()
 
 
-def pick_methods(params, names: str) -> dict:
+def pick_methods(params, names: str, overrides: list[str] = ()) -> dict:
+    """merge.methods (or the `--methods` subset), each `--kwargs METHOD=JSON` replacing that method's
+    options (e.g. GS3R at another energy than the profile's, against the same fine-tunes)."""
     methods = dict(params.merge.methods)
+    for item in overrides:
+        name, _, text = item.partition("=")
+        if name not in methods:
+            raise SystemExit(f"--kwargs {item!r}: {name!r} not in merge.methods ({', '.join(methods)})")
+        try:
+            methods[name] = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"--kwargs {item!r}: not METHOD=JSON ({e})") from None
     if not names:
         return methods
     unknown = [m for m in names.split(",") if m not in methods]
@@ -354,6 +392,7 @@ def main(argv=None) -> None:
     ap.add_argument("--orders", type=int, default=3, help="arrival orders: given, reversed, then seeded shuffles")
     ap.add_argument("--order-list", default="", help="';'-separated orders, each ','-separated task names")
     ap.add_argument("--methods", default="", help="comma-separated subset of merge.methods")
+    ap.add_argument("--kwargs", action="append", default=[], metavar="METHOD=JSON", help="replace a method's options")
     ap.add_argument("--eval-limit", type=int, default=100, help="test rows per task of the accuracy matrix (0 = all)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--json", default="", help="write the results to this JSON file")
