@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+from tasks.runtime import lockcheck
+
 _LOCK = threading.Lock()
 # what DVC says while another dvc process holds its repository lock (.dvc/tmp/lock) or the
 # read/write lock on a path a stage reads or writes (.dvc/tmp/rwlock)
@@ -64,4 +66,5 @@ def stale(root: Path, stages: list[str], wait: float = 60.0) -> set[str]:
 def commit(root: Path, stages: list[str], wait: float = 60.0) -> None:
     """Record finished stages in dvc.lock, as `dvc repro` would have."""
     if stages:
-        _dvc(root, "commit", "--force", *stages, wait=wait)  # not --quiet: it hides the lock error
+        with lockcheck.guard(root, exclusive=True):  # DVC rewrites dvc.lock in place: no stage reads it meanwhile
+            _dvc(root, "commit", "--force", *stages, wait=wait)  # not --quiet: it hides the lock error

@@ -29,8 +29,11 @@ first, so the check rarely fires there; it guards `crucible stage X` and a file 
 from __future__ import annotations
 
 import configparser
+import contextlib
+import fcntl
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -39,33 +42,58 @@ from tasks.runtime.io import AtomicOutputs, md5_file, rebuild_hint
 
 LOCK = "dvc.lock"
 RECORDS = Path(".crucible") / "outputs"
+# DVC rewrites dvc.lock in place (truncate, then write), so a stage starting while the flow's `dvc
+# commit` runs could read an empty or half-written file: the commit holds this file's flock
+# exclusively, a reader shared (flock is per open file, so threads of one process exclude each other)
+GUARD = Path(".crucible") / "dvc.lock.guard"
 
 
 class StaleInput(ValueError):
     """An input that is not what its producer wrote (a ValueError: `crucible stage` exits 2)."""
 
 
+@contextlib.contextmanager
+def guard(root: Path, exclusive: bool):
+    """Hold GUARD's flock: exclusively while dvc.lock is rewritten (the flow's `dvc commit`), shared
+    while it is read."""
+    path = Path(root) / GUARD
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
 def read_lock(root: Path, tries: int = 5) -> dict | None:
-    """dvc.lock's stages ({stage id: entry}), or None if there is no dvc.lock. The flow's `dvc commit`
-    may be rewriting it while a stage starts: a file that does not parse is read again a few times."""
+    """dvc.lock's stages ({stage id: entry}), or None if there is no dvc.lock. Read under `guard`; a
+    writer that does not take it (a `dvc commit` by hand) could still be caught mid-write: a file
+    that does not parse or has no stages is read again a few times before it is an error."""
     import yaml
 
     path = Path(root) / LOCK
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     for attempt in range(tries):
-        if not path.is_file():
-            return None
+        last = attempt == tries - 1
+        with guard(root, exclusive=False):
+            if not path.is_file():
+                return None
+            text = path.read_text()
         try:
-            data = yaml.load(path.read_text(), Loader=loader) or {}
-            break
+            data = yaml.load(text, Loader=loader) or {}
         except yaml.YAMLError as exc:
-            if attempt == tries - 1:
+            if last:
                 raise ValueError(f"{path}: not valid YAML ({' '.join(str(exc).split())})") from None
             time.sleep(0.5)
-    stages = data.get("stages") if isinstance(data, dict) else None
-    if not isinstance(stages, dict):
-        raise ValueError(f"{path}: no 'stages' mapping; not a dvc.lock file")
-    return stages
+            continue
+        stages = data.get("stages") if isinstance(data, dict) else None
+        if isinstance(stages, dict):
+            return stages
+        if last:
+            raise ValueError(f"{path}: no 'stages' mapping; not a dvc.lock file")
+        time.sleep(0.5)
+    raise AssertionError("unreachable")
 
 
 def record(root: Path, sid: str, written: dict[str, str]) -> None:

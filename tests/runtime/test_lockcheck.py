@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -148,3 +149,34 @@ def test_md5_is_read_again_after_a_rewrite(tmp_path):
     first = md5_file(path)
     path.write_bytes(b"b" * 64)  # same size, same folder
     assert md5_file(path) != first
+
+
+def test_a_stage_starting_while_the_flow_commits_reads_the_whole_dvc_lock(committed, tmp_path, monkeypatch):
+    # DVC rewrites dvc.lock in place: the merge8 profile's curate@sms started while the flow's `dvc
+    # commit` had truncated it and stopped with "no 'stages' mapping; not a dvc.lock file". A stage
+    # reads it under the guard that flows.dvc.commit holds exclusively.
+    import threading
+
+    from flows import dvc
+
+    root = tmp_path / "project"
+    root.mkdir()
+    full = (committed / "dvc.lock").read_text()
+    (root / "dvc.lock").write_text(full)
+    truncated = threading.Event()
+
+    def slow_commit(where, *args, **kwargs):  # DVC's write, slowed down: empty, then the whole file
+        (where / "dvc.lock").write_text("")
+        truncated.set()
+        time.sleep(0.6 * 5)  # longer than read_lock's retries would wait without the guard
+        (where / "dvc.lock").write_text(full)
+
+    monkeypatch.setattr(dvc, "_dvc", slow_commit)
+    writer = threading.Thread(target=dvc.commit, args=(root, ["make"]))
+    writer.start()
+    assert truncated.wait(10)
+    try:
+        stages = lockcheck.read_lock(root)
+    finally:
+        writer.join()
+    assert set(stages) == {"make", "use"}
