@@ -17,10 +17,13 @@ Rows, each with its figure, the bar it is held to and ok / FAIL:
    SmolLM2's 576 x 576, 1536 x 576; 4096 x 4096): MXFP4 quantize and dequantize (bytes equal),
    the fused dequant-matmul with a rank-16 adapter (relative error against float64), CC-MMD kernel
    sums (relative error against the torch backend).
-4. speed, against peers in the same run: the fused MXFP4 dequant-matmul (bf16 x) against a bf16
-   cuBLAS matmul with the weight already dequantized, at decode shapes M = 1, 8, 16 and the prefill
-   shape M = 4096, K = N = 4096 (goal: >= 2x at M <= 16, >= 0.7x at M = 4096); the CC-MMD kernel
-   sums' rate as a share of the GPU's measured float32 (TF32) and bf16 matmul rates.
+4. speed (benchmarks/gpu_speed.py), timed as kernels (benchmarks/kernel_timing.py: CUDA graphs,
+   operands rotated through more than the L2 so weights stream from HBM, median and range): the
+   device's measured roofline (copy bandwidth, bf16 and TF32 matmul rates); decode M = 1, 8, 16 at
+   K = N = 4096 and 8192, the fused MXFP4 kernel with its rank-16 adapter against bf16 cuBLAS, each
+   with its share of the copy bandwidth (goal >= 2x); prefill M = 32 .. 4096, MXLinear's
+   dequantize-then-cuBLAS route against bf16 cuBLAS (goal >= 0.9x) and where it overtakes the fused
+   kernel; the CC-MMD kernel sums' share of the TF32 rate (goal >= 30 %) and error against float64.
 
 Exit status: 0 when every row is ok, 1 when one fails, 2 without a CUDA device (or triton).
 """
@@ -50,19 +53,6 @@ def row(what: str, figure: str, bar: str, ok: bool | None) -> None:
     ROWS.append((what, figure, bar, ok))
     mark = {True: "ok", False: "FAIL", None: "not run"}[ok]
     print(f"[{mark}] {what}: {figure} ({bar})", flush=True)
-
-
-def bench(fn, device) -> float:
-    """Median milliseconds of fn (triton's do_bench on CUDA; a few timed calls under --smoke)."""
-    if device.type == "cuda":
-        import triton.testing
-
-        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-    fn()
-    t = time.perf_counter()
-    for _ in range(2):
-        fn()
-    return (time.perf_counter() - t) / 2 * 1e3
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -313,62 +303,11 @@ def kernel_rows(device) -> None:
     rel = float((got - ref).norm() / ref.norm())
     row("kernels: CC-MMD kernel sums, Triton vs torch backend", f"rel error {rel:.1e}", "<= 1e-5", rel <= 1e-5)
 
-    # speed: fused MXFP4 dequant-matmul vs bf16 cuBLAS with the weight already dequantized
-    k = n = 256 if SMOKE else 4096
-    w = torch.randn(n, k, generator=g).to(device) * 0.05
-    packed, scales = tk.quantize(w, "floor")
-    wb = tk.dequantize(packed, scales, k, torch.bfloat16)
-    for m in (1, 16) if SMOKE else (1, 8, 16, 4096):
-        x = torch.randn(m, k, generator=g).to(device).to(torch.bfloat16)
-        t_cublas = bench(lambda: x @ wb.T, device)
-        t_fused = bench(lambda: tk.mx_linear(x, packed, scales, k), device)
-        best, conf = t_fused, "default"
-        if m <= 16 and not SMOKE:  # a few decode configurations besides the default
-            for bn in (32, 64, 128):
-                for bk in (128, 256):
-                    for st in (3, 4):
-                        try:
-                            t = bench(
-                                lambda: tk.mx_linear(
-                                    x, packed, scales, k, block_m=16, block_n=bn, block_k=bk, num_stages=st, num_warps=4
-                                ),
-                                device,
-                            )
-                        except Exception:  # noqa: BLE001 - a config that does not fit this GPU
-                            continue
-                        if t < best:
-                            best, conf = t, f"block_n={bn} block_k={bk} stages={st}"
-        ratio = t_cublas / best
-        bar = 2.0 if m <= 16 else 0.7
-        row(
-            f"speed: fused MXFP4 vs bf16 cuBLAS, M={m} K=N={k}",
-            f"{best * 1e3:.1f} us vs {t_cublas * 1e3:.1f} us = {ratio:.2f}x ({conf}; default {t_fused * 1e3:.1f} us)",
-            f"goal >= {bar}x",
-            None if SMOKE else ratio >= bar,
-        )
 
-    # CC-MMD kernel sums as a share of the GPU's matmul rate
-    nx, d, kc, nb = (256, 64, 4, 3) if SMOKE else (16384, 384, 4, 3)
-    xs = torch.randn(nx, d, generator=g).to(device)
-    w = torch.rand(nx, kc, generator=g, dtype=torch.float64).to(device)
-    t = bench(lambda: kernel_matvec(xs, xs, w, [8.0, 16.0, 32.0], backend="triton"), device)
-    flops = nx * nx * (2 * d + 2 * kc * nb)  # the distances (a dot product) and the weighted sums
-    rate = flops / (t * 1e-3) / 1e12
-    mm = 1024 if SMOKE else 8192
-    a32 = torch.randn(mm, mm, generator=g).to(device)
-    tf32_before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    t32 = bench(lambda: a32 @ a32, device)
-    torch.backends.cuda.matmul.allow_tf32 = tf32_before
-    a16 = a32.to(torch.bfloat16)
-    t16 = bench(lambda: a16 @ a16, device)
-    r32, r16 = 2 * mm**3 / (t32 * 1e-3) / 1e12, 2 * mm**3 / (t16 * 1e-3) / 1e12
-    row(
-        f"speed: CC-MMD kernel sums, n={nx} d={d}, {nb} bandwidths",
-        f"{rate:.1f} TFLOP/s = {rate / r32:.0%} of TF32 matmul ({r32:.0f}), {rate / r16:.0%} of bf16 ({r16:.0f})",
-        "measured",
-        None if SMOKE else True,
-    )
+def speed_rows_here(device) -> None:
+    from gpu_speed import speed_rows
+
+    speed_rows(device, row, SMOKE)
 
 
 def main() -> int:
@@ -396,7 +335,7 @@ def main() -> int:
         flush=True,
     )
     start = time.perf_counter()
-    for part in (kernel_rows, library_rows, pipeline_row):
+    for part in (kernel_rows, speed_rows_here, library_rows, pipeline_row):
         try:
             part(device)
         except Exception as exc:  # noqa: BLE001 - one part's failure is a row; the others still run

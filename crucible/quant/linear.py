@@ -10,7 +10,8 @@ file format that rebuilds the quantized model without its float weights.
 An MXLinear computes y = x @ dequant(Wq)^T + bias + (x @ B^T) @ A^T: the packed MXFP4 weight
 (crucible.quant.mxfp4) and an optional rank-r low-rank adapter (A: (out, r), B: (r, in)) that
 compensates the quantization error (crucible.quant.lowrank). On a CUDA tensor with Triton present
-the fused Triton kernel runs (crucible.quant.triton_kernels.mx_linear); elsewhere the torch path
+the fused Triton kernel runs (crucible.quant.triton_kernels.mx_linear) for up to FUSED_MAX_M rows,
+and above that the Triton dequantization then cuBLAS (`route_for`); elsewhere the torch path
 dequantizes the weight for the call (nothing float is kept between calls), or, after
 `cache_dequantized`, keeps it in bfloat16 (exact for MXFP4 values) between calls.
 
@@ -168,19 +169,26 @@ class MXLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"MXLinear: input has {x.shape[-1]} features, expected {self.in_features}")
-        if x.is_cuda and _triton_ok():
+        route = route_for(x, self.in_features)
+        if route != "torch":
             from crucible.quant import triton_kernels
 
-            return triton_kernels.mx_linear(
-                x,
-                self.packed,
-                self.scales,
-                self.in_features,
-                self.bias,
-                self.lora_a if self.rank else None,
-                self.lora_b if self.rank else None,
-            )
-        w = self._dense_weight(x.dtype)
+            if route == "fused":
+                return triton_kernels.mx_linear(
+                    x,
+                    self.packed,
+                    self.scales,
+                    self.in_features,
+                    self.bias,
+                    self.lora_a if self.rank else None,
+                    self.lora_b if self.rank else None,
+                )
+            if getattr(self, "cache_dequantized", False):
+                w = self._dense_weight(x.dtype)
+            else:
+                w = triton_kernels.dequantize(self.packed, self.scales, self.in_features, x.dtype)
+        else:
+            w = self._dense_weight(x.dtype)
         y = nn.functional.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
         if self.rank:
             y = y + nn.functional.linear(nn.functional.linear(x, self.lora_b.to(x.dtype)), self.lora_a.to(x.dtype))
@@ -236,6 +244,23 @@ class MXEmbedding(nn.Module):
 
 
 _SCRATCH = threading.local()
+
+
+# Rows (tokens) up to which a CUDA MXLinear runs the fused dequant-matmul kernel (decode, where the
+# weight stream is the cost); above it, the Triton kernel dequantizes the weight and cuBLAS multiplies
+# (prefill, where the matmul is the cost and a dequantized weight is a small extra pass).
+# benchmarks/gpu_check.py measures both paths at each M and prints where they cross.
+FUSED_MAX_M = 16
+
+
+def route_for(x: torch.Tensor, in_features: int) -> str:
+    """Which path MXLinear.forward takes for input `x`: "fused" (CUDA, Triton, at most FUSED_MAX_M
+    rows), "dequant-matmul" (CUDA, Triton, more rows) or "torch" (elsewhere: the dequantized weight,
+    rebuilt or cached, and torch's matmul)."""
+    if not (x.is_cuda and _triton_ok()):
+        return "torch"
+    rows = x.numel() // max(in_features, 1)
+    return "fused" if rows <= FUSED_MAX_M else "dequant-matmul"
 
 
 def _scratch(shape, dtype: torch.dtype, device) -> torch.Tensor:

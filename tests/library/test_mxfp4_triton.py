@@ -191,6 +191,21 @@ INTERPRETER_SCRIPT = textwrap.dedent(r'''
     # a zero-row x gives an empty result
     assert tk.mx_linear(torch.empty(0, 64), q.packed[:, :32].contiguous(), q.scales[:, :2].contiguous(),
                         64).shape == (0, 70)
+    # MXLinear's two GPU routes, forced here on CPU tensors: the fused kernel within its tolerance of
+    # the torch path, the prefill route (Triton dequantization, then the matmul) bit-equal to it
+    from crucible.quant import linear as L
+    layer = L.MXLinear.from_linear(torch.nn.Linear(64, 24), "floor")
+    layer.set_adapter(torch.randn(24, 4, generator=g) * 0.1, torch.randn(4, 64, generator=g) * 0.1)
+    xs = torch.randn(40, 64, generator=g)
+    with torch.no_grad():
+        want = layer(xs)
+        for route in ("fused", "dequant-matmul"):
+            L.route_for = lambda x, k, route=route: route
+            got = layer(xs)
+            if route == "fused":
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+            else:
+                assert torch.equal(got, want), route
     print("MXFP4_TRITON_OK")
 ''')
 

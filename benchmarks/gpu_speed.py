@@ -1,0 +1,146 @@
+"""The GPU check's speed rows (benchmarks/gpu_check.py, part 4), timed as kernels (kernel_timing.py).
+
+1. roofline: the device's measured copy bandwidth and bf16 / TF32 matmul rates, in this run.
+2. decode (M = 1, 8, 16) at K = N = 4096 and 8192: the fused MXFP4 dequant-matmul with its rank-16
+   compensation adapter against a bf16 cuBLAS matmul with the weight already dequantized; each with
+   its achieved bandwidth as a share of the copy bandwidth. cuBLAS is checked against the roofline
+   first (a baseline far below it means the timing, not the kernel, is measured). Goal >= 2x.
+3. prefill (M = 32 .. 4096, K = N = 4096): the route MXLinear takes above FUSED_MAX_M rows (Triton
+   dequantization, then cuBLAS, adapter added) and the fused kernel, against bf16 cuBLAS; the
+   smallest M from which the dequant-matmul route beats the fused kernel. Goal >= 0.9x.
+4. CC-MMD kernel sums: their rate as a share of the measured TF32 matmul rate (goal >= 30 %), and
+   the estimate's relative error against the float64 torch sums.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from kernel_timing import copies_needed, fmt, kernel_time, roofline, share
+
+DECODE_GOAL, PREFILL_GOAL, CCMMD_GOAL = 2.0, 0.9, 0.30
+
+
+def _operands(n: int, k: int, copies: int, device, g) -> list[dict]:
+    from crucible.quant import triton_kernels as tk
+
+    sets = []
+    for _ in range(copies):
+        w = torch.randn(n, k, generator=g).to(device) * 0.05
+        packed, scales = tk.quantize(w, "floor")
+        sets.append(
+            {
+                "packed": packed,
+                "scales": scales,
+                "wb": tk.dequantize(packed, scales, k, torch.bfloat16),
+                "a": (torch.randn(n, 16, generator=g) * 0.01).to(device),
+                "b": (torch.randn(16, k, generator=g) * 0.01).to(device),
+            }
+        )
+        del w
+    return sets
+
+
+def speed_rows(device: torch.device, row: Callable, smoke: bool) -> None:
+    from crucible.quant import triton_kernels as tk
+
+    g = torch.Generator().manual_seed(0)
+    peak = roofline(device, smoke)
+    row(
+        "roofline (measured here)",
+        f"copy {peak['copy_gbs']:.0f} GB/s; bf16 matmul {peak['bf16_tflops']:.0f} TFLOP/s; "
+        f"TF32 {peak['tf32_tflops']:.0f} TFLOP/s",
+        "measured",
+        None if smoke else True,
+    )
+    sizes = (256,) if smoke else (4096, 8192)
+    for kn in sizes:
+        n = k = kn
+        wbytes = n * k * 2
+        # rotate over enough copies that the bf16 weights exceed L2 4x; the MXFP4 ones use the same sets
+        sets = _operands(n, k, copies_needed(wbytes, device), device, g)
+        for m in (1, 16) if smoke else (1, 8, 16):
+            xs = [torch.randn(m, k, generator=g).to(device).to(torch.bfloat16) for _ in sets]
+            t_cublas = kernel_time([lambda s=s, x=x: x @ s["wb"].T for s, x in zip(sets, xs)], device)
+            bw_cublas, sh_cublas = share(wbytes + 2 * m * (k + n), t_cublas, peak["copy_gbs"])
+            t_fused = kernel_time(
+                [
+                    lambda s=s, x=x: tk.mx_linear(x, s["packed"], s["scales"], k, None, s["a"], s["b"])
+                    for s, x in zip(sets, xs)
+                ],
+                device,
+            )
+            qbytes = n * k // 2 + n * k // 32 + 16 * (n + k) * 4 + 2 * m * (k + n)
+            bw_fused, sh_fused = share(qbytes, t_fused, peak["copy_gbs"])
+            ratio = t_cublas["median_us"] / t_fused["median_us"]
+            row(
+                f"decode: fused MXFP4 + rank-16 adapter vs bf16 cuBLAS, M={m} K=N={k}",
+                f"{fmt(t_fused)} ({bw_fused:.0f} GB/s, {sh_fused:.0%} of copy) vs {fmt(t_cublas)} "
+                f"({bw_cublas:.0f} GB/s, {sh_cublas:.0%} of copy) = {ratio:.2f}x",
+                f"goal >= {DECODE_GOAL}x; cuBLAS near the copy roofline",
+                None if smoke else ratio >= DECODE_GOAL,
+            )
+        del sets
+    _prefill(device, row, smoke, peak, g)
+    _ccmmd(device, row, smoke, peak, g)
+
+
+def _prefill(device, row, smoke: bool, peak: dict, g) -> None:
+    from crucible.quant import linear as L
+    from crucible.quant import triton_kernels as tk
+
+    n = k = 256 if smoke else 4096
+    layer = L.MXLinear.from_linear(torch.nn.Linear(k, n, bias=False), "floor").to(device)
+    layer.set_adapter(torch.randn(n, 16, generator=g) * 0.01, torch.randn(16, k, generator=g) * 0.01)
+    wb = layer.weight_dequantized(torch.bfloat16)
+    crossover = None
+    for m in (32, 64) if smoke else (32, 64, 128, 256, 1024, 4096):
+        x = torch.randn(m, k, generator=g).to(device).to(torch.bfloat16)
+        t_cublas = kernel_time([lambda: x @ wb.T], device)
+        with torch.no_grad():
+            t_route = kernel_time([lambda: layer(x)], device)  # M > FUSED_MAX_M: dequantize, then cuBLAS
+            t_fused = kernel_time(
+                [lambda: tk.mx_linear(x, layer.packed, layer.scales, k, None, layer.lora_a, layer.lora_b)], device
+            )
+        if crossover is None and t_route["median_us"] < t_fused["median_us"]:
+            crossover = m
+        ratio = t_cublas["median_us"] / t_route["median_us"]
+        tflops, sh = share(2 * m * n * k, t_route, peak["bf16_tflops"], 1e12)
+        row(
+            f"prefill: MXLinear (dequantize + cuBLAS + adapter) vs bf16 cuBLAS, M={m} K=N={k}",
+            f"{fmt(t_route)} ({tflops:.0f} TFLOP/s, {sh:.0%} of bf16 matmul) vs {fmt(t_cublas)} = {ratio:.2f}x; "
+            f"fused kernel {fmt(t_fused)}",
+            f"goal >= {PREFILL_GOAL}x",
+            None if smoke else ratio >= PREFILL_GOAL,
+        )
+    row(
+        "prefill: where dequantize + cuBLAS overtakes the fused kernel",
+        f"from M = {crossover} (MXLinear switches above FUSED_MAX_M = {L.FUSED_MAX_M})"
+        if crossover
+        else "not within the Ms timed",
+        "measured",
+        None if smoke else True,
+    )
+
+
+def _ccmmd(device, row, smoke: bool, peak: dict, g) -> None:
+    from crucible.ccmmd.kernels import kernel_matvec
+
+    nx, d, kc, nb = (256, 64, 4, 3) if smoke else (16384, 384, 4, 3)
+    xs = torch.randn(nx, d, generator=g).to(device)
+    w = torch.rand(nx, kc, generator=g, dtype=torch.float64).to(device)
+    bws = [8.0, 16.0, 32.0]
+    # its input checks read values on the host: not capturable in a graph, and milliseconds long
+    t = kernel_time([lambda: kernel_matvec(xs, xs, w, bws, backend="triton")], device, graph=False)
+    flops = nx * nx * (2 * d + 2 * kc * nb)  # the distances (a dot product) and the weighted sums
+    tflops, sh = share(flops, t, peak["tf32_tflops"], 1e12)
+    got = kernel_matvec(xs, xs, w, bws, backend="triton").double()
+    exact = kernel_matvec(xs.double(), xs.double(), w, bws, backend="torch").double()
+    rel = float((got - exact).norm() / exact.norm())
+    row(
+        f"CC-MMD kernel sums, n={nx} d={d}, {nb} bandwidths",
+        f"{fmt(t)} = {tflops:.1f} TFLOP/s, {sh:.0%} of TF32 matmul; rel error vs float64 {rel:.1e}",
+        f"goal >= {CCMMD_GOAL:.0%} of TF32",
+        None if smoke else sh >= CCMMD_GOAL,
+    )
