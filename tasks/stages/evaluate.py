@@ -528,29 +528,30 @@ def _csv(df: pd.DataFrame) -> bytes:
 NEAR_CHANCE = 0.02  # a fine-tune within this of chance learned next to nothing
 
 
-def finetune_warnings(cells: pd.DataFrame, chance: dict[str, float]) -> list[str]:
-    """A task's fine-tune (its encoder and head, on its test rows) below the base encoder's fresh
-    probe, or within NEAR_CHANCE of chance: it learned less than the frozen model already knows (too
-    few steps, a too high learning rate, too little data). Said on stderr and in evaluate.json."""
-
-    def value(variant: str, metric: str, task: str) -> float | None:
-        hit = cells[(cells["variant"] == variant) & (cells["metric"] == metric) & (cells["task"] == task)]
-        return None if hit.empty else float(hit["value"].iloc[0])
-
+def finetune_warnings(worth: dict, chance: dict[str, float]) -> list[str]:
+    """A task's fine-tune (its encoder and head) on every test row within NEAR_CHANCE of chance, or
+    significantly below the base encoder's probe (the paired interval of fine-tune - probe, from
+    `worth` = tasks.report.value.value, entirely below zero): it learned less than the frozen model
+    already knows (too few steps, a too high learning rate, too little data). A point estimate below
+    the probe inside the noise is not warned about. Said on stderr and in evaluate.json."""
+    accuracy = worth["accuracy"].get("finetune", {})
+    vs_probe = worth["comparisons"].get("finetune_vs_probe", {})
     out = []
     for task, floor in chance.items():
-        ft, probe = value(f"finetune:{task}", "head", task), value("base", "probe", task)
+        ft = accuracy.get(task)
         if ft is None:
             continue
+        c = vs_probe.get(task)
         if ft <= floor + NEAR_CHANCE:
             out.append(
                 f"finetune@{task}: test accuracy {ft:.3f} is at chance ({floor:.3f}, the majority class's "
                 f"share): it learned next to nothing (more steps or data, another lr)"
             )
-        elif probe is not None and ft < probe:
+        elif c is not None and c["ci_high"] < 0:
             out.append(
-                f"finetune@{task}: test accuracy {ft:.3f} is below the base model's fresh probe {probe:.3f} "
-                f"(a linear probe on the frozen encoder beats the fine-tune)"
+                f"finetune@{task}: test accuracy {ft:.3f} is below the base model's probe {c['b']:.3f} "
+                f"({100 * c['diff']:+.1f} [{100 * c['ci_low']:+.1f}, {100 * c['ci_high']:+.1f}] points, "
+                f"{c['n']} test rows): a linear probe on the frozen encoder beats the fine-tune"
             )
     return out
 
@@ -600,7 +601,7 @@ def compute(params: Params, root: Path, data: dict) -> dict:
         m: {r.interface: {"acc": r.acc, "bwt": r.bwt} for r in summary[summary["method"] == m].itertuples()}
         for m in mats
     }
-    warnings = finetune_warnings(cells, chance)
+    warnings = finetune_warnings(worth, chance)
     for w in warnings:
         say(f"warning: {w}")
     metrics = json_safe(
