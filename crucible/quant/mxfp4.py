@@ -61,6 +61,7 @@ No Python loop over blocks.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -82,19 +83,17 @@ _CEIL_EMAX = 125  # the largest scale exponent whose E2M1 grid (up to 6 * 2^e) i
 _MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
 
-def _e2m1_codes(scaled: torch.Tensor) -> torch.Tensor:
-    """uint8 E2M1 codes of float32 values already divided by their scale: the magnitude code is the
-    number of midpoints below |s| (a tie counts when it rounds up), saturating at 7 (6.0) and 7 for
-    inf; the sign bit from s. NaN gets magnitude 0 (the caller fixes NaN blocks). Seven compares
-    into one reused buffer: a quarter of the time of torch.bucketize, which is a binary search."""
-    a = scaled.abs()
-    mag = torch.gt(a, _MIDPOINTS[0][0]).to(torch.uint8)
+def _e2m1_magnitudes(a: torch.Tensor) -> torch.Tensor:
+    """uint8 E2M1 magnitude codes of float32 magnitudes already divided by their scale: the number of
+    midpoints below a (a tie counts when it rounds up), saturating at 7 (6.0) and 7 for inf; NaN
+    gets an unspecified code (the caller replaces NaN blocks). Seven compares into one reused
+    buffer, each added as its bytes: a quarter of the time of torch.bucketize, a binary search."""
+    mag = torch.gt(a, _MIDPOINTS[0][0]).view(torch.uint8)
     buf = torch.empty(a.shape, dtype=torch.bool, device=a.device)
     for mid, up in _MIDPOINTS[1:]:
         (torch.ge if up else torch.gt)(a, mid, out=buf)
-        mag += buf
-    torch.signbit(scaled, out=buf)
-    return mag.add_(buf, alpha=8)
+        mag += buf.view(torch.uint8)
+    return mag
 
 
 _LUT16 = torch.tensor(E2M1_VALUES, dtype=torch.float32)
@@ -188,23 +187,32 @@ def quantize(x: torch.Tensor, mode: str = "floor", pad: bool = False) -> MXFP4Te
     x = x.to(torch.float32).contiguous()
     lead = x.shape[:-1]
     blocks = x.view(*lead, -1, BLOCK)
-    amax = blocks.abs().amax(-1)
+    a = blocks.abs()  # reused: the block amax, then (scaled in place) the magnitudes to round
+    amax = a.amax(-1)
     e = _block_exponent(amax, mode)
     nan_block = torch.isnan(amax)
     scales = torch.where(nan_block, E8M0_NAN, e + E8M0_BIAS).to(torch.uint8)
     # 2^-e as float32 bits (e in [-127, 127] -> 2^-e in [2^-127, 2^127], all exact); a NaN block is
-    # scaled by 0 so its finite elements become +-0, as torchao's division by inf gives
+    # scaled by 0 so its finite elements become +-0, as torchao's division by inf gives. |x| * 2^-e
+    # rounds as |x * 2^-e| does, and x * 2^-e has x's sign (2^-e > 0), so the sign bit comes from x
     inv = pow2(-e).masked_fill_(nan_block, 0.0)
-    scaled = blocks * inv.unsqueeze(-1)
-    codes = _e2m1_codes(scaled)
+    codes = _e2m1_magnitudes(a.mul_(inv.unsqueeze(-1)))
+    codes.add_(torch.signbit(blocks).view(torch.uint8), alpha=8)
     if nan_block.any():
         # defined from x itself, not from x * 0 (whose NaN sign differs between devices)
         special = (torch.signbit(blocks).to(torch.uint8) << 3) | torch.where(torch.isfinite(blocks), 0, 3).to(
             torch.uint8
         )
         codes = torch.where(nan_block.unsqueeze(-1), special, codes)
-    codes = codes.view(*lead, -1, 2)
-    packed = codes[..., 0] | (codes[..., 1] << 4)
+    codes = codes.reshape(*lead, -1)
+    if sys.byteorder == "little":
+        # each pair of codes as one int16 (even code in the low byte): v | v >> 4 holds
+        # even | odd << 4 in its low byte, which the cast to uint8 keeps
+        v = codes.view(torch.int16)
+        packed = (v | (v >> 4)).to(torch.uint8)
+    else:
+        pairs = codes.view(*lead, -1, 2)
+        packed = pairs[..., 0] | (pairs[..., 1] << 4)
     return MXFP4Tensor(packed.contiguous(), scales.contiguous(), shape, mode)
 
 
