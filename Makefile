@@ -62,7 +62,7 @@ lint: install $(TEST_STAMP)
 # TEST_WORKERS test processes (pytest-xdist), each test file on one of them; TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: install $(TEST_STAMP) lint
-	$(BIN)/python -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile -m "not determinism and not operations"
+	$(BIN)/python -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile -m "not determinism and not operations and not long"
 
 test-fast: install $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
@@ -71,10 +71,12 @@ test-determinism: install $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -m determinism
 
 # The long end-to-end checks kept out of `make test`: determinism (threads, Dask, dvc repro; dvc repro
-# and the flow agree, a report-only change reruns only its stages) and operations (a Prefect server
-# with the deployments; concurrent runs).
+# and the flow agree, a report-only change reruns only its stages), operations (a Prefect server
+# with the deployments; concurrent runs) and long (the stage-level runs of DeBERTa-v2 and ModernBERT,
+# SIGKILL of a stage, the gate and registry-state tests that register several versions).
 test-long: install $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -m "determinism or operations"
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m long
 
 ui: install
 	$(BIN)/crucible ui

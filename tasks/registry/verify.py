@@ -9,7 +9,9 @@ bytes its producer wrote, and it loads and predicts in a fresh process, as servi
    before it runs. With no dvc.lock entry for the producer (no dvc.lock yet, a workspace that is
    not a DVC project) there is nothing to compare with; step 2 still runs, and the version's
    lineage tag `crucible.lineage.dvc_lock` says the lock was missing.
-2. A new interpreter loads the saved folder with `mlflow.pyfunc.load_model` (the model's own code
+2. A new interpreter loads the saved folder (once per content: a folder whose files, example rows,
+   interpreter and MLflow version equal one that passed before in this workspace is not loaded
+   again; `.crucible/verified/`) with `mlflow.pyfunc.load_model` (the model's own code
    and weights, no state of this process) and predicts `example` (a text of each task): every row
    must get one of its task's classes and finite probabilities that sum to 1.
 
@@ -35,6 +37,9 @@ from tasks.runtime.io import md5_file, rebuild_hint
 PACKED = ("model.safetensors", "heads.safetensors")  # copied from the source folder (pyfunc.stage_multitask_folder)
 TIMEOUT_S = 900.0
 _MARK = "crucible-verify: "  # the child's error line on stderr
+# one empty file per content_key that loaded and predicted in a fresh process (a version registered
+# again from the same bytes, or a second registry, is not loaded again)
+VERIFIED = Path(".crucible") / "verified"
 
 
 def packed_dir(folder: Path) -> Path:
@@ -49,8 +54,13 @@ def verify_pyfunc(root: Path, folder: Path, source: Path, stage: str, example: p
     packed = packed_dir(folder)
     rel = source.relative_to(root).as_posix()
     lockcheck.check(root, "register", {f"{rel}/{n}": md5_file(packed / n) for n in PACKED})
+    mark = Path(root) / VERIFIED / content_key(folder, example)
+    if mark.is_file():  # these very bytes, code and example loaded and predicted before: compute once
+        return folder
     error = load_in_fresh_process(folder, example)
     if error is None:
+        mark.parent.mkdir(parents=True, exist_ok=True)
+        mark.write_text(str(folder) + "\n")
         return folder
     from tasks.registry.pyfunc import REBUILD
 
@@ -62,6 +72,29 @@ def verify_pyfunc(root: Path, folder: Path, source: Path, stage: str, example: p
         f"{where}{error}; the model register was about to log does not load and predict in a fresh process as "
         f"serving would, so nothing was registered: {rebuild_hint(stage)}"
     )
+
+
+def content_key(folder: Path, example: pd.DataFrame) -> str:
+    """md5 of what decides whether the saved pyfunc loads and predicts: every file of `folder` (its
+    weights, code and requirements) but MLmodel, which differs on every save by its id and time
+    alone, with MLmodel's other lines; the example rows; this interpreter and its MLflow."""
+    import hashlib
+
+    import mlflow
+
+    h = hashlib.md5()
+    folder = Path(folder)
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        rel = path.relative_to(folder).as_posix()
+        if rel == "MLmodel":
+            volatile = ("model_uuid:", "utc_time_created:", "model_id:", "run_id:", "artifact_path:")
+            body = "\n".join(line for line in path.read_text().splitlines() if not line.strip().startswith(volatile))
+            h.update(f"{rel}\0{hashlib.md5(body.encode()).hexdigest()}\0".encode())
+        else:
+            h.update(f"{rel}\0{md5_file(path)}\0".encode())
+    h.update(json.dumps(example[["text", "task"]].to_dict(orient="list"), sort_keys=True).encode())
+    h.update(f"{sys.executable}\0{mlflow.__version__}".encode())
+    return h.hexdigest()
 
 
 def load_in_fresh_process(folder: Path, example: pd.DataFrame, timeout: float = TIMEOUT_S) -> str | None:

@@ -114,7 +114,7 @@ def test_orphaned_mlflow_runs_are_marked_failed_live_ones_are_not(tmp_path, slee
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGKILL, marks=pytest.mark.long)])
 def test_a_killed_stage_leaves_no_running_run_and_no_temporary_files(tiny_project, sig):
     """Kill `crucible stage embed` mid-run: SIGTERM unwinds (run FAILED at once); after SIGKILL the
     next stage start marks it FAILED. Either way no temporary file or scratch folder survives the

@@ -72,6 +72,7 @@ def _bump_heads(root: Path, delta: float) -> None:
     as_written_by(root, "quantize", "models/quantize/heads.safetensors")  # as a rerun of quantize would
 
 
+@pytest.mark.long
 def test_gate_never_moves_champion_to_a_worse_model(tmp_path_factory):
     """Three versions: a first (champion), a better (champion moves), a significantly worse one on the
     same rows (challenger, with the reason and the intervals as tags; champion stays). A rerun of the
@@ -148,6 +149,7 @@ def test_a_champion_without_stored_predictions_scores_the_rows_itself(tmp_path_f
     assert vs["comparison"]["mean"]["n"] == 48  # every test row of both tasks, scored by version 1
 
 
+@pytest.mark.long
 def test_an_experiment_or_promote_false_never_moves_the_champion(tmp_path_factory, monkeypatch):
     """Under `dvc exp run` (DVC_EXP_NAME set) a better model is registered and gated but stays the
     challenger, with the experiment and the work tree's state in its tags; so with
@@ -480,6 +482,7 @@ def test_dir_hash_is_dvcs(ws):
 # a workspace that stands alone, a store that is lost, a register that is killed
 
 
+@pytest.mark.long
 def test_a_copied_workspace_serves_its_own_files_after_the_original_is_deleted(tmp_path_factory, capsys):
     """Copy a workspace that registered a champion (as `cp -a` would), delete the original: the copy's
     store points at its own mlartifacts/, the champion loads and predicts from there, and a run in the
