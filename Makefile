@@ -72,8 +72,8 @@ test-determinism: install $(TEST_STAMP)
 
 # The long end-to-end checks kept out of `make test`: determinism (threads, Dask, dvc repro; dvc repro
 # and the flow agree, a report-only change reruns only its stages), operations (a Prefect server
-# with the deployments; concurrent runs) and long (the stage-level runs of DeBERTa-v2 and ModernBERT,
-# SIGKILL of a stage, the gate and registry-state tests that register several versions).
+# with the deployments; concurrent runs) and long (the stage-level runs of other model families, SIGKILL
+# of a stage, register tests that register several versions, dvc.yaml under dvc, the SmolLM2 GGUF).
 test-long: install $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -m "determinism or operations"
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m long

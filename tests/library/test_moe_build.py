@@ -394,6 +394,7 @@ def _gguf_or_skip():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_smollm2_gguf_loads_and_its_first_layers_moefy():
     from crucible.moe.dense import load_dense
     from tasks.data.models import smollm2_gguf_path

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tasks.runtime.declaration import expand
@@ -105,6 +106,7 @@ def test_metrics_diff_and_compare_against_a_committed_baseline(tmp_path):
     assert bad.returncode == 2 and "neither a git revision nor a DVC experiment" in bad.stderr
 
 
+@pytest.mark.long
 def test_dvc_yaml_follows_the_tasks_and_a_stale_one_is_refused_under_dvc(tmp_path):
     root = project(tmp_path)
     # written for other tasks: `dag check` says so, and a stage over all tasks refuses to run under dvc repro

@@ -108,6 +108,7 @@ def test_data_check_reads_the_files_up_front(project_root, own_project):
     assert "inputs/reviews/test.parquet, column 'label', row 3" in bad.stderr
 
 
+@pytest.mark.long
 def test_a_failed_run_is_one_error_line_with_the_traceback_in_a_log(tiny_project):
     """A stage that fails inside the flow: `crucible run` prints one `error:` line naming the stage
     and the value, exit 2, and the path of a log that holds the traceback."""

@@ -66,14 +66,8 @@ def tables(task: str, seed: int) -> dict[str, pd.DataFrame]:
     return {"reference": reference, "labeled": labeled, "test": test, "pool": pool}
 
 
-@pytest.mark.parametrize(
-    "family",
-    [  # one encoder family beside the demo's BERT in make test; the others in make test-long
-        pytest.param("deberta-v2", marks=pytest.mark.long),
-        pytest.param("modernbert", marks=pytest.mark.long),
-        "llama",
-    ],
-)
+@pytest.mark.parametrize("family", ["deberta-v2", "modernbert", "llama"])
+@pytest.mark.long
 def test_stages_end_to_end_on_a_local_model_folder(family, tmp_path, project_root):
     from tasks.runtime.workspace import make_workspace
 

@@ -128,6 +128,7 @@ def test_gate_never_moves_champion_to_a_worse_model(tmp_path_factory):
     assert int(client.get_model_version_by_alias(name, "champion").version) == 2
 
 
+@pytest.mark.long
 def test_a_champion_without_stored_predictions_scores_the_rows_itself(tmp_path_factory):
     """A champion registered before its predictions were stored (or for other test rows) is loaded
     from the registry and scores this version's rows in the process."""
