@@ -120,6 +120,7 @@ def finetune_project(tmp_path_factory):
     return root
 
 
+@pytest.mark.long
 def test_a_stage_under_crucible_says_one_line_and_nothing_of_the_libraries(finetune_project):
     """`crucible stage finetune` with stderr in a file (as under `dvc repro` to a log, or CI): the
     model load, the training and log_model used to print torchao's and torch's complaints,

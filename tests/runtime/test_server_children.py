@@ -84,6 +84,7 @@ def test_a_spawned_server_and_what_it_started_die_with_a_sigkilled_parent(tmp_pa
     _kill_and_check(proc, pids)
 
 
+@pytest.mark.long
 def test_prefects_temporary_server_dies_with_a_sigkilled_run(tmp_path):
     """What `crucible run` does without PREFECT_API_URL: run_pipeline guards the server Prefect starts."""
     port = free_port()
