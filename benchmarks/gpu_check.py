@@ -283,6 +283,27 @@ def kernel_rows(device) -> None:
         want = x.double() @ (deq.double() + a.double() @ b.double()).T
         got = tk.mx_linear(x, packed, scales, k, None, a, b)
         worst_lin = max(worst_lin, float((got.double() - want).norm() / want.norm()))
+    # the decode kernel (split-K, tokens on the MMA's N side): fp32 x and bf16 x (tensor cores on a GPU)
+    worst_dec = {torch.float32: 0.0, torch.bfloat16: 0.0}
+    for n, k in shapes:
+        w = (torch.randn(n, k, generator=g) * 0.05).to(device)
+        packed, scales = tk.quantize(w, "floor")
+        deq = tk.dequantize(packed, scales, k, torch.float32).double()
+        a, b = (torch.randn(n, 16, generator=g) * 0.01).to(device), (torch.randn(16, k, generator=g) * 0.01).to(device)
+        bias = torch.randn(n, generator=g).to(device)
+        for m in (1, 5, 16):
+            for dt in worst_dec:
+                x = torch.randn(m, k, generator=g).to(device).to(dt)
+                want = x.double() @ (deq + a.double() @ b.to(dt).double()).T + bias.double()
+                for split in (None, 1, 4):
+                    got = tk.mx_linear(x, packed, scales, k, bias, a, b, split_k=split)
+                    worst_dec[dt] = max(worst_dec[dt], float((got.double() - want).norm() / want.norm()))
+    row(
+        "kernels: decode kernel (split-K 1, 4, default; M = 1, 5, 16) + bias + rank-16 adapter vs float64",
+        f"rel error fp32 x {worst_dec[torch.float32]:.1e}, bf16 x {worst_dec[torch.bfloat16]:.1e}",
+        "<= 1e-5 (fp32), <= 1e-2 (bf16: one rounding of the output)",
+        worst_dec[torch.float32] <= 1e-5 and worst_dec[torch.bfloat16] <= 1e-2,
+    )
     row(
         "kernels: MXFP4 quantize and dequantize vs the torch path, real shapes",
         "bytes equal" if equal else "bytes differ",
@@ -290,7 +311,7 @@ def kernel_rows(device) -> None:
         equal,
     )
     row(
-        "kernels: fused dequant-matmul + rank-16 adapter (fp32 x) vs float64",
+        "kernels: fused dequant-matmul (tiled, M = 256) + rank-16 adapter (fp32 x) vs float64",
         f"rel error {worst_lin:.1e}",
         "<= 1e-5",
         worst_lin <= 1e-5,

@@ -1,10 +1,12 @@
 """The GPU check's speed rows (benchmarks/gpu_check.py, part 4), timed as kernels (kernel_timing.py).
 
 1. roofline: the device's measured copy bandwidth and bf16 / TF32 matmul rates, in this run.
-2. decode (M = 1, 8, 16) at K = N = 4096 and 8192: the fused MXFP4 dequant-matmul with its rank-16
-   compensation adapter against a bf16 cuBLAS matmul with the weight already dequantized; each with
-   its achieved bandwidth as a share of the copy bandwidth. cuBLAS is checked against the roofline
-   first (a baseline far below it means the timing, not the kernel, is measured). Goal >= 2x.
+2. decode (M = 1, 8, 16) at K = N = 4096 and 8192: the split-K MXFP4 decode kernel with its rank-16
+   compensation adapter (what MXLinear runs for M <= 16) and the tiled kernel timed before it,
+   against a bf16 cuBLAS matmul with the weight already dequantized; each with its achieved
+   bandwidth as a share of the copy bandwidth. cuBLAS is checked against the roofline first (a
+   baseline far below it means the timing, not the kernel, is measured). Goal >= 2x. At M = 1 and
+   16 a sweep over split-K, tile width and K step says what tuning decode_config would gain.
 3. prefill (M = 32 .. 4096, K = N = 4096): the route MXLinear takes above FUSED_MAX_M rows (Triton
    dequantization, then cuBLAS, adapter added) and the fused kernel, against bf16 cuBLAS; the
    smallest M from which the dequant-matmul route beats the fused kernel. Goal >= 0.9x.
@@ -43,6 +45,7 @@ def _operands(n: int, k: int, copies: int, device, g) -> list[dict]:
 
 
 def speed_rows(device: torch.device, row: Callable, smoke: bool) -> None:
+    from crucible.quant import triton_decode as tdec
     from crucible.quant import triton_kernels as tk
 
     g = torch.Generator().manual_seed(0)
@@ -58,32 +61,66 @@ def speed_rows(device: torch.device, row: Callable, smoke: bool) -> None:
     for kn in sizes:
         n = k = kn
         wbytes = n * k * 2
-        # rotate over enough copies that the bf16 weights exceed L2 4x; the MXFP4 ones use the same sets
-        sets = _operands(n, k, copies_needed(wbytes, device), device, g)
+        # rotate over enough copies that the MXFP4 weights (the smaller ones) exceed L2 4x, so neither
+        # kernel finds its weight in L2 (the bf16 ones use the same sets)
+        sets = _operands(n, k, copies_needed(n * k // 2, device), device, g)
         for m in (1, 16) if smoke else (1, 8, 16):
             xs = [torch.randn(m, k, generator=g).to(device).to(torch.bfloat16) for _ in sets]
             t_cublas = kernel_time([lambda s=s, x=x: x @ s["wb"].T for s, x in zip(sets, xs)], device)
             bw_cublas, sh_cublas = share(wbytes + 2 * m * (k + n), t_cublas, peak["copy_gbs"])
-            t_fused = kernel_time(
-                [
-                    lambda s=s, x=x: tk.mx_linear(x, s["packed"], s["scales"], k, None, s["a"], s["b"])
-                    for s, x in zip(sets, xs)
-                ],
-                device,
-            )
             qbytes = n * k // 2 + n * k // 32 + 16 * (n + k) * 4 + 2 * m * (k + n)
-            bw_fused, sh_fused = share(qbytes, t_fused, peak["copy_gbs"])
-            ratio = t_cublas["median_us"] / t_fused["median_us"]
+
+            def timed(sets=sets, xs=xs, **opts):
+                return kernel_time(
+                    [
+                        lambda s=s, x=x: tk.mx_linear(x, s["packed"], s["scales"], k, None, s["a"], s["b"], **opts)
+                        for s, x in zip(sets, xs)
+                    ],
+                    device,
+                )
+
+            t_dec = timed()  # what MXLinear runs for M <= 16: the split-K decode kernel, default config
+            t_tiled = timed(block_m=16)  # the tiled kernel this check timed before
+            bw_dec, sh_dec = share(qbytes, t_dec, peak["copy_gbs"])
+            ratio = t_cublas["median_us"] / t_dec["median_us"]
+            cfg = tdec.decode_config(n, k, device)
             row(
-                f"decode: fused MXFP4 + rank-16 adapter vs bf16 cuBLAS, M={m} K=N={k}",
-                f"{fmt(t_fused)} ({bw_fused:.0f} GB/s, {sh_fused:.0%} of copy) vs {fmt(t_cublas)} "
-                f"({bw_cublas:.0f} GB/s, {sh_cublas:.0%} of copy) = {ratio:.2f}x",
+                f"decode: MXFP4 split-K kernel + rank-16 adapter vs bf16 cuBLAS, M={m} K=N={k}",
+                f"{fmt(t_dec)} ({bw_dec:.0f} GB/s, {sh_dec:.0%} of copy; split {cfg['split_k']}, "
+                f"{cfg['block_n']}x{cfg['block_k']}) vs {fmt(t_cublas)} ({bw_cublas:.0f} GB/s, "
+                f"{sh_cublas:.0%} of copy) = {ratio:.2f}x; tiled kernel {fmt(t_tiled)} = "
+                f"{t_cublas['median_us'] / t_tiled['median_us']:.2f}x",
                 f"goal >= {DECODE_GOAL}x; cuBLAS near the copy roofline",
                 None if smoke else ratio >= DECODE_GOAL,
             )
+            if m in (1, 16):
+                _decode_sweep(timed, t_dec, t_cublas, m, k, row, smoke)
         del sets
     _prefill(device, row, smoke, peak, g)
     _ccmmd(device, row, smoke, peak, g)
+
+
+def _decode_sweep(timed, t_default, t_cublas, m: int, k: int, row, smoke: bool) -> None:
+    """The decode kernel over split-K, tile width and K step: the best configuration against the
+    default one (what tuning decode_config would gain), in the same run."""
+    grid = (
+        [(1, 64, 256), (4, 64, 256)]
+        if smoke
+        else [(split, bn, bk) for split in (1, 2, 4, 8, 16) for bn in (64, 128) for bk in (128, 256)]
+    )
+    best = None
+    for split, bn, bk in grid:
+        t = timed(split_k=split, block_n=bn, block_k=bk)
+        if best is None or t["median_us"] < best[0]["median_us"]:
+            best = (t, split, bn, bk)
+    t, split, bn, bk = best
+    row(
+        f"decode sweep: best of {len(grid)} configurations, M={m} K=N={k}",
+        f"split {split}, {bn}x{bk}: {fmt(t)} = {t_cublas['median_us'] / t['median_us']:.2f}x cuBLAS "
+        f"(default config {t_default['median_us'] / t['median_us']:.2f}x slower)",
+        "measured",
+        None if smoke else True,
+    )
 
 
 def _prefill(device, row, smoke: bool, peak: dict, g) -> None:

@@ -27,13 +27,27 @@ Tiling of ``mx_linear`` (one kernel launch)
   idle; tiles shrink (powers of two >= 16) for small M or N. float32: BLOCK_K = 32.
   ``tl.dot`` needs every dimension >= 16. M, N and K need not be multiples of the blocks (masked
   loads and stores); K must be a multiple of 32, the MX block.
+
+Decode (``mx_decode``, M <= 16 rows; launched by crucible.quant.triton_decode)
+- The product is computed transposed, y^T = W x^T: W's rows fill the MMA's M side (BLOCK_N = 64 or
+  128, what wgmma wants) and the few tokens its N side (BLOCK_T = 16), so no MMA lane is spent on
+  padding rows of x.
+- Split-K: a (N / BLOCK_N, SPLIT_K) grid, each program streaming K / SPLIT_K columns of its rows, so
+  that every SM has weights in flight even when N / BLOCK_N is below the SM count; each split writes
+  float32 partial sums and ``splitk_reduce`` adds them in split order (deterministic; no atomics),
+  adds the bias and rounds to x's dtype. SPLIT_K = 1 does that epilogue in the kernel itself.
+- Nibbles in their stored order: a byte holds W[n, 2j] (low) and W[n, 2j + 1] (high); instead of
+  interleaving the dequantized nibbles back into K order (register shuffles on the weight, the large
+  operand) the kernel reads x's even and odd columns and runs two dots of half the K step. The
+  adapter's t = b x^T is accumulated from the same even / odd tiles of x; the epilogue adds a t.
 """
 
 from __future__ import annotations
 
 
 def build() -> dict:
-    """Define (jit) the kernels; {"quantize", "dequantize", "mx_linear"} -> the triton.jit function."""
+    """Define (jit) the kernels; {"quantize", "dequantize", "mx_linear", "mx_decode", "splitk_reduce"}
+    -> the triton.jit function."""
     import triton
     import triton.language as tl
 
@@ -247,4 +261,134 @@ def build() -> dict:
         else:
             tl.store(y_ptr + yoffs, acc, mask=ymask)
 
-    return {"quantize": _quantize_kernel, "dequantize": _dequantize_kernel, "mx_linear": _mx_linear_kernel}
+    @triton.jit
+    def _mx_decode_kernel(
+        x_ptr,
+        p_ptr,
+        s_ptr,
+        bias_ptr,
+        a_ptr,
+        b_ptr,
+        out_ptr,
+        M,
+        N,
+        K,
+        r,
+        K_SPLIT,
+        HAS_BIAS: tl.constexpr,
+        HAS_LR: tl.constexpr,
+        R: tl.constexpr,
+        X_BITS: tl.constexpr,
+        DOT_BF16: tl.constexpr,
+        OUT_BF16: tl.constexpr,
+        PARTIAL: tl.constexpr,
+        PREC: tl.constexpr,
+        EPI_PREC: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        # y^T tile (BLOCK_N, BLOCK_T) of W's rows pid_n over K range pid_k: W rows on the MMA's M side,
+        # the few tokens on its N side; nibbles consumed in their stored order (x split into its even
+        # and odd columns, W never interleaved); PARTIAL: float32 partial sums to out[pid_k] (the
+        # split-K reduction adds them in a fixed order), else bias, rounding and the store here.
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = rn < N
+        rn64 = rn.to(tl.int64)
+        rt = tl.arange(0, BLOCK_T)
+        tmask = rt < M
+        rt64 = rt.to(tl.int64)
+        kp = K // 2
+        ks = K // 32
+        rr = tl.arange(0, R)
+        acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+        t = tl.zeros((R, BLOCK_T), dtype=tl.float32)
+        k_lo = pid_k * K_SPLIT
+        k_hi = tl.minimum(k_lo + K_SPLIT, K)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            jk = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            jmask = jk < k_hi // 2
+            pb = tl.load(p_ptr + rn64[:, None] * kp + jk[None, :], mask=nmask[:, None] & jmask[None, :], other=0).to(
+                tl.int32
+            )
+            sk = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            sb = tl.load(
+                s_ptr + rn64[:, None] * ks + sk[None, :], mask=nmask[:, None] & (sk < k_hi // 32)[None, :], other=127
+            ).to(tl.int32)
+            sv = _mx_scale_value(sb)
+            sv = tl.reshape(tl.broadcast_to(sv[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)), (BLOCK_N, BLOCK_K // 2))
+            lo = _mx_e2m1_value(pb & 0xF) * sv  # W[:, k0 + 2j]
+            hi = _mx_e2m1_value(pb >> 4) * sv  # W[:, k0 + 2j + 1]
+            # x^T's even and odd rows (BLOCK_K // 2, BLOCK_T)
+            xoffs = rt64[None, :] * K + (2 * jk)[:, None]
+            xmask = tmask[None, :] & jmask[:, None]
+            if DOT_BF16:
+                xe = tl.load(x_ptr + xoffs, mask=xmask, other=0.0)
+                xo = tl.load(x_ptr + xoffs + 1, mask=xmask, other=0.0)
+                acc = tl.dot(lo.to(tl.bfloat16), xe, acc)
+                acc = tl.dot(hi.to(tl.bfloat16), xo, acc)
+            else:
+                xe = _mx_load_f32(x_ptr, xoffs, xmask, X_BITS)
+                xo = _mx_load_f32(x_ptr, xoffs + 1, xmask, X_BITS)
+                acc = tl.dot(lo, xe, acc, input_precision=PREC)
+                acc = tl.dot(hi, xo, acc, input_precision=PREC)
+            if HAS_LR:
+                boffs = rr[:, None] * K + (2 * jk)[None, :]
+                bmask = (rr[:, None] < r) & jmask[None, :]
+                be = tl.load(b_ptr + boffs, mask=bmask, other=0.0)
+                bo = tl.load(b_ptr + boffs + 1, mask=bmask, other=0.0)
+                if DOT_BF16:
+                    t = tl.dot(be.to(tl.bfloat16), xe, t)
+                    t = tl.dot(bo.to(tl.bfloat16), xo, t)
+                else:
+                    t = tl.dot(be, xe, t, input_precision=PREC)
+                    t = tl.dot(bo, xo, t, input_precision=PREC)
+        if HAS_LR:
+            at = tl.load(a_ptr + rn64[:, None] * r + rr[None, :], mask=nmask[:, None] & (rr[None, :] < r), other=0.0)
+            acc = tl.dot(at, t, acc, input_precision=EPI_PREC)
+        omask = nmask[:, None] & tmask[None, :]
+        if PARTIAL:
+            tl.store(out_ptr + (pid_k * M + rt64[None, :]) * N + rn64[:, None], acc, mask=omask)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + rn, mask=nmask, other=0.0)[:, None]
+            yoffs = rt64[None, :] * N + rn64[:, None]
+            if OUT_BF16:
+                tl.store(out_ptr + yoffs, _mx_bf16_bits(acc), mask=omask)
+            else:
+                tl.store(out_ptr + yoffs, acc, mask=omask)
+
+    @triton.jit
+    def _splitk_reduce_kernel(
+        ws_ptr,
+        bias_ptr,
+        y_ptr,
+        MN,
+        N,
+        SPLIT: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        OUT_BF16: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        # y = sum over the splits of ws[s] in split order (deterministic), + bias, rounded to y's dtype
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < MN
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            acc += tl.load(ws_ptr + s * MN + offs, mask=mask, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0)
+        if OUT_BF16:
+            tl.store(y_ptr + offs, _mx_bf16_bits(acc), mask=mask)
+        else:
+            tl.store(y_ptr + offs, acc, mask=mask)
+
+    return {
+        "quantize": _quantize_kernel,
+        "dequantize": _dequantize_kernel,
+        "mx_linear": _mx_linear_kernel,
+        "mx_decode": _mx_decode_kernel,
+        "splitk_reduce": _splitk_reduce_kernel,
+    }

@@ -38,11 +38,19 @@ the kernels.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from crucible.quant import triton_decode
 from crucible.quant.mxfp4 import BLOCK, MODES
+from crucible.quant.triton_checks import (
+    _check_block,
+    _check_devices,
+    _check_k,
+    _check_packed,
+    _check_tensor,
+    _interpreting,
+    _shape,
+)
 
 _KERNELS: dict | None = None
 _MAX_RANK = 128
@@ -59,15 +67,6 @@ def available() -> bool:
     return True
 
 
-def _interpreting() -> bool:
-    try:
-        import triton
-
-        return bool(triton.knobs.runtime.interpret)
-    except Exception:
-        return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
 def _kernels() -> dict:
     global _KERNELS
     if not available():
@@ -79,68 +78,6 @@ def _kernels() -> dict:
 
         _KERNELS = build()
     return _KERNELS
-
-
-# ---------------------------------------------------------------------------------------------
-# validation
-
-
-def _shape(t: torch.Tensor) -> list[int]:
-    return list(t.shape)
-
-
-def _check_tensor(name: str, t, where: str) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
-
-
-def _check_k(k, where: str) -> int:
-    if isinstance(k, bool) or not isinstance(k, int) or k <= 0 or k % BLOCK:
-        raise ValueError(f"{where}: k must be a positive multiple of {BLOCK}, got {k!r}")
-    return k
-
-
-def _check_devices(where: str, **tensors) -> torch.device:
-    named = [(n, t) for n, t in tensors.items() if t is not None]
-    dev = named[0][1].device
-    for n, t in named[1:]:
-        if t.device != dev:
-            raise ValueError(
-                f"{where}: {n} is on {t.device} but {named[0][0]} is on {dev}; all tensors must be on one device"
-            )
-    if dev.type != "cuda" and not (dev.type == "cpu" and _interpreting()):
-        raise ValueError(
-            f"{where}: tensors on {dev} need a CUDA device, or TRITON_INTERPRET=1 (set "
-            f"before triton is imported) for CPU tensors; use crucible.quant.mxfp4 otherwise"
-        )
-    return dev
-
-
-def _check_packed(where: str, packed, scales, k: int, lead=None) -> tuple[int, ...]:
-    _check_tensor("packed", packed, where)
-    _check_tensor("scales", scales, where)
-    if packed.dtype != torch.uint8:
-        raise ValueError(f"{where}: packed must be torch.uint8, got {packed.dtype} (shape {_shape(packed)})")
-    if scales.dtype != torch.uint8:
-        raise ValueError(f"{where}: scales must be torch.uint8, got {scales.dtype} (shape {_shape(scales)})")
-    if packed.dim() == 0 or packed.shape[-1] != k // 2:
-        raise ValueError(f"{where}: packed must have last dimension k // 2 = {k // 2}, got shape {_shape(packed)}")
-    plead = tuple(packed.shape[:-1])
-    if lead is not None and plead != tuple(lead):
-        raise ValueError(f"{where}: packed must have shape {[*lead, k // 2]}, got {_shape(packed)}")
-    if tuple(scales.shape) != (*plead, k // BLOCK):
-        raise ValueError(
-            f"{where}: scales must have shape {[*plead, k // BLOCK]} (packed is "
-            f"{_shape(packed)}, k = {k}), got {_shape(scales)}"
-        )
-    return plead
-
-
-def _check_block(name: str, v, where: str, lo: int = 16) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo or v & (v - 1):
-        why = "tl.dot's minimum" if lo == 16 else "one MX block of 32 per tile at least"
-        raise ValueError(f"{where}: {name} must be a power of two >= {lo} ({why}), got {v!r}")
-    return v
 
 
 def _pow2_at_least(n: int, lo: int, hi: int) -> int:
@@ -275,6 +212,7 @@ def mx_linear(
     num_warps: int | None = None,
     num_stages: int | None = None,
     precision: str = "tf32x3",
+    split_k: int | None = None,
 ) -> torch.Tensor:
     """y = x @ dequantize(W)^T (+ bias) (+ (x @ b^T) @ a^T), fused (see the module docstring).
 
@@ -284,8 +222,10 @@ def mx_linear(
     float32. The low-rank term is computed in the same kernel (t = x @ b^T accumulated in the K loop,
     t @ a^T added in the epilogue). precision (float32 x on a GPU): "tf32x3" (float32-accurate on
     tensor cores), "tf32" (x rounded to TF32) or "ieee" (FMA). Block sizes: powers of two, >= 16
-    (block_k >= 32); unset ones come from ``default_config``. Raises ValueError for bad arguments,
-    before launching anything.
+    (block_k >= 32); unset ones come from ``default_config``. Up to DECODE_MAX_M (16) rows with
+    block_m unset, or with split_k given, the decode kernel runs (crucible.quant.triton_decode:
+    split-K, tokens on the MMA's N side; block_n, block_k, num_warps and num_stages apply to it).
+    Raises ValueError for bad arguments, before launching anything.
     """
     where = "mx_linear"
     k = _check_k(k, where)
@@ -337,9 +277,12 @@ def mx_linear(
         _check_block("block_k", block_k, where, lo=32)
     if isinstance(group_m, bool) or not isinstance(group_m, int) or group_m < 1:
         raise ValueError(f"{where}: group_m must be a positive int, got {group_m!r}")
-    for name, v in (("num_warps", num_warps), ("num_stages", num_stages)):
+    for name, v in (("num_warps", num_warps), ("num_stages", num_stages), ("split_k", split_k)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ValueError(f"{where}: {name} must be a positive int, got {v!r}")
+    decode = split_k is not None or (m <= triton_decode.DECODE_MAX_M and block_m is None)
+    if decode and m > triton_decode.DECODE_MAX_M:
+        raise ValueError(f"{where}: split_k is for at most {triton_decode.DECODE_MAX_M} rows of x, got {m}")
     dev = _check_devices(where, x=x, packed=packed, scales=scales, bias=bias, a=a, b=b)
     kern = _kernels()["mx_linear"]
 
@@ -360,6 +303,24 @@ def mx_linear(
     bias_c = bias.to(f32).contiguous() if bias is not None else None
     a_c = a.to(f32).contiguous() if a is not None else None
     b_c = (b.to(torch.bfloat16) if bf16 else b).to(f32).contiguous() if b is not None else None
+    if decode:
+        return triton_decode.launch(
+            _kernels(),
+            x2,
+            packed,
+            scales,
+            bias_c,
+            a_c,
+            b_c,
+            y.view(m, n),
+            dot_bf16=dot_bf16,
+            precision=precision,
+            block_n=block_n,
+            block_k=block_k,
+            split_k=split_k,
+            num_warps=num_warps,
+            num_stages=num_stages,
+        ).view(*lead, n)
     rp = max(16, 1 << (r - 1).bit_length()) if r else 16
     grid = (-(-m // bm) * -(-n // bn),)
     xin = x2.view(torch.int16) if (bf16 and not dot_bf16) else x2

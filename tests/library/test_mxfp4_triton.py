@@ -15,6 +15,7 @@ import textwrap
 import pytest
 import torch
 
+from crucible.quant import triton_checks
 from crucible.quant import triton_kernels as tk
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -175,6 +176,36 @@ INTERPRETER_SCRIPT = textwrap.dedent(r'''
                 wantb = reference(xb, q, *args)
                 assert yb.dtype == torch.bfloat16 and yb.shape == (*lead, n)
                 torch.testing.assert_close(yb.double(), wantb, rtol=1e-2, atol=1e-2 * wantb.abs().max().item())
+    # the decode kernel (up to 16 rows, block_m unset): split-K with a split boundary inside an MX
+    # block step, K not a multiple of the K step, 3-D x, wide N tiles, the default split of a long K
+    decode = [  # (lead dims of x, N, K, options)
+        ((1,), 45, 96, {}),
+        ((5,), 70, 320, dict(split_k=3, block_k=32)),
+        ((2, 3), 33, 512, dict(split_k=4, block_k=64)),
+        ((16,), 130, 256, dict(block_n=128)),
+        ((7,), 20, 4096, {}),
+    ]
+    from crucible.quant import triton_decode as td
+    assert td.decode_config(20, 4096, torch.device("cpu"))["split_k"] > 1   # the last case splits K
+    for lead, n, k, opts in decode:
+        wd = torch.randn(n, k, generator=g) * torch.logspace(-2, 2, n)[:, None]
+        qd = ref.quantize(wd, "floor")
+        x = torch.randn(*lead, k, generator=g)
+        a, b = torch.randn(n, 5, generator=g), torch.randn(5, k, generator=g)
+        for args in ((None, None, None), (torch.randn(n, generator=g) * 30, a, b)):
+            for xd, tol in ((x, 1e-4), (x.to(torch.bfloat16), 1e-2)):
+                y = tk.mx_linear(xd, qd.packed, qd.scales, k, *args, **opts)
+                want = reference(xd, qd, *args)
+                assert y.dtype == xd.dtype and y.shape == (*lead, n), (y.dtype, y.shape)
+                torch.testing.assert_close(y.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+    # a NaN block in the second split makes its row NaN, and no other (masked tails read no scale)
+    wn = torch.randn(8, 256, generator=g)
+    wn[3, 200] = float("nan")
+    qn = ref.quantize(wn)
+    xn = torch.randn(2, 256, generator=g)
+    yn = tk.mx_linear(xn, qn.packed, qn.scales, 256, split_k=2, block_k=64)
+    assert torch.equal(torch.isnan(yn), torch.isnan(reference(xn, qn, None, None, None)))
+    assert torch.isnan(yn[:, 3]).all() and not torch.isnan(yn[:, [0, 1, 2, 4, 5, 6, 7]]).any()
     # exact case: integer x and W (scale 1), so every partial sum is an exact float32 integer in any
     # order; many results are bfloat16 ties (round to nearest even, not half away from zero)
     wi = torch.tensor([0., 1., 2., 3., 4., 6.])[torch.randint(0, 6, (24, 64), generator=g)]
@@ -188,6 +219,10 @@ INTERPRETER_SCRIPT = textwrap.dedent(r'''
     for dt in (torch.float32, torch.bfloat16):
         y = tk.mx_linear(xi.to(dt), qi.packed, qi.scales, 64, block_m=16, block_n=16, block_k=32)
         assert same_bits(y, exact.to(dt)), dt
+        # the decode kernel, split in two and whole (its rows 0..15)
+        for split in (1, 2):
+            y = tk.mx_linear(xi[:16].to(dt), qi.packed, qi.scales, 64, split_k=split, block_k=32)
+            assert same_bits(y, exact[:16].to(dt)), (dt, split)
     # a zero-row x gives an empty result
     assert tk.mx_linear(torch.empty(0, 64), q.packed[:, :32].contiguous(), q.scales[:, :2].contiguous(),
                         64).shape == (0, 70)
@@ -196,16 +231,18 @@ INTERPRETER_SCRIPT = textwrap.dedent(r'''
     from crucible.quant import linear as L
     layer = L.MXLinear.from_linear(torch.nn.Linear(64, 24), "floor")
     layer.set_adapter(torch.randn(24, 4, generator=g) * 0.1, torch.randn(4, 64, generator=g) * 0.1)
-    xs = torch.randn(40, 64, generator=g)
     with torch.no_grad():
-        want = layer(xs)
-        for route in ("fused", "dequant-matmul"):
-            L.route_for = lambda x, k, route=route: route
-            got = layer(xs)
-            if route == "fused":
-                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
-            else:
-                assert torch.equal(got, want), route
+        for rows in (40, 3):  # 3 rows: the fused route runs the decode kernel
+            xs = torch.randn(rows, 64, generator=g)
+            L.route_for = lambda x, k: "torch"
+            want = layer(xs)
+            for route in ("fused", "dequant-matmul"):
+                L.route_for = lambda x, k, route=route: route
+                got = layer(xs)
+                if route == "fused":
+                    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+                else:
+                    assert torch.equal(got, want), route
     print("MXFP4_TRITON_OK")
 ''')
 
@@ -340,6 +377,8 @@ BAD_LINEAR = [
     (_lin(block_n=8), r"block_n must be a power of two >= 16"),
     (_lin(precision="fp16"), r"precision must be one of"),
     (_lin(num_warps=0), r"num_warps must be a positive int"),
+    (_lin(split_k=0), r"split_k must be a positive int"),
+    (_lin(x=torch.zeros(17, 64), split_k=2), r"split_k is for at most 16 rows of x, got 17"),
     (_lin(group_m=0), r"group_m must be a positive int"),
 ]
 
@@ -352,7 +391,7 @@ def test_mx_linear_rejects(kwargs, match):
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
     # whatever this process's TRITON_INTERPRET: the wrappers see a machine without the interpreter
-    monkeypatch.setattr(tk, "_interpreting", lambda: False)
+    monkeypatch.setattr(triton_checks, "_interpreting", lambda: False)
     p, s = _w()
     for call in (
         lambda: tk.quantize(torch.zeros(2, 64)),

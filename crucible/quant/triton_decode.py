@@ -1,0 +1,124 @@
+"""The MXFP4 decode path (M <= DECODE_MAX_M rows): split-K, tokens on the MMA's N side, nibbles in
+their stored order. The kernels' source and their layout: crucible.quant.triton_jit (``mx_decode``,
+``splitk_reduce``); the public entry point, with its argument checks: triton_kernels.mx_linear, which
+routes here for up to DECODE_MAX_M rows unless tiled block sizes are asked for.
+
+``decode_config`` picks SPLIT_K so that the grid has at least ``waves`` programs per SM (the weight
+stream of a decode matmul needs every SM loading), keeping at least two K steps per split.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DECODE_MAX_M = 16
+_BLOCK_T = 16
+_SM_COUNT: dict = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """The device's multiprocessor count (132 under the interpreter: an H100's, so that the CPU tests
+    take the same split-K decisions as the GPU they stand in for)."""
+    if device.type != "cuda":
+        return 132
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def decode_config(n: int, k: int, device: torch.device, waves: int = 2) -> dict:
+    """{"block_n", "block_k", "split_k", "num_warps", "num_stages"} for a decode product (N, K)."""
+    block_n = 64 if n <= 8192 else 128
+    block_k = 256 if k >= 2048 else max(32, min(128, 1 << (k - 1).bit_length()))
+    n_blocks = -(-n // block_n)
+    split = 1
+    steps = -(-k // block_k)
+    while n_blocks * split < waves * sm_count(device) and steps // (split * 2) >= 2:
+        split *= 2
+    return {"block_n": block_n, "block_k": block_k, "split_k": split, "num_warps": 4, "num_stages": 4}
+
+
+def launch(
+    kernels: dict,
+    x2: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    a: torch.Tensor | None,
+    b: torch.Tensor | None,
+    y: torch.Tensor,
+    *,
+    dot_bf16: bool,
+    precision: str,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    split_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """y (m, n) = x2 (m, k) @ W^T (+ bias) (+ (x2 @ b^T) @ a^T) for m <= DECODE_MAX_M. Arguments are
+    those mx_linear has checked and converted (bias, a, b float32; b already rounded for bfloat16 x)."""
+    m, k = x2.shape
+    n = packed.shape[0]
+    dev = x2.device
+    cfg = decode_config(n, k, dev)
+    bn = block_n or cfg["block_n"]
+    bk = block_k or cfg["block_k"]
+    split = split_k or cfg["split_k"]
+    # every split covers whole K steps; a split that would start past K is dropped
+    per = -(-k // split)
+    per = -(-per // bk) * bk
+    split = -(-k // per)
+    bf16 = x2.dtype == torch.bfloat16
+    r = a.shape[1] if a is not None else 0
+    rp = max(16, 1 << (r - 1).bit_length()) if r else 16
+    f32 = torch.float32
+    dummy = torch.empty(1, dtype=f32, device=dev)
+    xin = x2.view(torch.int16) if (bf16 and not dot_bf16) else x2
+    yout = y.view(torch.int16) if bf16 else y
+    partial = split > 1
+    out = torch.empty(split, m, n, dtype=f32, device=dev) if partial else yout
+    kernels["mx_decode"][(-(-n // bn), split)](
+        xin,
+        packed.contiguous(),
+        scales.contiguous(),
+        bias if bias is not None else dummy,
+        a if a is not None else dummy,
+        b if b is not None else dummy,
+        out,
+        m,
+        n,
+        k,
+        max(r, 1),
+        per,
+        HAS_BIAS=bias is not None,
+        HAS_LR=r > 0,
+        R=rp,
+        X_BITS=bf16 and not dot_bf16,
+        DOT_BF16=dot_bf16,
+        OUT_BF16=bf16,
+        PARTIAL=partial,
+        PREC=precision,
+        EPI_PREC="tf32" if bf16 else precision,
+        BLOCK_T=_BLOCK_T,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        num_warps=num_warps or cfg["num_warps"],
+        num_stages=num_stages or cfg["num_stages"],
+    )
+    if partial:
+        block = 1024
+        kernels["splitk_reduce"][(-(-(m * n) // block),)](
+            out,
+            bias if bias is not None else dummy,
+            yout,
+            m * n,
+            n,
+            SPLIT=split,
+            HAS_BIAS=bias is not None,
+            OUT_BF16=bf16,
+            BLOCK=block,
+            num_warps=4,
+        )
+    return y
