@@ -6,8 +6,12 @@ program owns BLOCK_M rows of x and streams over y in BLOCK_N tiles, computing
 
     out[i, c] = sum_j sum_b exp2(log2(e) * gamma_b * x'_i.y'_j) * w[j, c]   (j != i if excluded)
 
-with both dots in float32 (IEEE, no TF32: the exponent is a difference of large terms) and each
-tile's partial sums added into a float64 accumulator. The kernel matrix never leaves registers.
+with each tile's partial sums added into a float64 accumulator. The kernel matrix never leaves
+registers. The dots run at ``precision``: "tf32x3" (the default) splits each float32 operand into
+a TF32 high part and a TF32 remainder and adds three tensor-core products (hi.hi + hi.lo + lo.hi),
+float32 accuracy at tensor-core rate; "tf32" rounds the operands to TF32 (10-bit mantissa: the
+exponent x'.y' is a difference of terms as large as |x|^2, so its error grows with the norms; the
+GPU check reports what it does to the estimate); "ieee" is FMA on the CUDA cores (float32, slow).
 
 Imported lazily: the library works without triton. Runs on CUDA tensors, and on CPU tensors under
 TRITON_INTERPRET=1 (set before triton is first imported), which is how the tests compare it with
@@ -22,6 +26,7 @@ import torch
 
 _LOG2E = 1.0 / math.log(2.0)
 _KERNEL = None
+PRECISIONS = ("tf32x3", "tf32", "ieee")
 
 
 def available() -> bool:
@@ -50,6 +55,7 @@ def _build():
         da,
         NB: tl.constexpr,
         EXCLUDE: tl.constexpr,
+        PREC: tl.constexpr,
         K: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -70,7 +76,7 @@ def _build():
                 yt = tl.load(
                     ya_ptr + rn[None, :] * da + rd[:, None], mask=(rn[None, :] < ny) & (rd[:, None] < da), other=0.0
                 ).to(tl.float32)
-                dot += tl.dot(xt, yt, input_precision="ieee")
+                dot += tl.dot(xt, yt, input_precision=PREC)
             # A distance is never negative; rounding can make the exponent slightly positive.
             dot = tl.minimum(dot, 0.0)
             kt = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -82,7 +88,7 @@ def _build():
                 keep = keep & (rm[:, None] != rn[None, :])
             kt = tl.where(keep, kt, 0.0)
             wt = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=rn[:, None] < ny, other=0.0)
-            part = tl.dot(kt, wt.to(tl.float32), input_precision="ieee")
+            part = tl.dot(kt, wt.to(tl.float32), input_precision=PREC)
             acc += part.to(tl.float64)
         tl.store(out_ptr + rm[:, None] * K + rk[None, :], acc, mask=rm[:, None] < nx)
 
@@ -95,15 +101,24 @@ def triton_matvec(
     w: torch.Tensor,
     gammas,
     exclude_diagonal: bool,
+    *,
+    precision: str = "tf32x3",
     block_m: int = 64,
     block_n: int = 64,
     block_d: int = 32,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """out = K w as float64 (n_x, k), from augmented fp32 features (see module docstring).
 
     xa: (n_x, d+2), ya: (n_y, d+2), w: (n_y, k); any float dtype, upcast to float32 in the kernel.
-    Raises RuntimeError if triton is missing.
+    precision: "tf32x3", "tf32" or "ieee" (module docstring). Blocks: powers of two >= 16.
+    Raises RuntimeError if triton is missing, ValueError for a bad precision or block.
     """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: {precision!r}; valid values are {PRECISIONS}")
+    for name, v in (("block_m", block_m), ("block_n", block_n), ("block_d", block_d)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 16 or v & (v - 1):
+            raise ValueError(f"{name}: {v!r}; valid values are powers of two >= 16 (tl.dot's minimum)")
     global _KERNEL
     if not available():
         raise RuntimeError("backend 'triton' requested but triton is not importable; use backend='torch'")
@@ -130,9 +145,11 @@ def triton_matvec(
         da,
         NB=len(gammas),
         EXCLUDE=bool(exclude_diagonal),
+        PREC=precision,
         K=kp,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
+        num_warps=num_warps,
     )
     return out[:, :k]

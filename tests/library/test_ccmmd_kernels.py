@@ -141,6 +141,17 @@ TRITON_SCRIPT = textwrap.dedent("""
         b = kernel_matvec(y, None, w, bw, backend="torch", exclude_diagonal=True)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         assert a.dtype == torch.float64 and a.shape == (45, 3)
+    # every precision and tile shape computes the same sums (the interpreter's dots are float32;
+    # "tf32" within TF32's rounding where it is emulated)
+    from crucible.ccmmd import triton_kernels as tk
+    from crucible.ccmmd.kernels import augment_pair
+    xa, ya = augment_pair(x, y)
+    want = kernel_matvec(x, y, w, (1.5, 4.0), backend="torch")
+    gam = [1 / (2 * 1.5**2), 1 / (2 * 4.0**2)]
+    for prec, tol in (("tf32x3", 1e-5), ("ieee", 1e-5), ("tf32", 3e-3)):
+        for blocks in (dict(block_m=16, block_n=32, block_d=16), dict(block_m=128, block_n=16, block_d=64)):
+            got = tk.triton_matvec(xa, ya, w, gam, False, precision=prec, num_warps=8, **blocks)
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     print("TRITON_OK")
 """)
 
@@ -151,3 +162,14 @@ def test_triton_interpreter_equals_torch():
     env = dict(os.environ, TRITON_INTERPRET="1")
     res = subprocess.run([sys.executable, "-c", TRITON_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0 and "TRITON_OK" in res.stdout, res.stderr[-3000:]
+
+
+def test_triton_matvec_rejects_bad_options():
+    pytest.importorskip("triton")
+    from crucible.ccmmd import triton_kernels as tk
+
+    z = torch.zeros(4, 5)
+    with pytest.raises(ValueError, match=r"precision: 'fp16'; valid values are \('tf32x3', 'tf32', 'ieee'\)"):
+        tk.triton_matvec(z, z, torch.zeros(4, 1), [1.0], False, precision="fp16")
+    with pytest.raises(ValueError, match=r"block_n: 48; valid values are powers of two >= 16"):
+        tk.triton_matvec(z, z, torch.zeros(4, 1), [1.0], False, block_n=48)
