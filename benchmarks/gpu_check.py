@@ -77,24 +77,37 @@ def pipeline_row(device) -> None:
         return
     metrics, seconds = {}, {}
     crucible = [sys.executable, "-m", "flows.cli"]
+    # both runs at once, each in a workspace of its own: the CPU one on the cores, the other on the GPU
+    runs = {}
     for name, env in (
         ("cpu", {"CRUCIBLE_DEVICE": "cpu", "CRUCIBLE_PRECISION": "fp32"}),
         ("cuda", {"CRUCIBLE_DEVICE": str(device), "CRUCIBLE_PRECISION": "bf16"}),
     ):
         ws = Path(tempfile.mkdtemp(prefix=f"gpucheck-{name}-"))
-        t = time.perf_counter()
-        proc = subprocess.run(
+        log = open(ws.with_suffix(".log"), "w+")  # noqa: SIM115 - closed below, after the run
+        proc = subprocess.Popen(
             [*crucible, "run", "--profile", "tiny", "--workspace", str(ws)],
             cwd=ROOT,
             env={**os.environ, **env},
-            capture_output=True,
+            stdout=log,
+            stderr=subprocess.STDOUT,
             text=True,
         )
+        runs[name] = (ws, log, proc, time.perf_counter())
+    failed = False
+    for name, (ws, log, proc, t) in runs.items():
+        rc = proc.wait()
         seconds[name] = time.perf_counter() - t
-        if proc.returncode != 0:
-            row(f"pipeline: tiny profile on {name}", f"failed: {proc.stderr.strip().splitlines()[-1:]}", "runs", False)
-            return
-        metrics[name] = _profile_metrics(ws)
+        log.seek(0)
+        tail = log.read().strip().splitlines()[-3:]
+        log.close()
+        if rc != 0:
+            row(f"pipeline: tiny profile on {name}", f"failed (exit {rc}): {tail}", "runs", False)
+            failed = True
+        else:
+            metrics[name] = _profile_metrics(ws)
+    if failed:
+        return
     worst, where = 0.0, ""
     for key, cpu in metrics["cpu"].items():
         diff = abs(metrics["cuda"].get(key, float("nan")) - cpu)
