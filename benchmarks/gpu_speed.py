@@ -23,6 +23,7 @@ import torch
 from kernel_timing import copies_needed, fmt, kernel_time, roofline, share
 
 DECODE_GOAL, PREFILL_GOAL, CCMMD_GOAL = 2.0, 0.9, 0.30
+BASELINE_SHARE = 0.5  # a decode GEMV streams its weight: cuBLAS should reach half the copy rate
 
 
 def _operands(n: int, k: int, copies: int, device, g) -> list[dict]:
@@ -69,6 +70,13 @@ def speed_rows(device: torch.device, row: Callable, smoke: bool) -> None:
             xs = [torch.randn(m, k, generator=g).to(device).to(torch.bfloat16) for _ in sets]
             t_cublas = kernel_time([lambda s=s, x=x: x @ s["wb"].T for s, x in zip(sets, xs)], device)
             bw_cublas, sh_cublas = share(wbytes + 2 * m * (k + n), t_cublas, peak["copy_gbs"])
+            if m == 1:  # the baseline is checked against the roofline before anything is compared to it
+                row(
+                    f"baseline: bf16 cuBLAS at M=1 K=N={k} against the copy roofline",
+                    f"{fmt(t_cublas)}: {bw_cublas:.0f} GB/s, {sh_cublas:.0%} of the copy bandwidth",
+                    f">= {BASELINE_SHARE:.0%} (else the timing measures overhead, not the kernel)",
+                    None if smoke else sh_cublas >= BASELINE_SHARE,
+                )
             qbytes = n * k // 2 + n * k // 32 + 16 * (n + k) * 4 + 2 * m * (k + n)
 
             def timed(sets=sets, xs=xs, **opts):
