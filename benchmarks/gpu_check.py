@@ -2,6 +2,7 @@
 
     make gpu-check                           # = python benchmarks/gpu_check.py
     python benchmarks/gpu_check.py --smoke   # tiny shapes on the CPU under the Triton interpreter
+    python benchmarks/gpu_check.py --parts=kernels,speed   # some of the four parts (below) only
 
 Rows, each with its figure, the bar it is held to and ok / FAIL:
 1. pipeline: the tiny profile end to end (`crucible run --profile tiny`) on the CPU in float32 and
@@ -39,6 +40,9 @@ import time
 from pathlib import Path
 
 SMOKE = "--smoke" in sys.argv[1:]
+# --parts kernels,speed,library,pipeline (any of them; all by default): to split the check over runs
+_PARTS_ARG = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--parts=")), None)
+PARTS = ("kernels", "speed", "library", "pipeline")
 if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
 ROOT = Path(__file__).resolve().parents[1]
@@ -369,7 +373,13 @@ def main() -> int:
         flush=True,
     )
     start = time.perf_counter()
-    for part in (kernel_rows, speed_rows_here, library_rows, pipeline_row):
+    chosen = PARTS if _PARTS_ARG is None else tuple(x.strip() for x in _PARTS_ARG.split(",") if x.strip())
+    unknown = [x for x in chosen if x not in PARTS]
+    if unknown:
+        print(f"gpu_check: --parts: {', '.join(unknown)}; valid values are {', '.join(PARTS)}", file=sys.stderr)
+        return 2
+    functions = dict(zip(PARTS, (kernel_rows, speed_rows_here, library_rows, pipeline_row)))
+    for part in (functions[x] for x in PARTS if x in chosen):
         try:
             part(device)
         except Exception as exc:  # noqa: BLE001 - one part's failure is a row; the others still run
