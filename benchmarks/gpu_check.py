@@ -112,7 +112,7 @@ def pipeline_row(device) -> None:
             metrics[name] = _profile_metrics(ws)
     if failed:
         return
-    worst, where = 0.0, ""
+    worst, where = 0.0, "none differs"
     for key, cpu in metrics["cpu"].items():
         diff = abs(metrics["cuda"].get(key, float("nan")) - cpu)
         if not diff <= worst:
