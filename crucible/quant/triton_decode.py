@@ -29,8 +29,10 @@ def sm_count(device: torch.device) -> int:
 
 def decode_config(n: int, k: int, device: torch.device, waves: int = 2) -> dict:
     """{"block_n", "block_k", "split_k", "num_warps", "num_stages"} for a decode product (N, K)."""
-    block_n = 64 if n <= 8192 else 128
-    block_k = 256 if k >= 2048 else max(32, min(128, 1 << (k - 1).bit_length()))
+    # 64 x 128 weight tiles: each of the 128 threads holds 32 values of a nibble plane (wider tiles
+    # spill registers at 4 warps); the GPU check's sweep times 128-row tiles and 256-wide K steps too
+    block_n = 64
+    block_k = max(32, min(128, 1 << (k - 1).bit_length()))
     n_blocks = -(-n // block_n)
     split = 1
     steps = -(-k // block_k)
