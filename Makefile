@@ -73,10 +73,10 @@ test-determinism: install $(TEST_STAMP)
 # The long end-to-end checks kept out of `make test`: determinism (threads, Dask, dvc repro; dvc repro
 # and the flow agree, a report-only change reruns only its stages), operations (a Prefect server
 # with the deployments; concurrent runs) and long (the stage-level runs of other model families, SIGKILL
-# of a stage, register tests that register several versions, dvc.yaml under dvc, the SmolLM2 GGUF).
+# of a stage, register tests that register several versions, dvc.yaml under dvc, the SmolLM2 GGUF),
+# a test file per worker as in `make test`.
 test-long: install $(TEST_STAMP)
-	$(BIN)/python -m pytest -q -m "determinism or operations"
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m long
+	$(BIN)/python -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile -m "determinism or operations or long"
 
 ui: install
 	$(BIN)/crucible ui

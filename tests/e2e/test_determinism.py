@@ -6,6 +6,7 @@ for every stage, at one torch thread count (CRUCIBLE_THREADS: thread counts chan
 reduction order, see crucible/train.py)."""
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -30,10 +31,21 @@ def _outs(root: Path) -> dict[str, str]:
     return out
 
 
-def _run(root: Path, *cmd: str) -> None:
+def _start(root: Path, *cmds: list[str]) -> tuple[subprocess.Popen, Path]:
+    """The commands one after another in `root`, in the background (one torch thread each), their
+    output to a file (not a pipe: no run waits on a reader)."""
     env = {**os.environ, "CRUCIBLE_THREADS": "1", "PREFECT_HOME": str(root / ".prefect")}
-    proc = subprocess.run(list(cmd), cwd=root, capture_output=True, text=True, env=env)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    log = root.with_suffix(".log")
+    script = " && ".join(shlex.join(c) for c in cmds)
+    with open(log, "w") as f:
+        proc = subprocess.Popen(["sh", "-c", script], cwd=root, env=env, stdout=f, stderr=subprocess.STDOUT)
+    return proc, log
+
+
+def _wait(runs: dict[str, tuple[subprocess.Popen, Path]]) -> None:
+    for name, (proc, log) in runs.items():
+        proc.wait()
+        assert proc.returncode == 0, f"{name} failed:\n{log.read_text()[-6000:]}"
 
 
 def test_threads_dask_and_dvc_repro_give_byte_identical_artifacts(tmp_path, project_root):
@@ -53,12 +65,20 @@ def test_threads_dask_and_dvc_repro_give_byte_identical_artifacts(tmp_path, proj
     dask = yaml.safe_load(text)
     dask["pipeline"].update(runner="dask", max_workers=2)
     (roots["flow2"] / "params.yaml").write_text(yaml.safe_dump(dask, sort_keys=False))
-    _run(roots["flow1"], str(BIN / "crucible"), "run")
-    _run(roots["flow2"], str(BIN / "crucible"), "run")
-    # dvc.yaml lists each task's files for the stages over all tasks: rewrite it for these tasks before
-    # plain `dvc repro` (`crucible run` does so itself)
-    _run(roots["dvc"], str(BIN / "crucible"), "dag", "write", "--root", str(roots["dvc"]))
-    _run(roots["dvc"], str(BIN / "dvc"), "repro")
+    # the three runs side by side (each in its own workspace, one torch thread each: the machine's
+    # cores are shared, not the runs' state); dvc.yaml lists each task's files for the stages over all
+    # tasks: rewrite it for these tasks before plain `dvc repro` (`crucible run` does so itself)
+    _wait(
+        {
+            "the flow on threads": _start(roots["flow1"], [str(BIN / "crucible"), "run"]),
+            "the flow on Dask": _start(roots["flow2"], [str(BIN / "crucible"), "run"]),
+            "dvc repro": _start(
+                roots["dvc"],
+                [str(BIN / "crucible"), "dag", "write", "--root", str(roots["dvc"])],
+                [str(BIN / "dvc"), "repro"],
+            ),
+        }
+    )
     hashes = {name: _outs(root) for name, root in roots.items()}
     assert len(hashes["flow1"]) >= 20  # every stage's outputs for both tasks
     print(f"\n{'output':58s} {'flow threads':>12s} {'flow dask':>12s} {'dvc repro':>12s}")
