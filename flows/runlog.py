@@ -1,6 +1,6 @@
 """A `crucible run`'s log file: everything the flow and its stages log, and a failure's traceback,
 in `.crucible/logs/run-<UTC time>.log`, while the console gets one `error:` line per failed stage
-(flows/cli.py), as `crucible stage` prints it.
+(flows/run_cli.py), as `crucible stage` prints it.
 
 Prefect logs a failed task or flow run with its traceback at ERROR; during a `crucible run` those
 records (loggers `prefect.*` at ERROR, and any record that carries a traceback) go to the file only.
@@ -66,3 +66,14 @@ class RunLog:
         logs = sorted(self.path.parent.glob("run-*.log"), key=lambda p: p.stat().st_mtime)
         for old in logs[:-KEEP]:
             old.unlink(missing_ok=True)
+
+
+def describe(exc: BaseException) -> str:
+    """An error as one line: the message, without KeyError's quotes; an OSError that Python raised
+    (no message of ours) as `<path>: <reason>`; MLflow's errors by their message."""
+    if isinstance(exc, KeyError) and exc.args:
+        return str(exc.args[0])
+    if isinstance(exc, OSError) and type(exc).__str__ is OSError.__str__ and exc.filename is not None:
+        return f"{exc.filename}: {exc.strerror or exc}" + (f" ({exc.filename2})" if exc.filename2 else "")
+    message = getattr(exc, "message", None)
+    return message if isinstance(message, str) else str(exc)
