@@ -9,11 +9,46 @@ stream of a decode matmul needs every SM loading), keeping at least two K steps 
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 DECODE_MAX_M = 16
 _BLOCK_T = 16
 _SM_COUNT: dict = {}
+# device -> why the decode kernel did not build there (mx_linear then runs the tiled kernel)
+BROKEN: dict[str, str] = {}
+
+
+def _build_errors() -> tuple[type[BaseException], ...]:
+    """Triton's errors for a kernel that does not compile or does not fit the device."""
+    found = []
+    for module, name in (("triton.compiler.errors", "CompilationError"), ("triton.runtime.errors", "OutOfResources")):
+        try:
+            found.append(getattr(__import__(module, fromlist=[name]), name))
+        except (ImportError, AttributeError):
+            continue
+    return tuple(found)
+
+
+def try_launch(*args, **kwargs) -> torch.Tensor | None:
+    """``launch``, or None where the decode kernel does not build on this device (a Triton compile or
+    resource error, remembered per device with a one-time warning): the caller runs the tiled
+    kernel instead."""
+    dev = str(args[1].device)
+    if dev in BROKEN:
+        return None
+    try:
+        return launch(*args, **kwargs)
+    except _build_errors() as exc:
+        first = str(exc).strip().splitlines()[:1]
+        BROKEN[dev] = f"{type(exc).__name__}: {first[0][:200] if first else ''}"
+        warnings.warn(
+            f"mx_linear: the MXFP4 decode kernel did not build on {dev} ({BROKEN[dev]}); the tiled kernel runs instead",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
 
 
 def sm_count(device: torch.device) -> int:

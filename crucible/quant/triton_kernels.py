@@ -304,7 +304,9 @@ def mx_linear(
     a_c = a.to(f32).contiguous() if a is not None else None
     b_c = (b.to(torch.bfloat16) if bf16 else b).to(f32).contiguous() if b is not None else None
     if decode:
-        return triton_decode.launch(
+        # an explicit split_k gets the decode kernel or its error; the automatic route falls back
+        run = triton_decode.launch if split_k is not None else triton_decode.try_launch
+        out = run(
             _kernels(),
             x2,
             packed,
@@ -320,7 +322,9 @@ def mx_linear(
             split_k=split_k,
             num_warps=num_warps,
             num_stages=num_stages,
-        ).view(*lead, n)
+        )
+        if out is not None:
+            return out.view(*lead, n)
     rp = max(16, 1 << (r - 1).bit_length()) if r else 16
     grid = (-(-m // bm) * -(-n // bn),)
     xin = x2.view(torch.int16) if (bf16 and not dot_bf16) else x2

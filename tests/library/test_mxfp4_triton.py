@@ -198,6 +198,31 @@ INTERPRETER_SCRIPT = textwrap.dedent(r'''
                 want = reference(xd, qd, *args)
                 assert y.dtype == xd.dtype and y.shape == (*lead, n), (y.dtype, y.shape)
                 torch.testing.assert_close(y.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+    # a device where the decode kernel does not build (here: too much shared memory): one warning,
+    # the tiled kernel from then on, the same result; an explicit split_k gets the error itself
+    import warnings
+    from triton.runtime.errors import OutOfResources
+    real, calls = td.launch, []
+    def no_room(*args, **kwargs):
+        calls.append(1)
+        raise OutOfResources(300000, 232448, "shared memory")
+    td.launch = no_room
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        xs4 = torch.randn(4, 96, generator=g)
+        tiled = tk.mx_linear(xs4, q.packed[:, :48].contiguous(), q.scales[:, :3].contiguous(), 96, block_m=16)
+        for _ in range(2):
+            got = tk.mx_linear(xs4, q.packed[:, :48].contiguous(), q.scales[:, :3].contiguous(), 96)
+            assert torch.equal(got, tiled)
+    assert len(calls) == 1 and "cpu" in td.BROKEN, (calls, td.BROKEN)
+    assert [str(w.message) for w in seen if "decode kernel did not build" in str(w.message)], seen
+    try:
+        tk.mx_linear(xs4, q.packed[:, :48].contiguous(), q.scales[:, :3].contiguous(), 96, split_k=2)
+        raise AssertionError("an explicit split_k must not fall back")
+    except OutOfResources:
+        pass
+    td.launch = real
+    td.BROKEN.clear()
     # a NaN block in the second split makes its row NaN, and no other (masked tails read no scale)
     wn = torch.randn(8, 256, generator=g)
     wn[3, 200] = float("nan")
