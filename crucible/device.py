@@ -160,3 +160,15 @@ def from_environment(environ=None) -> tuple[torch.device, torch.dtype | None]:
     environ = os.environ if environ is None else environ
     device = resolve_device(environ.get(DEVICE_ENV) or "auto", what=DEVICE_ENV)
     return device, autocast_dtype(device, environ.get(PRECISION_ENV) or "auto")
+
+
+def triton_build_errors() -> tuple[type[BaseException], ...]:
+    """Triton's errors for a kernel that does not compile or does not fit the device (a caller with
+    a slower kernel that does can fall back on them); () without triton."""
+    found = []
+    for module, name in (("triton.compiler.errors", "CompilationError"), ("triton.runtime.errors", "OutOfResources")):
+        try:
+            found.append(getattr(__import__(module, fromlist=[name]), name))
+        except (ImportError, AttributeError):
+            continue
+    return tuple(found)

@@ -21,12 +21,16 @@ the torch path. Weight columns are padded to 16 because tl.dot needs every dimen
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
+
+from crucible.device import triton_build_errors
 
 _LOG2E = 1.0 / math.log(2.0)
 _KERNEL = None
 PRECISIONS = ("tf32x3", "tf32", "ieee")
+_FALLBACK: dict[str, str] = {}  # device -> the precision that builds there, where tf32x3 does not
 
 
 def available() -> bool:
@@ -102,7 +106,7 @@ def triton_matvec(
     gammas,
     exclude_diagonal: bool,
     *,
-    precision: str = "tf32x3",
+    precision: str | None = None,
     block_m: int = 64,
     block_n: int = 64,
     block_d: int = 32,
@@ -111,10 +115,11 @@ def triton_matvec(
     """out = K w as float64 (n_x, k), from augmented fp32 features (see module docstring).
 
     xa: (n_x, d+2), ya: (n_y, d+2), w: (n_y, k); any float dtype, upcast to float32 in the kernel.
-    precision: "tf32x3", "tf32" or "ieee" (module docstring). Blocks: powers of two >= 16.
+    precision: "tf32x3", "tf32" or "ieee" (module docstring); None: "tf32x3", or "ieee" on a device
+    where that does not build (a warning, once per device). Blocks: powers of two >= 16.
     Raises RuntimeError if triton is missing, ValueError for a bad precision or block.
     """
-    if precision not in PRECISIONS:
+    if precision is not None and precision not in PRECISIONS:
         raise ValueError(f"precision: {precision!r}; valid values are {PRECISIONS}")
     for name, v in (("block_m", block_m), ("block_n", block_n), ("block_d", block_d)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 16 or v & (v - 1):
@@ -134,22 +139,28 @@ def triton_matvec(
     g = torch.tensor([gm * _LOG2E for gm in gammas], dtype=torch.float32, device=xa.device)
     out = torch.empty(nx, kp, dtype=torch.float64, device=xa.device)
     grid = (triton.cdiv(nx, block_m),)
-    _KERNEL[grid](
-        xa.contiguous(),
-        ya.contiguous(),
-        wp,
-        g,
-        out,
-        nx,
-        ny,
-        da,
+    dev = str(xa.device)
+    prec = precision or _FALLBACK.get(dev, "tf32x3")
+    args = (xa.contiguous(), ya.contiguous(), wp, g, out, nx, ny, da)
+    opts = dict(
         NB=len(gammas),
         EXCLUDE=bool(exclude_diagonal),
-        PREC=precision,
         K=kp,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         num_warps=num_warps,
     )
+    try:
+        _KERNEL[grid](*args, PREC=prec, **opts)
+    except triton_build_errors() as exc:
+        if precision is not None or prec == "ieee":
+            raise
+        _FALLBACK[dev] = "ieee"
+        warnings.warn(
+            f"CC-MMD: the tf32x3 kernel did not build on {dev} ({type(exc).__name__}); float32 FMA (ieee) runs instead",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        _KERNEL[grid](*args, PREC="ieee", **opts)
     return out[:, :k]

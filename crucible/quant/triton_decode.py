@@ -13,22 +13,13 @@ import warnings
 
 import torch
 
+from crucible.device import triton_build_errors
+
 DECODE_MAX_M = 16
 _BLOCK_T = 16
 _SM_COUNT: dict = {}
 # device -> why the decode kernel did not build there (mx_linear then runs the tiled kernel)
 BROKEN: dict[str, str] = {}
-
-
-def _build_errors() -> tuple[type[BaseException], ...]:
-    """Triton's errors for a kernel that does not compile or does not fit the device."""
-    found = []
-    for module, name in (("triton.compiler.errors", "CompilationError"), ("triton.runtime.errors", "OutOfResources")):
-        try:
-            found.append(getattr(__import__(module, fromlist=[name]), name))
-        except (ImportError, AttributeError):
-            continue
-    return tuple(found)
 
 
 def try_launch(*args, **kwargs) -> torch.Tensor | None:
@@ -40,7 +31,7 @@ def try_launch(*args, **kwargs) -> torch.Tensor | None:
         return None
     try:
         return launch(*args, **kwargs)
-    except _build_errors() as exc:
+    except triton_build_errors() as exc:
         first = str(exc).strip().splitlines()[:1]
         BROKEN[dev] = f"{type(exc).__name__}: {first[0][:200] if first else ''}"
         warnings.warn(

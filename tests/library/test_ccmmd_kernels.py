@@ -152,6 +152,29 @@ TRITON_SCRIPT = textwrap.dedent("""
         for blocks in (dict(block_m=16, block_n=32, block_d=16), dict(block_m=128, block_n=16, block_d=64)):
             got = tk.triton_matvec(xa, ya, w, gam, False, precision=prec, num_warps=8, **blocks)
             torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    # a device where tf32x3 does not build: the default warns once and runs ieee; asked-for tf32x3 raises
+    import warnings
+    from triton.runtime.errors import OutOfResources
+    real = tk._KERNEL
+    class NoTf32x3:
+        def __getitem__(self, grid):
+            def launch(*args, PREC, **kw):
+                if PREC == "tf32x3":
+                    raise OutOfResources(1, 0, "tf32x3 on this device")
+                return real[grid](*args, PREC=PREC, **kw)
+            return launch
+    tk._KERNEL = NoTf32x3()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            torch.testing.assert_close(tk.triton_matvec(xa, ya, w, gam, False), want, rtol=1e-5, atol=1e-5)
+    assert sum("did not build" in str(m.message) for m in seen) == 1, [str(m.message) for m in seen]
+    try:
+        tk.triton_matvec(xa, ya, w, gam, False, precision="tf32x3")
+        raise AssertionError("an asked-for precision must not fall back")
+    except OutOfResources:
+        pass
+    tk._KERNEL = real
     print("TRITON_OK")
 """)
 
