@@ -22,15 +22,15 @@ _SM_COUNT: dict = {}
 BROKEN: dict[str, str] = {}
 
 
-def try_launch(*args, **kwargs) -> torch.Tensor | None:
-    """``launch``, or None where the decode kernel does not build on this device (a Triton compile or
+def try_launch(kernels: dict, ptrs: tuple, flags: dict, y: torch.Tensor, *args, **kwargs) -> bool:
+    """``launch``; False where the decode kernel does not build on this device (a Triton compile or
     resource error, remembered per device with a one-time warning): the caller runs the tiled
     kernel instead."""
-    dev = str(args[1].device)
+    dev = str(y.device)
     if dev in BROKEN:
-        return None
+        return False
     try:
-        return launch(*args, **kwargs)
+        return launch(kernels, ptrs, flags, y, *args, **kwargs)
     except triton_build_errors() as exc:
         first = str(exc).strip().splitlines()[:1]
         BROKEN[dev] = f"{type(exc).__name__}: {first[0][:200] if first else ''}"
@@ -39,7 +39,7 @@ def try_launch(*args, **kwargs) -> torch.Tensor | None:
             RuntimeWarning,
             stacklevel=3,
         )
-        return None
+        return False
 
 
 def sm_count(device: torch.device) -> int:
@@ -69,27 +69,25 @@ def decode_config(n: int, k: int, device: torch.device, waves: int = 2) -> dict:
 
 def launch(
     kernels: dict,
-    x2: torch.Tensor,
-    packed: torch.Tensor,
-    scales: torch.Tensor,
-    bias: torch.Tensor | None,
-    a: torch.Tensor | None,
-    b: torch.Tensor | None,
+    ptrs: tuple,
+    flags: dict,
     y: torch.Tensor,
+    m: int,
+    n: int,
+    k: int,
+    r: int,
     *,
-    dot_bf16: bool,
-    precision: str,
     block_n: int | None = None,
     block_k: int | None = None,
     split_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-) -> torch.Tensor:
-    """y (m, n) = x2 (m, k) @ W^T (+ bias) (+ (x2 @ b^T) @ a^T) for m <= DECODE_MAX_M. Arguments are
-    those mx_linear has checked and converted (bias, a, b float32; b already rounded for bfloat16 x)."""
-    m, k = x2.shape
-    n = packed.shape[0]
-    dev = x2.device
+) -> bool:
+    """y (m, n; its int16 bits for bfloat16) = x @ W^T (+ bias) (+ (x @ b^T) @ a^T) for m <= DECODE_MAX_M,
+    from what mx_linear prepares for both kernels: ptrs (x, packed, scales, bias, a, b; dummies for
+    the absent ones), flags (their shared compile-time flags), r (the adapter rank, at least 1).
+    Returns True (launched)."""
+    dev = y.device
     cfg = decode_config(n, k, dev)
     bn = block_n or cfg["block_n"]
     bk = block_k or cfg["block_k"]
@@ -98,37 +96,18 @@ def launch(
     per = -(-k // split)
     per = -(-per // bk) * bk
     split = -(-k // per)
-    bf16 = x2.dtype == torch.bfloat16
-    r = a.shape[1] if a is not None else 0
-    rp = max(16, 1 << (r - 1).bit_length()) if r else 16
-    f32 = torch.float32
-    dummy = torch.empty(1, dtype=f32, device=dev)
-    xin = x2.view(torch.int16) if (bf16 and not dot_bf16) else x2
-    yout = y.view(torch.int16) if bf16 else y
     partial = split > 1
-    out = torch.empty(split, m, n, dtype=f32, device=dev) if partial else yout
+    out = torch.empty(split, m, n, dtype=torch.float32, device=dev) if partial else y
     kernels["mx_decode"][(-(-n // bn), split)](
-        xin,
-        packed.contiguous(),
-        scales.contiguous(),
-        bias if bias is not None else dummy,
-        a if a is not None else dummy,
-        b if b is not None else dummy,
+        *ptrs,
         out,
         m,
         n,
         k,
-        max(r, 1),
+        r,
         per,
-        HAS_BIAS=bias is not None,
-        HAS_LR=r > 0,
-        R=rp,
-        X_BITS=bf16 and not dot_bf16,
-        DOT_BF16=dot_bf16,
-        OUT_BF16=bf16,
+        **flags,
         PARTIAL=partial,
-        PREC=precision,
-        EPI_PREC="tf32" if bf16 else precision,
         BLOCK_T=_BLOCK_T,
         BLOCK_N=bn,
         BLOCK_K=bk,
@@ -139,14 +118,14 @@ def launch(
         block = 1024
         kernels["splitk_reduce"][(-(-(m * n) // block),)](
             out,
-            bias if bias is not None else dummy,
-            yout,
+            ptrs[3],  # the bias (or its dummy)
+            y,
             m * n,
             n,
             SPLIT=split,
-            HAS_BIAS=bias is not None,
-            OUT_BF16=bf16,
+            HAS_BIAS=flags["HAS_BIAS"],
+            OUT_BF16=flags["OUT_BF16"],
             BLOCK=block,
             num_warps=4,
         )
-    return y
+    return True

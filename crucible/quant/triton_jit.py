@@ -54,6 +54,7 @@ def build() -> dict:
     # Helpers are module globals: jitted functions resolve callees through their module's globals
     # (the interpreter does not see closures).
     global _mx_load_f32, _mx_e2m1_code, _mx_special_code, _mx_e2m1_value, _mx_scale_value, _mx_bf16_bits
+    global _mx_w_planes, _mx_store
 
     @triton.jit
     def _mx_load_f32(ptr, offs, mask, BF16_BITS: tl.constexpr):
@@ -110,6 +111,33 @@ def build() -> dict:
         r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
         r = tl.where(v != v, 0x7FC0, r)
         return (r & 0xFFFF).to(tl.uint16).to(tl.int16, bitcast=True)
+
+    @triton.jit
+    def _mx_w_planes(p_ptr, s_ptr, rn64, nmask, k0, k_end, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # rows rn of W, columns k0 .. k0 + BLOCK_K (those below k_end), dequantized in registers as
+        # two (BLOCK_N, BLOCK_K // 2) planes: lo = W[:, k0 + 2j], hi = W[:, k0 + 2j + 1]. Packed bytes
+        # (BLOCK_N, BLOCK_K // 2), scales (BLOCK_N, BLOCK_K // 32) broadcast over their 16 bytes.
+        jk = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        pb = tl.load(
+            p_ptr + rn64[:, None] * (K // 2) + jk[None, :], mask=nmask[:, None] & (jk < k_end // 2)[None, :], other=0
+        ).to(tl.int32)
+        sk = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        sb = tl.load(
+            s_ptr + rn64[:, None] * (K // 32) + sk[None, :],
+            mask=nmask[:, None] & (sk < k_end // 32)[None, :],
+            other=127,
+        ).to(tl.int32)
+        sv = _mx_scale_value(sb)
+        sv = tl.reshape(tl.broadcast_to(sv[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)), (BLOCK_N, BLOCK_K // 2))
+        return _mx_e2m1_value(pb & 0xF) * sv, _mx_e2m1_value(pb >> 4) * sv
+
+    @triton.jit
+    def _mx_store(ptr, offs, acc, mask, OUT_BF16: tl.constexpr):
+        # float32 acc, or its bfloat16 bits (ptr an int16 view) rounded to nearest even
+        if OUT_BF16:
+            tl.store(ptr + offs, _mx_bf16_bits(acc), mask=mask)
+        else:
+            tl.store(ptr + offs, acc, mask=mask)
 
     @triton.jit
     def _quantize_kernel(
@@ -209,8 +237,6 @@ def build() -> dict:
         nmask = rn < N
         rm64 = rm.to(tl.int64)
         rn64 = rn.to(tl.int64)
-        kp = K // 2
-        ks = K // 32
         rr = tl.arange(0, R)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         t = tl.zeros((BLOCK_M, R), dtype=tl.float32)
@@ -223,20 +249,8 @@ def build() -> dict:
                 xt = tl.load(x_ptr + xoffs, mask=xmask, other=0.0)
             else:
                 xt = _mx_load_f32(x_ptr, xoffs, xmask, X_BITS)
-            # W tile (BLOCK_N, BLOCK_K), dequantized in registers: packed bytes (BLOCK_N, BLOCK_K // 2),
-            # scales (BLOCK_N, BLOCK_K // 32) broadcast over their 16 bytes, low/high nibbles interleaved
-            jk = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            pb = tl.load(
-                p_ptr + rn64[:, None] * kp + jk[None, :], mask=nmask[:, None] & (jk < kp)[None, :], other=0
-            ).to(tl.int32)
-            sk = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-            sb = tl.load(
-                s_ptr + rn64[:, None] * ks + sk[None, :], mask=nmask[:, None] & (sk < ks)[None, :], other=127
-            ).to(tl.int32)
-            sv = _mx_scale_value(sb)
-            sv = tl.reshape(tl.broadcast_to(sv[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)), (BLOCK_N, BLOCK_K // 2))
-            lo = _mx_e2m1_value(pb & 0xF) * sv
-            hi = _mx_e2m1_value(pb >> 4) * sv
+            # W tile (BLOCK_N, BLOCK_K), dequantized in registers, low/high nibbles interleaved into K order
+            lo, hi = _mx_w_planes(p_ptr, s_ptr, rn64, nmask, k0, K, K, BLOCK_N, BLOCK_K)
             if DOT_BF16:
                 w = tl.interleave(lo.to(tl.bfloat16), hi.to(tl.bfloat16))
                 acc = tl.dot(xt, tl.trans(w), acc)
@@ -254,12 +268,7 @@ def build() -> dict:
             acc = tl.dot(t, at, acc, input_precision=EPI_PREC)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=nmask, other=0.0)[None, :]
-        ymask = mmask[:, None] & nmask[None, :]
-        yoffs = rm64[:, None] * N + rn64[None, :]
-        if OUT_BF16:
-            tl.store(y_ptr + yoffs, _mx_bf16_bits(acc), mask=ymask)
-        else:
-            tl.store(y_ptr + yoffs, acc, mask=ymask)
+        _mx_store(y_ptr, rm64[:, None] * N + rn64[None, :], acc, mmask[:, None] & nmask[None, :], OUT_BF16)
 
     @triton.jit
     def _mx_decode_kernel(
@@ -300,27 +309,15 @@ def build() -> dict:
         rt = tl.arange(0, BLOCK_T)
         tmask = rt < M
         rt64 = rt.to(tl.int64)
-        kp = K // 2
-        ks = K // 32
         rr = tl.arange(0, R)
         acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
         t = tl.zeros((R, BLOCK_T), dtype=tl.float32)
         k_lo = pid_k * K_SPLIT
         k_hi = tl.minimum(k_lo + K_SPLIT, K)
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            jk = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            lo, hi = _mx_w_planes(p_ptr, s_ptr, rn64, nmask, k0, k_hi, K, BLOCK_N, BLOCK_K)
+            jk = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # the byte index j: lo is W[:, 2j], hi W[:, 2j + 1]
             jmask = jk < k_hi // 2
-            pb = tl.load(p_ptr + rn64[:, None] * kp + jk[None, :], mask=nmask[:, None] & jmask[None, :], other=0).to(
-                tl.int32
-            )
-            sk = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-            sb = tl.load(
-                s_ptr + rn64[:, None] * ks + sk[None, :], mask=nmask[:, None] & (sk < k_hi // 32)[None, :], other=127
-            ).to(tl.int32)
-            sv = _mx_scale_value(sb)
-            sv = tl.reshape(tl.broadcast_to(sv[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)), (BLOCK_N, BLOCK_K // 2))
-            lo = _mx_e2m1_value(pb & 0xF) * sv  # W[:, k0 + 2j]
-            hi = _mx_e2m1_value(pb >> 4) * sv  # W[:, k0 + 2j + 1]
             # x^T's even and odd rows (BLOCK_K // 2, BLOCK_T)
             xoffs = rt64[None, :] * K + (2 * jk)[:, None]
             xmask = tmask[None, :] & jmask[:, None]
@@ -354,11 +351,7 @@ def build() -> dict:
         else:
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + rn, mask=nmask, other=0.0)[:, None]
-            yoffs = rt64[None, :] * N + rn64[:, None]
-            if OUT_BF16:
-                tl.store(out_ptr + yoffs, _mx_bf16_bits(acc), mask=omask)
-            else:
-                tl.store(out_ptr + yoffs, acc, mask=omask)
+            _mx_store(out_ptr, rt64[None, :] * N + rn64[:, None], acc, omask, OUT_BF16)
 
     @triton.jit
     def _splitk_reduce_kernel(
@@ -380,10 +373,7 @@ def build() -> dict:
             acc += tl.load(ws_ptr + s * MN + offs, mask=mask, other=0.0)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0)
-        if OUT_BF16:
-            tl.store(y_ptr + offs, _mx_bf16_bits(acc), mask=mask)
-        else:
-            tl.store(y_ptr + offs, acc, mask=mask)
+        _mx_store(y_ptr, offs, acc, mask, OUT_BF16)
 
     return {
         "quantize": _quantize_kernel,

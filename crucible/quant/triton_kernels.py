@@ -158,7 +158,6 @@ def dequantize(
 
 
 _PRECISIONS = ("tf32x3", "tf32", "ieee")
-_SM_COUNT: dict = {}
 
 
 def default_config(
@@ -187,10 +186,7 @@ def default_config(
         bn, bk, stages = min(bn, 32), 128, 4
     dev = torch.device(device) if device is not None else None
     if bm == 128 and dev is not None and dev.type == "cuda":
-        idx = dev.index if dev.index is not None else torch.cuda.current_device()
-        if idx not in _SM_COUNT:
-            _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-        if -(-m // 128) * -(-n // bn) < _SM_COUNT[idx]:
+        if -(-m // 128) * -(-n // bn) < triton_decode.sm_count(dev):
             bm = 64
     warps = 8 if bm * bn >= 128 * 128 else 4
     return {"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages}
@@ -289,6 +285,74 @@ def mx_linear(
     y = torch.empty(*lead, n, dtype=x.dtype, device=dev)
     if m == 0 or n == 0:
         return y
+    # what both kernels take: x, W's bytes and scales, bias, a, b (float32; a dummy where absent) and
+    # their shared compile-time flags
+    bf16 = x.dtype == torch.bfloat16
+    dot_bf16 = bf16 and not _interpreting()
+    dummy = torch.empty(1, dtype=torch.float32, device=dev)
+
+    def f32(t):
+        return dummy if t is None else t.to(torch.float32).contiguous()
+
+    x2 = x.reshape(m, k).contiguous()
+    ptrs = (
+        x2.view(torch.int16) if (bf16 and not dot_bf16) else x2,
+        packed.contiguous(),
+        scales.contiguous(),
+        f32(bias),
+        f32(a),
+        f32(None if b is None else b.to(torch.bfloat16) if bf16 else b),  # b rounded for bf16 tensor cores
+    )
+    flags = dict(
+        HAS_BIAS=bias is not None,
+        HAS_LR=r > 0,
+        R=max(16, 1 << (r - 1).bit_length()) if r else 16,
+        X_BITS=bf16 and not dot_bf16,
+        DOT_BF16=dot_bf16,
+        OUT_BF16=bf16,
+        PREC=precision,
+        EPI_PREC="tf32" if bf16 else precision,
+    )
+    yout = y.view(m, n).view(torch.int16) if bf16 else y.view(m, n)
+    if decode:
+        # an explicit split_k gets the decode kernel or its error; the automatic route falls back
+        run = triton_decode.launch if split_k is not None else triton_decode.try_launch
+        launched = run(
+            _kernels(),
+            ptrs,
+            flags,
+            yout,
+            m,
+            n,
+            k,
+            max(r, 1),
+            block_n=block_n,
+            block_k=block_k,
+            split_k=split_k,
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
+        if launched:
+            return y
+    cfg = default_config(m, n, k, x.dtype, precision, dev)
+    bm = block_m or cfg["block_m"]
+    bn = block_n or cfg["block_n"]
+    kern[(-(-m // bm) * -(-n // bn),)](
+        *ptrs,
+        yout,
+        m,
+        n,
+        k,
+        max(r, 1),
+        **flags,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=block_k or cfg["block_k"],
+        GROUP_M=group_m,
+        num_warps=num_warps or (8 if bm * bn >= 128 * 128 else 4),
+        num_stages=num_stages or cfg["num_stages"],
+    )
+    return y
     cfg = default_config(m, n, k, x.dtype, precision, dev)
     bm = block_m or cfg["block_m"]
     bn = block_n or cfg["block_n"]
