@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -163,8 +164,7 @@ def from_environment(environ=None) -> tuple[torch.device, torch.dtype | None]:
 
 
 def triton_build_errors() -> tuple[type[BaseException], ...]:
-    """Triton's errors for a kernel that does not compile or does not fit the device (a caller with
-    a slower kernel that does can fall back on them); () without triton."""
+    """Triton's errors for a kernel that does not compile or does not fit the device; () without triton."""
     found = []
     for module, name in (("triton.compiler.errors", "CompilationError"), ("triton.runtime.errors", "OutOfResources")):
         try:
@@ -172,3 +172,24 @@ def triton_build_errors() -> tuple[type[BaseException], ...]:
         except (ImportError, AttributeError):
             continue
     return tuple(found)
+
+
+# (what, device) -> why that kernel did not build there
+UNBUILT: dict[tuple[str, str], str] = {}
+
+
+def launched(what: str, device: torch.device | str, launch, instead: str) -> bool:
+    """Run `launch()` (a Triton kernel launch) and say True; False, with one warning per `what` and
+    device, where it does not build there (a compile or resource error: remembered, so it is not
+    tried again), and the caller runs `instead`, the slower kernel that does."""
+    key = (what, str(device))
+    if key in UNBUILT:
+        return False
+    try:
+        launch()
+        return True
+    except triton_build_errors() as exc:
+        first = str(exc).strip().splitlines()[:1]
+        UNBUILT[key] = f"{type(exc).__name__}: {first[0][:200] if first else ''}"
+        warnings.warn(f"{what} did not build on {key[1]} ({UNBUILT[key]}); {instead} runs instead", RuntimeWarning, 3)
+        return False

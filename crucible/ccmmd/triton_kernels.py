@@ -21,16 +21,14 @@ the torch path. Weight columns are padded to 16 because tl.dot needs every dimen
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 
-from crucible.device import triton_build_errors
+from crucible.device import launched
 
 _LOG2E = 1.0 / math.log(2.0)
 _KERNEL = None
 PRECISIONS = ("tf32x3", "tf32", "ieee")
-_FALLBACK: dict[str, str] = {}  # device -> the precision that builds there, where tf32x3 does not
 
 
 def available() -> bool:
@@ -139,8 +137,6 @@ def triton_matvec(
     g = torch.tensor([gm * _LOG2E for gm in gammas], dtype=torch.float32, device=xa.device)
     out = torch.empty(nx, kp, dtype=torch.float64, device=xa.device)
     grid = (triton.cdiv(nx, block_m),)
-    dev = str(xa.device)
-    prec = precision or _FALLBACK.get(dev, "tf32x3")
     args = (xa.contiguous(), ya.contiguous(), wp, g, out, nx, ny, da)
     opts = dict(
         NB=len(gammas),
@@ -151,16 +147,13 @@ def triton_matvec(
         BLOCK_D=block_d,
         num_warps=num_warps,
     )
-    try:
-        _KERNEL[grid](*args, PREC=prec, **opts)
-    except triton_build_errors() as exc:
-        if precision is not None or prec == "ieee":
-            raise
-        _FALLBACK[dev] = "ieee"
-        warnings.warn(
-            f"CC-MMD: the tf32x3 kernel did not build on {dev} ({type(exc).__name__}); float32 FMA (ieee) runs instead",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+    if precision is not None:
+        _KERNEL[grid](*args, PREC=precision, **opts)
+    elif not launched(
+        "CC-MMD: the tf32x3 kernel",
+        xa.device,
+        lambda: _KERNEL[grid](*args, PREC="tf32x3", **opts),
+        "float32 FMA (ieee)",
+    ):
         _KERNEL[grid](*args, PREC="ieee", **opts)
     return out[:, :k]

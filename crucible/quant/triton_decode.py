@@ -9,37 +9,11 @@ stream of a decode matmul needs every SM loading), keeping at least two K steps 
 
 from __future__ import annotations
 
-import warnings
-
 import torch
-
-from crucible.device import triton_build_errors
 
 DECODE_MAX_M = 16
 _BLOCK_T = 16
 _SM_COUNT: dict = {}
-# device -> why the decode kernel did not build there (mx_linear then runs the tiled kernel)
-BROKEN: dict[str, str] = {}
-
-
-def try_launch(kernels: dict, ptrs: tuple, flags: dict, y: torch.Tensor, *args, **kwargs) -> bool:
-    """``launch``; False where the decode kernel does not build on this device (a Triton compile or
-    resource error, remembered per device with a one-time warning): the caller runs the tiled
-    kernel instead."""
-    dev = str(y.device)
-    if dev in BROKEN:
-        return False
-    try:
-        return launch(kernels, ptrs, flags, y, *args, **kwargs)
-    except triton_build_errors() as exc:
-        first = str(exc).strip().splitlines()[:1]
-        BROKEN[dev] = f"{type(exc).__name__}: {first[0][:200] if first else ''}"
-        warnings.warn(
-            f"mx_linear: the MXFP4 decode kernel did not build on {dev} ({BROKEN[dev]}); the tiled kernel runs instead",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return False
 
 
 def sm_count(device: torch.device) -> int:
@@ -82,11 +56,10 @@ def launch(
     split_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-) -> bool:
+) -> None:
     """y (m, n; its int16 bits for bfloat16) = x @ W^T (+ bias) (+ (x @ b^T) @ a^T) for m <= DECODE_MAX_M,
     from what mx_linear prepares for both kernels: ptrs (x, packed, scales, bias, a, b; dummies for
-    the absent ones), flags (their shared compile-time flags), r (the adapter rank, at least 1).
-    Returns True (launched)."""
+    the absent ones), flags (their shared compile-time flags), r (the adapter rank, at least 1)."""
     dev = y.device
     cfg = decode_config(n, k, dev)
     bn = block_n or cfg["block_n"]
@@ -128,4 +101,3 @@ def launch(
             BLOCK=block,
             num_warps=4,
         )
-    return True

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import torch
 
+from crucible.device import launched
 from crucible.quant import triton_decode
 from crucible.quant.mxfp4 import BLOCK, MODES
 from crucible.quant.triton_checks import (
@@ -315,24 +316,16 @@ def mx_linear(
     )
     yout = y.view(m, n).view(torch.int16) if bf16 else y.view(m, n)
     if decode:
+        opts = dict(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps, num_stages=num_stages)
+
+        def run():
+            triton_decode.launch(_kernels(), ptrs, flags, yout, m, n, k, max(r, 1), **opts)
+
         # an explicit split_k gets the decode kernel or its error; the automatic route falls back
-        run = triton_decode.launch if split_k is not None else triton_decode.try_launch
-        launched = run(
-            _kernels(),
-            ptrs,
-            flags,
-            yout,
-            m,
-            n,
-            k,
-            max(r, 1),
-            block_n=block_n,
-            block_k=block_k,
-            split_k=split_k,
-            num_warps=num_warps,
-            num_stages=num_stages,
-        )
-        if launched:
+        if split_k is not None:
+            run()
+            return y
+        if launched("mx_linear: the MXFP4 decode kernel", dev, run, "the tiled kernel"):
             return y
     cfg = default_config(m, n, k, x.dtype, precision, dev)
     bm = block_m or cfg["block_m"]
@@ -351,74 +344,5 @@ def mx_linear(
         GROUP_M=group_m,
         num_warps=num_warps or (8 if bm * bn >= 128 * 128 else 4),
         num_stages=num_stages or cfg["num_stages"],
-    )
-    return y
-    cfg = default_config(m, n, k, x.dtype, precision, dev)
-    bm = block_m or cfg["block_m"]
-    bn = block_n or cfg["block_n"]
-    bk = block_k or cfg["block_k"]
-    warps = num_warps or (8 if bm * bn >= 128 * 128 else 4)
-    stages = num_stages or cfg["num_stages"]
-
-    x2 = x.reshape(m, k).contiguous()
-    bf16 = x.dtype == torch.bfloat16
-    dot_bf16 = bf16 and not _interpreting()
-    f32 = torch.float32
-    bias_c = bias.to(f32).contiguous() if bias is not None else None
-    a_c = a.to(f32).contiguous() if a is not None else None
-    b_c = (b.to(torch.bfloat16) if bf16 else b).to(f32).contiguous() if b is not None else None
-    if decode:
-        # an explicit split_k gets the decode kernel or its error; the automatic route falls back
-        run = triton_decode.launch if split_k is not None else triton_decode.try_launch
-        out = run(
-            _kernels(),
-            x2,
-            packed,
-            scales,
-            bias_c,
-            a_c,
-            b_c,
-            y.view(m, n),
-            dot_bf16=dot_bf16,
-            precision=precision,
-            block_n=block_n,
-            block_k=block_k,
-            split_k=split_k,
-            num_warps=num_warps,
-            num_stages=num_stages,
-        )
-        if out is not None:
-            return out.view(*lead, n)
-    rp = max(16, 1 << (r - 1).bit_length()) if r else 16
-    grid = (-(-m // bm) * -(-n // bn),)
-    xin = x2.view(torch.int16) if (bf16 and not dot_bf16) else x2
-    yout = y.view(m, n)
-    dummy = torch.empty(1, dtype=f32, device=dev)
-    kern[grid](
-        xin,
-        packed.contiguous(),
-        scales.contiguous(),
-        bias_c if bias_c is not None else dummy,
-        a_c if a_c is not None else dummy,
-        b_c if b_c is not None else dummy,
-        yout.view(torch.int16) if bf16 else yout,
-        m,
-        n,
-        k,
-        max(r, 1),
-        HAS_BIAS=bias is not None,
-        HAS_LR=r > 0,
-        R=rp,
-        X_BITS=bf16 and not dot_bf16,
-        DOT_BF16=dot_bf16,
-        OUT_BF16=bf16,
-        PREC=precision,
-        EPI_PREC="tf32" if bf16 else precision,
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        GROUP_M=group_m,
-        num_warps=warps,
-        num_stages=stages,
     )
     return y
