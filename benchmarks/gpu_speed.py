@@ -117,12 +117,10 @@ def _decode_sweep(timed, t_default, t_cublas, m: int, k: int, row, smoke: bool) 
         if smoke
         else [(split, bn, bk) for split in (1, 2, 4, 8, 16) for bn in (64, 128) for bk in (128, 256)]
     )
-    best = None
-    for split, bn, bk in grid:
-        t = timed(split_k=split, block_n=bn, block_k=bk)
-        if best is None or t["median_us"] < best[0]["median_us"]:
-            best = (t, split, bn, bk)
-    t, split, bn, bk = best
+    t, split, bn, bk = min(
+        ((timed(split_k=split, block_n=bn, block_k=bk), split, bn, bk) for split, bn, bk in grid),
+        key=lambda run: run[0]["median_us"],
+    )
     row(
         f"decode sweep: best of {len(grid)} configurations, M={m} K=N={k}",
         f"split {split}, {bn}x{bk}: {fmt(t)} = {t_cublas['median_us'] / t['median_us']:.2f}x cuBLAS "
@@ -214,11 +212,12 @@ def _ccmmd(device, row, smoke: bool, peak: dict, g) -> None:
             (128, 64, 64, 8),
         ]
     )
-    best = None
-    for bm, bn, bd, warps in tiles:
-        t, tflops, sh, rel = measure(block_m=bm, block_n=bn, block_d=bd, num_warps=warps)
-        if best is None or t["median_us"] < best[0]["median_us"]:
-            best = (t, sh, f"{bm}x{bn}x{bd}, {warps} warps")
+
+    def tile(bm: int, bn: int, bd: int, warps: int) -> tuple[dict, float, str]:
+        t, _, sh, _ = measure(block_m=bm, block_n=bn, block_d=bd, num_warps=warps)
+        return t, sh, f"{bm}x{bn}x{bd}, {warps} warps"
+
+    best = min((tile(*c) for c in tiles), key=lambda run: run[0]["median_us"])
     row(
         f"CC-MMD tile sweep (tf32x3): best of {len(tiles)}",
         f"{best[2]}: {fmt(best[0])}, {best[1]:.0%} of TF32 matmul (default 64x64x32, 4 warps)",

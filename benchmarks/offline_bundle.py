@@ -63,34 +63,35 @@ exec "$V/bin/python" -m tasks.runtime.env "$V/bin/python" benchmarks/gpu_check.p
 """
 
 
-def norm(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
+def _requirements(path: Path) -> dict:
+    """{canonical name: packaging Requirement} of a requirements file (comments and options skipped)."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    out = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line and not line.startswith("-"):
+            req = Requirement(line)
+            out[canonicalize_name(req.name)] = req
+    return out
 
 
 def _pins(path: Path) -> dict[str, str]:
-    pins = {}
-    for line in path.read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if "==" in line:
-            name, version = line.split("==", 1)
-            pins[norm(name)] = version.split(";")[0].strip()
-    return pins
-
-
-def _names(path: Path) -> list[str]:
-    out = []
-    for line in path.read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        m = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)", line)
-        if m:
-            out.append(norm(m.group(1)))
-    return out
+    """{canonical name: version} of a file of exact pins (requirements/lock.txt)."""
+    return {
+        name: spec.version
+        for name, req in _requirements(path).items()
+        for spec in req.specifier
+        if spec.operator == "=="
+    }
 
 
 def runtime_closure(roots: list[str], python: str) -> set[str]:
     """The distributions `roots` need, by their installed metadata (Requires-Dist, markers evaluated
     for Linux x86_64 and `python`, extras only where asked), found in this environment."""
     from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name as norm
 
     env = {
         "python_version": python,
@@ -127,10 +128,10 @@ def missing(have: Path, python: str) -> dict[str, str]:
     """{distribution: version} of crucible's runtime that the target (its pip freeze) lacks."""
     pins = _pins(ROOT / "requirements/lock.txt")
     roots = []
-    for n in _names(ROOT / "requirements/base.txt"):
+    for n in _requirements(ROOT / "requirements/base.txt"):
         if n != "pytest" and n not in DATA_ONLY:
             roots += SWAP.get(n, (n,))
-    target = {norm(line.split("==", 1)[0].split(" @ ", 1)[0]) for line in have.read_text().splitlines() if line.strip()}
+    target = set(_requirements(have))
     need = {}
     for name in sorted(runtime_closure(roots, python)):
         if TARGET_OWN.match(name) or name in target:
@@ -177,7 +178,7 @@ def profile_files(profile: str) -> list[Path]:
             corpora.LOADERS[str(task.corpus)]()
     # only the data packages' files (a loader's imports open modules of other packages too)
     tops = set()
-    for name in [*_names(ROOT / "requirements/data-nodeps.txt"), *DATA_ONLY]:
+    for name in [*_requirements(ROOT / "requirements/data-nodeps.txt"), *DATA_ONLY]:
         try:
             tops |= {Path(str(f)).parts[0] for f in importlib.metadata.distribution(name).files or ()}
         except importlib.metadata.PackageNotFoundError:
